@@ -1,0 +1,88 @@
+"""The whole judgement of one run: a plain object every renderer takes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ddpdoctor.analysis.findings import Finding, find_all
+from ddpdoctor.analysis.phases import rank_phases, step_times
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+
+@dataclass
+class Diagnosis:
+    run: Run
+    phases: dict[int, dict[str, dict[str, Any]]]
+    steps: dict[int, int]
+    step_time_s: dict[int, dict[str, float]]
+    batch_size: dict[str, int | None]
+    ddp: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.severity == "error" for f in self.findings)
+
+
+def diagnose(run: Run) -> Diagnosis:
+    """Statistics and findings for a run (pure: reads only the Run)."""
+    phases = {rank: rank_phases(t) for rank, t in sorted(run.ranks.items())}
+    steps = {rank: t.steps for rank, t in sorted(run.ranks.items())}
+    step_time_s: dict[int, dict[str, float]] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        st = step_times(trace)
+        if len(st):
+            p50, p95 = np.percentile(st, [50, 95])
+            step_time_s[rank] = {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}
+    return Diagnosis(
+        run=run,
+        phases=phases,
+        steps=steps,
+        step_time_s=step_time_s,
+        batch_size=batch_sizes(run),
+        ddp=ddp_config(run),
+        findings=find_all(run),
+    )
+
+
+def training_loader(trace: Any) -> dict[str, Any] | None:
+    """The DataLoader that fed most batches on a rank (its last recorded pass)."""
+    waits = trace.kind(schema.DATA_WAIT)
+    loaders = trace.meta.get(schema.LOADER, [])
+    if not loaders:
+        return None
+    counts = Counter(f[0] for f in waits.fields if f)
+    busiest = max(loaders, key=lambda rec: counts.get(rec[2].get("id"), 0))
+    return busiest[2]
+
+
+def batch_sizes(run: Run) -> dict[str, int | None]:
+    """Per-process batch size (the training loader's) and the global one across ranks."""
+    per_rank = {}
+    for rank, trace in run.ranks.items():
+        loader = training_loader(trace)
+        if loader and isinstance(loader.get("batch_size"), int):
+            per_rank[rank] = loader["batch_size"]
+    if not per_rank:
+        return {"per_process": None, "global": None}
+    sizes = set(per_rank.values())
+    per_process = sizes.pop() if len(sizes) == 1 else None
+    complete = len(per_rank) == run.world_size
+    global_size = sum(per_rank.values()) if complete else (
+        per_process * run.world_size if per_process is not None else None
+    )
+    return {"per_process": per_process, "global": global_size}
+
+
+def ddp_config(run: Run) -> dict[str, Any]:
+    """The first DDP model's constructor record, as rank 0 (or the lowest rank) saw it."""
+    for _, trace in sorted(run.ranks.items()):
+        init = trace.kind(schema.DDP_INIT)
+        if len(init) and init.fields[0]:
+            return dict(init.fields[0][0])
+    return {}

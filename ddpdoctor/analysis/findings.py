@@ -1,0 +1,123 @@
+"""Findings: what the doctor says, with evidence and a fix. Detectors register here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    kind: str
+    severity: str  # "error" | "warning" | "info"
+    ranks: list[int]
+    summary: str  # one line, plain words
+    fix: str = ""
+    details: dict[str, Any] = field(default_factory=dict)  # the evidence: numbers, steps, names
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "ranks": self.ranks,
+            "summary": self.summary,
+            "fix": self.fix,
+            "details": self.details,
+        }
+
+
+Detector = Callable[[Run], Iterable[Finding]]
+DETECTORS: list[Detector] = []
+
+
+def detector(func: Detector) -> Detector:
+    """Register a detector; `find_all` runs every registered one."""
+    DETECTORS.append(func)
+    return func
+
+
+def find_all(run: Run) -> list[Finding]:
+    """Every finding, most severe first."""
+    found = [f for det in DETECTORS for f in det(run)]
+    return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), f.kind, f.ranks))
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
+@detector
+def job_failed(run: Run) -> Iterable[Finding]:
+    code = run.exit_code
+    if not code:
+        return
+    unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
+    last_step = {str(r): int(t.kind(schema.FORWARD).step.max(initial=-1)) for r, t in run.ranks.items()}
+    summary = f"the job exited with code {code}"
+    if code > 128:
+        summary += f" (killed by signal {code - 128})"
+    if unclean:
+        summary += f"; rank(s) {rank_list(unclean)} stopped recording without a clean exit"
+    yield Finding(
+        "job_failed",
+        "error",
+        unclean or sorted(run.ranks),
+        summary,
+        fix="Read the first traceback in the job's output (the earliest failing rank is the cause; "
+        "the others are usually torchrun stopping them).",
+        details={"exit_code": code, "unclean_ranks": unclean, "last_step": last_step},
+    )
+
+
+@detector
+def missing_ranks(run: Run) -> Iterable[Finding]:
+    missing = sorted(set(range(run.world_size)) - set(run.ranks))
+    if missing:
+        yield Finding(
+            "missing_ranks",
+            "warning",
+            missing,
+            f"no trace from rank(s) {rank_list(missing)} of {run.world_size}",
+            fix="Pass every node's run directory (ddpdoctor diagnose DIR1 DIR2 ...); a rank that "
+            "died before init_process_group leaves no trace.",
+            details={"world_size": run.world_size, "missing": missing},
+        )
+
+
+@detector
+def probe_errors(run: Run) -> Iterable[Finding]:
+    for rank, trace in sorted(run.ranks.items()):
+        for _ts, step, info in trace.meta.get(schema.PROBE_ERROR, []):
+            yield Finding(
+                "probe_error",
+                "info",
+                [rank],
+                f"rank {rank}: probe '{info.get('probe')}' switched itself off at step {step}",
+                fix="Training was not affected; data from that probe is missing after that step. "
+                "Please report it with probe-errors.log from the run directory.",
+                details={"probe": info.get("probe"), "error": info.get("error"), "step": step},
+            )
+        dropped = trace.meta.get(schema.DROPPED, [])
+        if dropped:
+            count = max(int(info.get("count", 0)) for _, _, info in dropped)
+            yield Finding(
+                "events_dropped",
+                "info",
+                [rank],
+                f"rank {rank}: {count} events dropped because the trace buffer was full",
+                fix="Raise DDPDOCTOR_BUFFER_EVENTS or DDPDOCTOR_FLUSH_S lower if the disk keeps up.",
+                details={"dropped": count},
+            )

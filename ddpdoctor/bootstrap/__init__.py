@@ -1,0 +1,1 @@
+"""Holds the sitecustomize.py that `ddpdoctor run` puts first on the job's PYTHONPATH."""

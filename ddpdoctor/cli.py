@@ -1,0 +1,123 @@
+"""The command line: wiring only; each command calls into supervisor, analysis and reports.
+
+Exit codes: `run` and `demo` exit with the job's own code (128+N when a signal killed it);
+`diagnose` exits 0 when it finds no error, 1 when a finding has severity "error", and 2 when
+its input cannot be read (or the command line is wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+import ddpdoctor
+
+EXIT_FINDINGS = 1
+EXIT_BAD_INPUT = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(ddpdoctor.__version__, prog_name="ddpdoctor")
+def main() -> None:
+    """Diagnose PyTorch DistributedDataParallel jobs: hangs, stragglers and DDP misuse.
+
+    \b
+    ddpdoctor run -- torchrun --nproc_per_node 4 train.py   # no change to train.py
+    ddpdoctor diagnose ddpdoctor-runs/<timestamp>
+    """
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--out", "-o", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: ./ddpdoctor-runs/<timestamp>).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(out: str | None, command: tuple[str, ...]) -> None:
+    """Run COMMAND (torchrun, python -m torch.distributed.run, mp.spawn...) under the doctor.
+
+    \b
+    Example:  ddpdoctor run -- torchrun --nproc_per_node 2 train.py --epochs 3
+    The job's output, results and exit code are unchanged; ddpdoctor adds one banner line,
+    a closing summary (on stderr) and a run directory holding every rank's trace.
+    """
+    sys.exit(_run_and_summarise(list(command), out))
+
+
+def _run_and_summarise(command: list[str], out: str | None) -> int:
+    from ddpdoctor.rundir import new_run_dir
+    from ddpdoctor.supervisor.launch import banner, eprint, run_job
+
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise click.UsageError("no command to run: ddpdoctor run -- COMMAND ...")
+    try:
+        run_dir = new_run_dir(out)
+    except OSError as exc:
+        raise click.ClickException(f"cannot create the run directory: {exc}") from exc
+    eprint(banner(run_dir))
+    try:
+        result = run_job(command, run_dir)
+    except OSError as exc:
+        raise click.ClickException(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
+    eprint(_summary_text(run_dir))
+    return result.exit_code
+
+
+def _summary_text(run_dir: Path) -> str:
+    """The closing summary; never lets a reporting problem hide the job's own exit code."""
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.reports import terminal
+    from ddpdoctor.trace.reader import TraceError, load_run
+
+    try:
+        text = terminal.render(diagnose(load_run([run_dir])))
+    except TraceError as exc:
+        text = f"ddpdoctor: nothing recorded ({exc}); did the job call init_process_group?"
+    except Exception as exc:  # a bug of ours must not change the job's exit code
+        text = f"ddpdoctor: could not summarise the run: {exc!r}"
+    return f"{text}\n  run dir: {run_dir}"
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.diagnosis/1).")
+def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
+    """Read the traces in RUN_DIRS (one per node) and say what is wrong.
+
+    Exits 0 when nothing is wrong, 1 when a finding is an error, 2 on unreadable input.
+    """
+    from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.reports import json_report, terminal
+    from ddpdoctor.trace.reader import TraceError, load_run
+
+    try:
+        diag = diagnose_run(load_run(run_dirs))
+    except TraceError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if as_json:
+        click.echo(json.dumps(json_report.render(diag), indent=2))
+    else:
+        click.echo(terminal.render(diag))
+    sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
+
+
+@main.command()
+@click.option("--out", "-o", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: ./ddpdoctor-runs/<timestamp>).")
+@click.option("--nproc", default=2, show_default=True, help="Ranks to start.")
+@click.option("--epochs", default=2, show_default=True, help="Epochs to train.")
+def demo(out: str | None, nproc: int, epochs: int) -> None:
+    """Train a small bundled DDP model under the doctor (gloo on CPU, nccl on GPUs)."""
+    from ddpdoctor.demo import TRAIN_SCRIPT
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), f"--epochs={epochs}"]
+    sys.exit(_run_and_summarise(command, out))
+
+
+if __name__ == "__main__":
+    main()

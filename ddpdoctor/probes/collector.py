@@ -1,0 +1,197 @@
+"""The per-rank collector: the one object every probe records into.
+
+It exists only in a process that has become a rank (called ``init_process_group``); every
+probe checks ``collector.ACTIVE`` first and passes straight through when it is None, so the
+same patched torch is inert in torchrun's agent, in DataLoader workers and in forked children.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from ddpdoctor import _env
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.writer import TraceWriter
+
+ERROR_LOG = "probe-errors.log"
+
+ACTIVE: Collector | None = None
+_activation_lock = threading.Lock()
+
+
+class Collector:
+    """Holds one rank's writer and the little state the probes share (step, open phases)."""
+
+    def __init__(self, run_dir: str, header: dict[str, Any], default_pg: Any) -> None:
+        self.run_dir = run_dir
+        self.rank: int = header["rank"]
+        self.default_pg = default_pg
+        self.step = -1
+        self.awaiting_backward = False  # a grad-mode DDP forward has not had its backward yet
+        self.in_collective = False  # suppresses nested records (all_gather_object -> all_gather)
+        self.optimizer_t0 = 0
+        self.disabled: set[str] = set()
+        self.writer = TraceWriter(
+            os.path.join(run_dir, schema.trace_filename(self.rank, header.get("restart", 0))),
+            header,
+            capacity=int(os.environ.get(_env.BUFFER_EVENTS, "100000")),
+            flush_interval=float(os.environ.get(_env.FLUSH_INTERVAL, "0.25")),
+            on_error=self._writer_failed,
+        )
+        self.put = self.writer.put
+
+    def emit(self, kind: str, t0: int, t1: int, *fields: Any) -> None:
+        """Record one event (monotonic ns) at the current step."""
+        self.put((kind, t0, t1, self.step, *fields))
+
+    def meta(self, kind: str, info: dict[str, Any]) -> None:
+        self.writer.meta(kind, self.step, info)
+
+    def fail(self, probe: str, exc: BaseException) -> None:
+        """A probe broke: log it once in the run dir and switch that probe off for good."""
+        if probe in self.disabled:
+            return
+        self.disabled.add(probe)
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        try:
+            self.meta(schema.PROBE_ERROR, {"probe": probe, "error": error})
+            where = "".join(traceback.format_tb(exc.__traceback__)[-3:])
+            _log_error(self.run_dir, f"rank {self.rank}: probe '{probe}' switched off: {error}\n{where}")
+        except Exception:
+            pass
+
+    def _writer_failed(self, exc: BaseException) -> None:
+        self.disabled.add("*")
+        _log_error(self.run_dir, f"rank {self.rank}: trace writing stopped: {exc}")
+        _warn_once(f"ddpdoctor: rank {self.rank} stopped recording ({exc}); training continues")
+
+    def close(self, reason: str = "exit") -> None:
+        self.writer.close(reason)
+
+
+def _log_error(run_dir: str, text: str) -> None:
+    try:
+        with open(os.path.join(run_dir, ERROR_LOG), "a", encoding="utf-8") as fh:
+            fh.write(text.rstrip() + "\n")
+    except OSError:
+        pass
+
+
+_warned = False
+
+
+def _warn_once(text: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        with contextlib.suppress(Exception):
+            sys.stderr.write(text + "\n")
+
+
+def activate(dist: Any) -> Collector | None:
+    """Make this process a recorded rank; called right after ``init_process_group`` succeeds.
+
+    Returns None (and records nothing) in DataLoader workers, when disabled, or when no run
+    directory can be agreed on. Never raises.
+    """
+    global ACTIVE
+    with _activation_lock:
+        if ACTIVE is not None:
+            return ACTIVE
+        try:
+            if os.environ.get(_env.DISABLE) == "1" or _in_dataloader_worker():
+                return None
+            run_dir = _agree_run_dir(dist)
+            header = _header(dist)
+            pg = dist.distributed_c10d._get_default_group()
+            ACTIVE = Collector(run_dir, header, pg)
+        except Exception as exc:
+            _warn_once(f"ddpdoctor: not recording this rank: {exc}")
+            return None
+        _install_exit_handlers(ACTIVE)
+        return ACTIVE
+
+
+def deactivate(reason: str = "exit") -> None:
+    """Close the trace and stop recording (tests, and ``ddpdoctor.instrument`` users)."""
+    global ACTIVE
+    collector, ACTIVE = ACTIVE, None
+    if collector is not None:
+        collector.close(reason)
+
+
+def _in_dataloader_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+
+        return get_worker_info() is not None
+    except Exception:
+        return False
+
+
+def _agree_run_dir(dist: Any) -> str:
+    """The run dir from the supervisor's environment, else one that rank 0 picks and shares."""
+    run_dir = os.environ.get(_env.RUN_DIR)
+    if not run_dir:
+        store = dist.distributed_c10d._get_default_store()
+        key = "ddpdoctor/run_dir"
+        if dist.get_rank() == 0:
+            from ddpdoctor.rundir import new_run_dir
+
+            store.set(key, str(new_run_dir(None)))
+        run_dir = store.get(key).decode()
+        os.environ[_env.RUN_DIR] = run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    return run_dir
+
+
+def _header(dist: Any) -> dict[str, Any]:
+    import torch
+
+    local_rank = os.environ.get("LOCAL_RANK")
+    return {
+        "schema": schema.SCHEMA,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "local_rank": int(local_rank) if local_rank is not None else None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "wall_ns": time.time_ns(),
+        "mono_ns": time.monotonic_ns(),
+        "backend": str(dist.get_backend()),
+        "torch": torch.__version__,
+        "argv": list(sys.argv),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _install_exit_handlers(collector: Collector) -> None:
+    """Close the trace at exit and on a default-handled SIGTERM; go quiet in forked children."""
+    atexit.register(collector.close)
+    os.register_at_fork(after_in_child=_forget_in_child)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            collector.close(f"signal {signum}")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _forget_in_child() -> None:
+    """A forked child (DataLoader worker, user fork) inherits the collector: never record there."""
+    global ACTIVE
+    ACTIVE = None

@@ -1,0 +1,263 @@
+"""DistributedDataParallel: constructor, forward (with its buffer sync), backward, buckets.
+
+Gradient all-reduces run from C++, so the only place that sees each bucket is a comm hook.
+At a model's first forward we register a timing hook whose numerics equal DDP's default
+(gradients pre-divided by the world size, then summed); a hook the user registers, before or
+after, is timed instead of replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes.collectives import group_info
+from ddpdoctor.probes.patching import patch
+from ddpdoctor.trace import schema
+
+PROBE = "ddp"
+_now = time.monotonic_ns
+_STATE = "_ddpdoctor_state"  # attribute on each DDP instance
+
+
+class _ModelState:
+    """What we keep per DDP instance: names for bucket tensors, and the hook being timed."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.names = {p.data_ptr(): n for n, p in ddp.module.named_parameters()}
+        self.group = ddp.process_group
+        self.user_hook = False
+        self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
+        self.hook_state: Any = None
+        self.timer_registered = False
+        self.builtin_hook = False  # a C++ builtin hook: cannot be timed from Python
+        self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
+
+
+def install() -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    patch(DDP, "__init__", _wrap_init)
+    patch(DDP, "forward", _wrap_forward)
+    patch(DDP, "_sync_buffers", _wrap_sync_buffers)
+    patch(DDP, "register_comm_hook", _wrap_register_comm_hook)
+    patch(DDP, "_register_builtin_comm_hook", _wrap_builtin_hook)
+    patch(torch.autograd, "backward", _wrap_backward)
+
+
+def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        c = _c.ACTIVE
+        if c is None or PROBE in c.disabled:
+            return init(self, *args, **kwargs)
+        seq = group_info(kwargs.get("process_group"), c)[3]
+        t0 = _now()
+        init(self, *args, **kwargs)
+        t1 = _now()
+        try:
+            setattr(self, _STATE, _ModelState(self))
+            c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq))
+        except Exception as exc:
+            c.fail(PROBE, exc)
+
+    return __init__
+
+
+def _describe(ddp: Any, seq: int) -> dict[str, Any]:
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    try:
+        sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+        buckets = [int(s) for s in sizes.split(",") if s.strip()]
+    except Exception:
+        buckets = []
+    return {
+        "module": type(ddp.module).__name__,
+        "params": sum(p.numel() for p in params),
+        "param_tensors": len(params),
+        "param_bytes": sum(p.nbytes for p in params),
+        "buckets": buckets,
+        "seq": seq,
+        "options": {
+            "find_unused_parameters": bool(ddp.find_unused_parameters),
+            "broadcast_buffers": bool(ddp.broadcast_buffers),
+            "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+            "static_graph": bool(ddp.static_graph),
+            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            "device_ids": [str(d) for d in (ddp.device_ids or [])],
+            "buffers": sum(1 for _ in ddp.module.buffers()),
+        },
+    }
+
+
+def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
+    is_grad_enabled = torch.is_grad_enabled
+
+    def forward_(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        c = _c.ACTIVE
+        if c is None or PROBE in c.disabled:
+            return forward(self, *inputs, **kwargs)
+        grad = is_grad_enabled()
+        try:
+            if grad:
+                c.step += 1
+                c.awaiting_backward = True
+                state = getattr(self, _STATE, None)
+                if state is not None and not state.timer_registered and not state.builtin_hook:
+                    _register_timer(self, state, None, None)
+            seq = group_info(self.process_group, c)[3]
+        except Exception as exc:
+            c.fail(PROBE, exc)
+            return forward(self, *inputs, **kwargs)
+        t0 = _now()
+        try:
+            return forward(self, *inputs, **kwargs)
+        finally:
+            c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
+
+    return forward_
+
+
+def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
+    def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        c = _c.ACTIVE
+        if c is None or PROBE in c.disabled:
+            return sync(self, *args, **kwargs)
+        seq = group_info(self.process_group, c)[3]
+        t0 = _now()
+        try:
+            return sync(self, *args, **kwargs)
+        finally:
+            c.emit(schema.SYNC_BUFFERS, t0, _now(), seq)
+
+    return _sync_buffers
+
+
+def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    def backward_(*args: Any, **kwargs: Any) -> Any:
+        c = _c.ACTIVE
+        if c is None or not c.awaiting_backward or PROBE in c.disabled:
+            return backward(*args, **kwargs)
+        c.awaiting_backward = False
+        t0 = _now()
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            c.emit(schema.BACKWARD, t0, _now())
+
+    return backward_
+
+
+def _wrap_register_comm_hook(register: Callable[..., Any]) -> Callable[..., Any]:
+    def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> None:
+        c = _c.ACTIVE
+        model = getattr(self, _STATE, None)
+        if c is None or model is None or PROBE in c.disabled:
+            return register(self, state, hook)
+        if model.user_hook:  # a second registration: let DDP raise its own error
+            return register(self, state, hook)
+        self._check_comm_hook(hook)  # DDP's own validation of the user's hook
+        model.user_hook = True
+        if model.timer_registered:
+            # Our timer already sits in DDP's single hook slot: time the user's hook inside it.
+            model.hook, model.hook_state = hook, state
+            c.meta(schema.COMM_HOOK, {"name": _hook_name(hook), "user": True})
+            return None
+        _register_timer(self, model, hook, state)
+        return None
+
+    return register_comm_hook
+
+
+def _wrap_builtin_hook(register: Callable[..., Any]) -> Callable[..., Any]:
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        model = getattr(self, _STATE, None)
+        if model is not None:
+            model.builtin_hook = True
+        return register(self, comm_hook_type)
+
+    return _register_builtin_comm_hook
+
+
+def _hook_name(hook: Any) -> str:
+    return f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
+
+
+def _register_timer(ddp: Any, model: _ModelState, hook: Any, state: Any) -> None:
+    """Put our timing hook in DDP's comm hook slot, around ``hook`` (DDP's default if None)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpdoctor.probes.patching import original
+
+    c = _c.ACTIVE
+    if getattr(ddp, "_comm_hooks", None):  # registered before we were watching: leave it be
+        model.builtin_hook = True
+        if c is not None:
+            c.meta(schema.COMM_HOOK, {"name": "unknown (registered before ddpdoctor)", "timed": False})
+        return
+    model.hook, model.hook_state = (hook, state) if hook is not None else (_default_hook, ddp)
+    model.timer_registered = True
+    original(DDP.register_comm_hook)(ddp, model, _timing_hook)
+    if c is not None:
+        name = _hook_name(hook) if hook is not None else "ddp default (allreduce average)"
+        c.meta(schema.COMM_HOOK, {"name": name, "user": hook is not None})
+
+
+def _default_hook(ddp: Any, bucket: Any) -> Any:
+    """DDP's built-in reduction, bit for bit: scale by 1/world size, then all-reduce SUM."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from ddpdoctor.probes.patching import original
+
+    group = ddp.process_group
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / group.size())  # exactly what the Reducer does (mul by 1/world, not div)
+    all_reduce = original(c10d.all_reduce)  # not our wrapper: the bucket event already times it
+    return all_reduce(tensor, group=group, async_op=True).get_future().then(_first_value)
+
+
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects foreign annotations
+    """The hook DDP calls per bucket: time the wrapped hook from bucket-ready to reduced."""
+    c = _c.ACTIVE
+    inner, inner_state = model.hook, model.hook_state
+    assert inner is not None
+    if c is None or PROBE in c.disabled:
+        return inner(inner_state, bucket)
+    try:
+        t0 = _now()
+        index = bucket.index()
+        nbytes = bucket.buffer().nbytes
+        seq = group_info(model.group, c)[3]
+        if model.layout.get(index) != nbytes:
+            model.layout[index] = nbytes
+            names = [model.names.get(p.data_ptr(), "?") for p in bucket.parameters()]
+            c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": names})
+    except Exception as exc:
+        c.fail(PROBE, exc)
+        return inner(inner_state, bucket)
+    c.in_collective = True  # a user hook's own dist.all_reduce is part of this bucket event
+    try:
+        fut = inner(inner_state, bucket)
+    finally:
+        c.in_collective = False
+
+    def reduced(done: Any) -> Any:
+        value = done.value()
+        with contextlib.suppress(Exception):
+            c.emit(schema.ALLREDUCE, t0, _now(), index, nbytes, seq)
+        return value
+
+    try:
+        return fut.then(reduced)
+    except Exception as exc:
+        c.fail(PROBE, exc)
+        return fut

@@ -1,0 +1,1 @@
+"""Reports: renderers of a Diagnosis. Each one knows nothing about the others."""

@@ -1,0 +1,40 @@
+"""`diagnose --json`: one JSON object, schema ``ddpdoctor.diagnosis/1``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpdoctor.analysis import Diagnosis
+
+SCHEMA = "ddpdoctor.diagnosis/1"
+
+
+def render(diag: Diagnosis) -> dict[str, Any]:
+    run = diag.run
+    return {
+        "schema": SCHEMA,
+        "run": {
+            "world_size": run.world_size,
+            "ranks": sorted(run.ranks),
+            "hosts": run.hosts,
+            "exit_code": run.exit_code,
+            "command": run.command,
+            "run_dirs": [str(d) for d in run.dirs],
+            "backend": _header_value(diag, "backend"),
+            "torch": _header_value(diag, "torch"),
+            "steps": {str(r): n for r, n in diag.steps.items()},
+            "step_time_s": {str(r): v for r, v in diag.step_time_s.items()},
+            "batch_size": diag.batch_size,
+            "ddp": diag.ddp,
+            "notes": run.notes,
+        },
+        "phases": {str(r): p for r, p in diag.phases.items()},
+        "findings": [f.to_json() for f in diag.findings],
+    }
+
+
+def _header_value(diag: Diagnosis, key: str) -> Any:
+    for _, trace in sorted(diag.run.ranks.items()):
+        if key in trace.header:
+            return trace.header[key]
+    return None

@@ -1,0 +1,73 @@
+"""The terminal summary printed after `ddpdoctor run` and by `ddpdoctor diagnose`: 80 columns."""
+
+from __future__ import annotations
+
+import textwrap
+
+from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.analysis.findings import rank_list
+
+WIDTH = 80
+_MARK = {"error": "ERROR", "warning": "WARN ", "info": "info "}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
+
+
+def render(diag: Diagnosis, *, max_findings: int = 8) -> str:
+    run = diag.run
+    lines = [f"ddpdoctor: {run.world_size} rank(s) on {len(run.hosts)} host(s)"]
+    if run.exit_code is not None:
+        lines[0] += f", exit code {run.exit_code}"
+    bs = diag.batch_size
+    if bs.get("per_process"):
+        lines.append(f"  batch size {bs['per_process']} per process, {bs['global']} global")
+    ddp = diag.ddp
+    if ddp:
+        opts = ddp.get("options", {})
+        lines.append(
+            f"  DDP: {ddp.get('module')} with {ddp.get('params', 0):,} parameters, "
+            f"{len(ddp.get('buckets', []))} bucket(s), find_unused_parameters="
+            f"{opts.get('find_unused_parameters')}"
+        )
+    lines.append("")
+    header = f"  {'rank':>5} {'steps':>6} {'step p50':>9} {'fwd':>8} {'bwd':>8} {'data':>8} {'opt':>8}"
+    lines.append(header)
+    lines.append("  " + "-" * (len(header) - 2) + "  (ms, mean)")
+    for rank in sorted(run.ranks):
+        ph = diag.phases.get(rank, {})
+        st = diag.step_time_s.get(rank)
+
+        def mean(name: str, ph: dict = ph) -> str:
+            return _ms(ph[name]["mean_s"]) if name in ph else "-"
+
+        lines.append(
+            f"  {rank:>5} {diag.steps.get(rank, 0):>6} {(_ms(st['p50']) if st else '-'):>9} "
+            f"{mean('forward'):>8} {mean('backward'):>8} {mean('data_wait'):>8} {mean('optimizer'):>8}"
+        )
+    lines.append("")
+    shown = diag.findings[:max_findings]
+    if not shown:
+        lines.append("  No problems found.")
+    for f in shown:
+        ranks = f" [rank {rank_list(f.ranks)}]" if f.ranks else ""
+        lines.extend(
+            textwrap.wrap(
+                f"{_MARK.get(f.severity, f.severity)} {f.kind}{ranks}: {f.summary}",
+                WIDTH - 2,
+                initial_indent="  ",
+                subsequent_indent="        ",
+            )
+        )
+        if f.fix:
+            lines.extend(
+                textwrap.wrap(f"fix: {f.fix}", WIDTH - 2, initial_indent="        ",
+                              subsequent_indent="        ")
+            )
+    if len(diag.findings) > max_findings:
+        lines.append(f"  ... and {len(diag.findings) - max_findings} more (diagnose --json)")
+    for note in run.notes:
+        lines.extend(textwrap.wrap(f"note: {note}", WIDTH - 2, initial_indent="  ",
+                                   subsequent_indent="    "))
+    return "\n".join(lines)

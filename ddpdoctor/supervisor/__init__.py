@@ -1,0 +1,1 @@
+"""The supervisor: the only part of ddpdoctor that talks to live processes."""

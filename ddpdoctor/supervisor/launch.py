@@ -1,0 +1,154 @@
+"""Launch a job with the bootstrap in its environment, forward signals, keep its exit code.
+
+The job runs in its own process group. When ddpdoctor owns the terminal, that group is made
+the foreground one, so Ctrl-C reaches the job exactly as it would without us; otherwise
+SIGINT is forwarded to the job's group (as a terminal would) and SIGTERM/SIGHUP to the
+launcher itself (torchrun passes them on to its workers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ddpdoctor
+from ddpdoctor import _env
+from ddpdoctor.trace.reader import RUN_META
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
+RUN_SCHEMA = "ddpdoctor.run/1"
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    signal: int | None = None  # the signal that killed the launcher, if any
+    interrupted_by: list[str] = field(default_factory=list)  # signals we forwarded
+
+
+def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The job's environment: ours plus the bootstrap first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    path = env.get("PYTHONPATH", "")
+    parts = [str(BOOTSTRAP_DIR)] + [p for p in path.split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env[_env.RUN_DIR] = str(run_dir.resolve())
+    env[_env.BOOTSTRAP_DIR] = str(BOOTSTRAP_DIR)
+    return env
+
+
+def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:
+    """Write run.json atomically (temporary name, then rename)."""
+    tmp = run_dir / f".{RUN_META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    os.replace(tmp, run_dir / RUN_META)
+
+
+def run_job(command: list[str], run_dir: Path) -> JobResult:
+    """Run ``command`` to completion under the doctor; returns its exit code (128+N if killed)."""
+    meta: dict[str, Any] = {
+        "schema": RUN_SCHEMA,
+        "command": command,
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "ddpdoctor": ddpdoctor.__version__,
+        "started_ns": time.time_ns(),
+        "status": "running",
+    }
+    write_meta(run_dir, meta)
+    try:
+        proc = subprocess.Popen(command, env=job_environment(run_dir), process_group=0)
+    except OSError as exc:
+        meta.update(status="failed to start", error=str(exc), exit_code=127, ended_ns=time.time_ns())
+        write_meta(run_dir, meta)
+        raise
+    meta["pid"] = proc.pid
+    write_meta(run_dir, meta)
+    result = JobResult(exit_code=0)
+    terminal = _ForegroundTerminal(proc.pid)
+    previous = {sig: signal.getsignal(sig) for sig in _FORWARDED}
+
+    def forward(signum: int, frame: Any) -> None:
+        result.interrupted_by.append(signal.Signals(signum).name)
+        try:
+            if signum == signal.SIGINT:
+                os.killpg(proc.pid, signum)
+            else:
+                os.kill(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        terminal.give()
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        terminal.take_back()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code < 0:
+        result.signal = -code
+        code = 128 - code
+    result.exit_code = code
+    meta.update(
+        status="finished",
+        exit_code=code,
+        killed_by_signal=result.signal,
+        signals_forwarded=result.interrupted_by,
+        ended_ns=time.time_ns(),
+    )
+    write_meta(run_dir, meta)
+    return result
+
+
+class _ForegroundTerminal:
+    """Hand the controlling terminal to the job's process group while it runs, then take it back."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.fd: int | None = None
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                self.fd = 0
+        except OSError:
+            self.fd = None
+
+    def give(self) -> None:
+        self._set(self.pgid)
+
+    def take_back(self) -> None:
+        self._set(os.getpgrp())
+
+    def _set(self, pgid: int) -> None:
+        if self.fd is None:
+            return
+        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(self.fd, pgid)
+        except OSError:
+            pass
+        finally:
+            signal.signal(signal.SIGTTOU, old)
+
+
+def banner(run_dir: Path) -> str:
+    return f"ddpdoctor {ddpdoctor.__version__}: recording every rank's sync points to {run_dir}"
+
+
+def eprint(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

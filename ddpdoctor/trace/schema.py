@@ -1,0 +1,83 @@
+"""The per-rank trace format, version 1.
+
+One file per rank, ``trace-rank{R}.jsonl`` (``trace-rank{R}-attempt{N}.jsonl`` after an elastic
+restart), in the run directory. Each line is one JSON array; the first element names the record.
+Files are append-only and flushed every fraction of a second, so a rank that hangs or dies still
+leaves its data; the reader drops a truncated or corrupt line and counts it.
+
+The first line is the header::
+
+    ["header", {"schema": "ddpdoctor.trace/1", "rank": 0, "world_size": 2, "local_rank": 0,
+                "host": "node1", "pid": 123, "wall_ns": ..., "mono_ns": ..., "backend": "gloo",
+                "torch": "2.13.0", "argv": [...], "restart": 0}]
+
+``wall_ns``/``mono_ns`` anchor the monotonic clock to wall time. Every timestamp below is
+microseconds of ``time.monotonic_ns()`` since ``mono_ns``; ``dur`` is in microseconds too.
+``step`` is the index of the last training step started (a DDP forward in grad mode), -1 before
+the first, so events between the end of step k's backward and the next forward carry step k.
+
+Event records are ``[kind, ts_us, dur_us, step, *fields]``:
+
+==============  ===============================================================================
+kind            fields after ``step``
+==============  ===============================================================================
+ddp_init        {params, param_bytes, buckets: [bytes...], options: {...}, module}
+forward         training (1 = grad mode and module.training, 0 = eval or no_grad), seq at entry
+sync_buffers    seq at entry (DDP's buffer broadcast inside forward)
+backward        (none): the backward of the step's DDP forward, ending after its all-reduces
+allreduce       bucket index, bytes, seq at entry; ts is when the bucket was ready, dur until
+                its reduction finished
+collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, async (0/1);
+                op "barrier" is ``dist.barrier``
+data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
+optimizer       optimizer class name: ``Optimizer.step``
+==============  ===============================================================================
+
+Metadata records share the shape ``[kind, ts_us, 0, step, {...}]``:
+
+==============  ===============================================================================
+bucket          {index, bytes, params: [names without "module."]}: a gradient bucket's layout,
+                written when first seen and whenever DDP rebuilds its buckets
+loader          {id, sampler, epoch, shuffle, batch_size, drop_last, num_workers, dataset_len}:
+                a DataLoader pass began (``iter(loader)``)
+comm_hook       {name, user}: the comm hook that is being timed
+probe_error     {probe, error}: a probe failed and switched itself off
+dropped         {count}: events lost because the buffer was full
+end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
+==============  ===============================================================================
+
+Readers must ignore kinds they do not know, so later versions can add records.
+"""
+
+from __future__ import annotations
+
+SCHEMA = "ddpdoctor.trace/1"
+TRACE_GLOB = "trace-rank*.jsonl"
+
+# Event kinds, as written by the probes.
+DDP_INIT = "ddp_init"
+FORWARD = "forward"
+SYNC_BUFFERS = "sync_buffers"
+BACKWARD = "backward"
+ALLREDUCE = "allreduce"
+COLLECTIVE = "collective"
+DATA_WAIT = "data_wait"
+OPTIMIZER = "optimizer"
+
+# Metadata kinds.
+HEADER = "header"
+BUCKET = "bucket"
+LOADER = "loader"
+COMM_HOOK = "comm_hook"
+PROBE_ERROR = "probe_error"
+DROPPED = "dropped"
+END = "end"
+
+BARRIER_OP = "barrier"
+
+
+def trace_filename(rank: int, restart: int = 0) -> str:
+    """The file a rank writes; one per elastic restart attempt so attempts never interleave."""
+    if restart:
+        return f"trace-rank{rank}-attempt{restart}.jsonl"
+    return f"trace-rank{rank}.jsonl"

@@ -1,0 +1,53 @@
+"""Seeded DDP training that saves its final parameters: the bit-identity check's patient.
+
+Usage: seeded_train.py OUT.pt [--hook user|none] [--steps N]
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def user_hook(state, bucket):
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--hook", default="none")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(1234)
+    data = TensorDataset(torch.randn(480, 20), torch.randint(0, 5, (480,)))
+    sampler = DistributedSampler(data, shuffle=True, seed=7)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 5))
+    ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
+    if args.hook == "user":
+        ddp.register_comm_hook(None, user_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        dist.barrier()
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
