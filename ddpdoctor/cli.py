@@ -31,8 +31,13 @@ def main() -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--out", "-o", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: ./ddpdoctor-runs/<timestamp>).")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: ./ddpdoctor-runs/<timestamp>).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(out: str | None, command: tuple[str, ...]) -> None:
     """Run COMMAND (torchrun, python -m torch.distributed.run, mp.spawn...) under the doctor.
@@ -106,16 +111,28 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--out", "-o", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: ./ddpdoctor-runs/<timestamp>).")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: ./ddpdoctor-runs/<timestamp>).",
+)
 @click.option("--nproc", default=2, show_default=True, help="Ranks to start.")
 @click.option("--epochs", default=2, show_default=True, help="Epochs to train.")
 def demo(out: str | None, nproc: int, epochs: int) -> None:
     """Train a small bundled DDP model under the doctor (gloo on CPU, nccl on GPUs)."""
     from ddpdoctor.demo import TRAIN_SCRIPT
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), f"--epochs={epochs}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(TRAIN_SCRIPT),
+        f"--epochs={epochs}",
+    ]
     sys.exit(_run_and_summarise(command, out))
 
 

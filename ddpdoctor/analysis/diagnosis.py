@@ -73,8 +73,10 @@ def batch_sizes(run: Run) -> dict[str, int | None]:
     sizes = set(per_rank.values())
     per_process = sizes.pop() if len(sizes) == 1 else None
     complete = len(per_rank) == run.world_size
-    global_size = sum(per_rank.values()) if complete else (
-        per_process * run.world_size if per_process is not None else None
+    global_size = (
+        sum(per_rank.values())
+        if complete
+        else (per_process * run.world_size if per_process is not None else None)
     )
     return {"per_process": per_process, "global": global_size}
 

@@ -70,7 +70,9 @@ def training_forwards(trace: RankTrace) -> Events:
     keep = np.array([bool(f and f[0] == 1) for f in fwd.fields], dtype=bool)
     if not len(fwd):
         return fwd
-    return Events(fwd.ts[keep], fwd.dur[keep], fwd.step[keep], [f for f, k in zip(fwd.fields, keep, strict=False) if k])
+    return Events(
+        fwd.ts[keep], fwd.dur[keep], fwd.step[keep], [f for f, k in zip(fwd.fields, keep, strict=False) if k]
+    )
 
 
 def step_times(trace: RankTrace) -> np.ndarray:

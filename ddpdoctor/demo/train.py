@@ -32,8 +32,9 @@ def main() -> None:
     data = TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 10)).to(device)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    ).to(device)
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     loss_fn = nn.CrossEntropyLoss()

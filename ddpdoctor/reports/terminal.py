@@ -62,12 +62,12 @@ def render(diag: Diagnosis, *, max_findings: int = 8) -> str:
         )
         if f.fix:
             lines.extend(
-                textwrap.wrap(f"fix: {f.fix}", WIDTH - 2, initial_indent="        ",
-                              subsequent_indent="        ")
+                textwrap.wrap(
+                    f"fix: {f.fix}", WIDTH - 2, initial_indent="        ", subsequent_indent="        "
+                )
             )
     if len(diag.findings) > max_findings:
         lines.append(f"  ... and {len(diag.findings) - max_findings} more (diagnose --json)")
     for note in run.notes:
-        lines.extend(textwrap.wrap(f"note: {note}", WIDTH - 2, initial_indent="  ",
-                                   subsequent_indent="    "))
+        lines.extend(textwrap.wrap(f"note: {note}", WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
     return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""Shared helpers: run real jobs under `ddpdoctor run` and read what they left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+JOBS = Path(__file__).parent / "jobs"
+REPO = Path(__file__).parent.parent
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("DDPDOCTOR_RUN_DIR", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, script: Path | str, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
+
+
+def run_doctor(cwd: Path, command: list[str], *options: str, timeout: float = 180, **env: str) -> Job:
+    """`ddpdoctor run --out CWD/run OPTIONS -- COMMAND`, as a user would type it."""
+    run_dir = cwd / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), *options, "--", *command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=job_env(**env),
+    )
+    return Job(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def run_plain(cwd: Path, command: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    """The same command without ddpdoctor: the control group."""
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=job_env(**env)
+    )
+
+
+def diagnose_json(*run_dirs: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", *map(str, run_dirs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=job_env(),
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    return json.loads(proc.stdout)
+
+
+def read_lines(path: Path) -> list[list]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def write_script(tmp_path: Path):
+    """Write a job script (dedented) into the test's directory and return its path."""
+
+    def write(name: str, source: str) -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write
