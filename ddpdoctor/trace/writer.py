@@ -80,8 +80,10 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
-            self.meta(schema.END, -1, {"reason": reason})
             self._drain()
+            if not self._failed:  # written directly: a full queue must not swallow the end
+                now_us = (time.monotonic_ns() - self.mono_anchor_ns) // 1000
+                self._write([_ENCODE([schema.END, now_us, 0, -1, {"reason": reason}]), "\n"])
             self._closed = True
             with contextlib.suppress(OSError):
                 self._file.close()

@@ -1,0 +1,313 @@
+"""The core promise, end to end: real torchrun / mp.spawn jobs under `ddpdoctor run`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, run_plain, torchrun
+
+pytestmark = pytest.mark.e2e
+
+
+def counts(run_dir: Path, rank: int) -> dict[str, int]:
+    """Events of each kind in one rank's trace, plus barriers and training forwards."""
+    out: dict[str, int] = {}
+    for rec in read_lines(run_dir / f"trace-rank{rank}.jsonl"):
+        out[rec[0]] = out.get(rec[0], 0) + 1
+        if rec[0] == "collective" and rec[4] == "barrier":
+            out["barrier"] = out.get("barrier", 0) + 1
+        if rec[0] == "forward" and rec[4] == 1:
+            out["train_forward"] = out.get("train_forward", 0) + 1
+    return out
+
+
+def test_torchrun_job_counts_every_sync_point(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"))
+    assert job.returncode == 0, job.stderr
+    # The job's own output is untouched; ours is one banner line and the summary, on stderr.
+    assert job.stdout.splitlines() == [f"epoch {e} correct" for e in range(3)] or all(
+        line.startswith("epoch ") for line in job.stdout.splitlines()
+    )
+    assert len(job.stdout.splitlines()) == 3
+    assert job.stderr.count("ddpdoctor 0.1.0: recording") == 1
+    for rank in (0, 1):
+        c = counts(job.run_dir, rank)
+        assert c["train_forward"] == 24  # 3 epochs x 8 batches
+        assert c["forward"] == 30  # + 3 epochs x 2 eval batches under no_grad
+        assert c["backward"] == 24
+        # DDP reduces step 0 in its construction-time layout (1 bucket), then rebuilds (3).
+        assert c["allreduce"] == 1 + 23 * 3
+        assert c["barrier"] == 4
+        assert c["collective"] == 4 + 3  # barriers + one all_reduce of the metric per epoch
+        assert c["data_wait"] == 30
+        assert c["optimizer"] == 24
+        assert c["ddp_init"] == 1
+        assert c["end"] == 1
+    diag = diagnose_json(job.run_dir)
+    assert diag["schema"] == "ddpdoctor.diagnosis/1"
+    assert diag["run"]["world_size"] == 2 and diag["run"]["ranks"] == [0, 1]
+    assert diag["run"]["exit_code"] == 0
+    assert diag["run"]["steps"] == {"0": 24, "1": 24}
+    assert diag["run"]["batch_size"] == {"per_process": 8, "global": 16}
+    assert "counted_train.py" in " ".join(diag["run"]["command"])
+    ph = diag["phases"]["1"]
+    assert ph["forward"]["count"] == 30 and ph["allreduce"]["count"] == 70
+    assert ph["barrier"]["count"] == 4 and ph["collective"]["count"] == 3
+    assert ph["ddp_init"]["count"] == 1 and ph["optimizer"]["count"] == 24
+    assert ph["backward"]["mean_s"] > 0
+    assert [f for f in diag["findings"] if f["severity"] != "info"] == []
+
+
+def test_bucket_records_name_their_parameters(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"))
+    assert job.returncode == 0, job.stderr
+    buckets = [r[4] for r in read_lines(job.run_dir / "trace-rank0.jsonl") if r[0] == "bucket"]
+    rebuilt = {b["index"]: b for b in buckets[1:]}
+    assert sorted(rebuilt) == [0, 1, 2]
+    assert rebuilt[0]["params"] == ["6.bias", "6.weight", "4.bias", "4.weight"]
+    assert sum(b["bytes"] for b in rebuilt.values()) == 544260 * 4
+    init = next(r for r in read_lines(job.run_dir / "trace-rank0.jsonl") if r[0] == "ddp_init")[4]
+    assert init["params"] == 544260
+    assert init["options"]["bucket_cap_mb"] == pytest.approx(1.0)
+    assert init["options"]["find_unused_parameters"] is False
+
+
+@pytest.mark.parametrize("hook", ["none", "user"])
+def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: str) -> None:
+    """Three ranks, so the gradient average is not a power-of-two division."""
+    plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", f"--hook={hook}"))
+    assert plain.returncode == 0, plain.stderr
+    job = run_doctor(tmp_path, torchrun(3, JOBS / "seeded_train.py", "doc.pt", f"--hook={hook}"))
+    assert job.returncode == 0, job.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    records = read_lines(job.run_dir / "trace-rank2.jsonl")
+    hooks = [r[4] for r in records if r[0] == "comm_hook"]
+    assert hooks and hooks[-1]["user"] is (hook == "user")
+    if hook == "user":
+        assert "user_hook" in hooks[-1]["name"]
+    assert sum(1 for r in records if r[0] == "allreduce") >= 20  # 2 epochs x 10 steps
+
+
+def test_mp_spawn_launch(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "spawned.py",
+        """
+        import os, sys
+        import torch, torch.distributed as dist, torch.multiprocessing as mp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def worker(rank, world, port):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=world)
+            model = DDP(torch.nn.Linear(8, 2))
+            for _ in range(5):
+                model(torch.randn(4, 8)).sum().backward()
+            dist.barrier()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=(2, int(sys.argv[1])), nprocs=2)
+            print("spawned done")
+        """,
+    )
+    job = run_doctor(tmp_path, [sys.executable, str(script), str(_free_port())])
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.strip() == "spawned done"
+    assert sorted(p.name for p in job.run_dir.glob("trace-*.jsonl")) == [
+        "trace-rank0.jsonl",
+        "trace-rank1.jsonl",
+    ]
+    for rank in (0, 1):
+        c = counts(job.run_dir, rank)
+        assert (c["train_forward"], c["backward"], c["allreduce"], c["barrier"]) == (5, 5, 5, 1)
+
+
+def test_legacy_torch_distributed_launch(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.launch", "--use-env", "--standalone",
+               "--nproc_per_node=2", str(JOBS / "counted_train.py")]
+    job = run_doctor(tmp_path, command)
+    assert job.returncode == 0, job.stderr
+    assert counts(job.run_dir, 1)["train_forward"] == 24
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_exit_code_passes_through_plain_python(tmp_path: Path, write_script, code: int) -> None:
+    script = write_script("exits.py", f"import sys; print('bye'); sys.exit({code})")
+    job = run_doctor(tmp_path, [sys.executable, str(script)])
+    assert job.returncode == code
+    assert job.stdout == "bye\n"
+    assert "nothing recorded" in job.stderr  # no rank ever called init_process_group
+
+
+def test_exit_code_of_failing_torchrun_job(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "fails.py",
+        """
+        import sys, torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        sys.exit(7 if dist.get_rank() == 1 else 0)
+        """,
+    )
+    plain = run_plain(tmp_path, torchrun(2, script))
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert plain.returncode != 0
+    assert job.returncode == plain.returncode
+    diag = diagnose_json(job.run_dir)
+    assert diag["run"]["exit_code"] == plain.returncode
+    assert any(f["severity"] == "error" for f in diag["findings"])
+
+
+def test_command_not_found(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, ["definitely-not-a-command-xyz"])
+    assert job.returncode != 0
+    assert "cannot start 'definitely-not-a-command-xyz'" in job.stderr
+
+
+def test_sigterm_to_doctor_reaches_launcher_and_keeps_traces(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "forever.py",
+        """
+        import time, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        model = DDP(torch.nn.Linear(8, 2))
+        if dist.get_rank() == 0:
+            print("started", flush=True)
+        while True:
+            model(torch.randn(4, 8)).sum().backward()
+            time.sleep(0.01)
+        """,
+    )
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *torchrun(2, script)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(),
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0  # torchrun reports the workers it had to stop
+    for rank in (0, 1):
+        records = read_lines(run_dir / f"trace-rank{rank}.jsonl")
+        assert sum(1 for r in records if r[0] == "backward") > 10
+        assert records[-1][0] == "end" and records[-1][4]["reason"].startswith("signal")
+    meta = diagnose_json(run_dir)["run"]
+    assert meta["exit_code"] == proc.returncode
+
+
+def test_instrument_one_liner_without_the_cli(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "opt_in.py",
+        """
+        import ddpdoctor; ddpdoctor.instrument()
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        model = DDP(torch.nn.Linear(8, 2))
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+        dist.destroy_process_group()
+        """,
+    )
+    proc = run_plain(tmp_path, torchrun(2, script))
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = (tmp_path / "ddpdoctor-runs").iterdir()
+    assert sorted(p.name for p in run_dir.glob("trace-*.jsonl")) == [
+        "trace-rank0.jsonl",
+        "trace-rank1.jsonl",
+    ]
+    assert counts(run_dir, 1)["backward"] == 3
+
+
+def test_dataloader_workers_and_forks_write_no_traces(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "workers.py",
+        """
+        import os, torch, torch.distributed as dist
+        from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def main():
+            dist.init_process_group("gloo")
+            data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
+            sampler = DistributedSampler(data)
+            for method in ("fork", "spawn"):
+                loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=2,
+                                    multiprocessing_context=method)
+                model = DDP(torch.nn.Linear(8, 2))
+                for x, y in loader:
+                    ((model(x) - y) ** 2).mean().backward()
+            pid = os.fork()
+            if pid == 0:  # a forked child that uses the patched torch must not record
+                torch.distributed.get_rank()
+                os._exit(0)
+            os.waitpid(pid, 0)
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            main()
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert job.returncode == 0, job.stderr
+    assert sorted(p.name for p in job.run_dir.iterdir()) == [
+        "run.json",
+        "trace-rank0.jsonl",
+        "trace-rank1.jsonl",
+    ]
+    c = counts(job.run_dir, 0)
+    assert c["data_wait"] == 8 and c["train_forward"] == 8  # 4 batches per rank per loader
+
+
+def test_failing_probe_switches_off_and_training_goes_on(tmp_path: Path, write_script) -> None:
+    script = write_script(
+        "broken_probe.py",
+        """
+        import torch, torch.distributed as dist
+        from torch.utils.data import DataLoader, TensorDataset
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddpdoctor.probes.data as data_probe
+
+        def broken(loader):
+            raise RuntimeError("simulated probe bug")
+
+        data_probe.describe_loader = broken  # the probe's own code fails, not the job's
+        dist.init_process_group("gloo")
+        loader = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+        model = DDP(torch.nn.Linear(4, 1))
+        for epoch in range(3):
+            for (x,) in loader:
+                model(x).sum().backward()
+        print("trained", flush=True)
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.count("trained") == 2
+    log = (job.run_dir / "probe-errors.log").read_text()
+    assert log.count("probe 'data' switched off: RuntimeError: simulated probe bug") == 2  # once per rank
+    c = counts(job.run_dir, 0)
+    assert c["probe_error"] == 1
+    assert c.get("data_wait", 0) == 0 and c["train_forward"] == 12  # other probes unaffected
+    kinds = {f["kind"] for f in diagnose_json(job.run_dir)["findings"]}
+    assert "probe_error" in kinds
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
