@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 from conftest import job_env
+
 from ddpdoctor.supervisor.launch import BOOTSTRAP_DIR, job_environment
 
 
 def python(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_users_sitecustomize_still_runs(tmp_path: Path) -> None:
@@ -23,8 +25,11 @@ def test_users_sitecustomize_still_runs(tmp_path: Path) -> None:
     base["PYTHONPATH"] = f"{user_site}:{base['PYTHONPATH']}"
     env = job_environment(tmp_path / "run", base)
     assert env["PYTHONPATH"].split(":")[0] == str(BOOTSTRAP_DIR)
-    proc = python("import builtins, sys; print(builtins.USER_SITE_RAN,"
-                  " 'ddpdoctor.probes' in sys.modules)", env, tmp_path)
+    proc = python(
+        "import builtins, sys; print(builtins.USER_SITE_RAN, 'ddpdoctor.probes' in sys.modules)",
+        env,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True"]
 
@@ -48,9 +53,12 @@ def test_bootstrap_never_imports_torch_and_patches_on_import(tmp_path: Path) -> 
 def test_without_run_dir_the_bootstrap_does_nothing(tmp_path: Path) -> None:
     env = job_environment(tmp_path / "run", job_env())
     del env["DDPDOCTOR_RUN_DIR"]
-    proc = python("import sys, torch.distributed as d;"
-                  " print('ddpdoctor' in sys.modules, hasattr(d.barrier, '__ddpdoctor_original__'))",
-                  env, tmp_path)
+    proc = python(
+        "import sys, torch.distributed as d;"
+        " print('ddpdoctor' in sys.modules, hasattr(d.barrier, '__ddpdoctor_original__'))",
+        env,
+        tmp_path,
+    )
     assert proc.stdout.split() == ["False", "False"]
 
 

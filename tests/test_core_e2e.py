@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, run_plain, torchrun
 
 pytestmark = pytest.mark.e2e
@@ -132,8 +131,15 @@ def test_mp_spawn_launch(tmp_path: Path, write_script) -> None:
 
 
 def test_legacy_torch_distributed_launch(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.launch", "--use-env", "--standalone",
-               "--nproc_per_node=2", str(JOBS / "counted_train.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--use-env",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(JOBS / "counted_train.py"),
+    ]
     job = run_doctor(tmp_path, command)
     assert job.returncode == 0, job.stderr
     assert counts(job.run_dir, 1)["train_forward"] == 24
@@ -191,7 +197,11 @@ def test_sigterm_to_doctor_reaches_launcher_and_keeps_traces(tmp_path: Path, wri
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *torchrun(2, script)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(),
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "started"

@@ -14,8 +14,15 @@ from ddpdoctor.trace.writer import TraceWriter
 
 
 def header(rank: int = 0, world: int = 2) -> dict:
-    return {"schema": schema.SCHEMA, "rank": rank, "world_size": world, "host": "h",
-            "pid": 1, "wall_ns": 1_700_000_000_000_000_000, "mono_ns": 5_000_000_000}
+    return {
+        "schema": schema.SCHEMA,
+        "rank": rank,
+        "world_size": world,
+        "host": "h",
+        "pid": 1,
+        "wall_ns": 1_700_000_000_000_000_000,
+        "mono_ns": 5_000_000_000,
+    }
 
 
 def write_events(path: Path, n: int, **kwargs) -> TraceWriter:
@@ -62,14 +69,16 @@ def test_bounded_buffer_drops_and_counts(tmp_path: Path) -> None:
 
 def test_reader_skips_truncated_and_corrupt_lines(tmp_path: Path) -> None:
     path = tmp_path / "trace-rank1.jsonl"
-    lines = [json.dumps(["header", header(rank=1)]),
-             json.dumps(["forward", 0, 10, 0, 1, 1, 3]),
-             "not json at all",
-             json.dumps({"a": "dict, not a record"}),
-             json.dumps(["forward", "x", 10, 0]),
-             json.dumps(["backward", 20, 30, 0]),
-             json.dumps(["some_future_kind", 40, 0, 0, {"ok": True}]),
-             '["forward",50,10,1,1,1,']  # killed mid-write
+    lines = [
+        json.dumps(["header", header(rank=1)]),
+        json.dumps(["forward", 0, 10, 0, 1, 1, 3]),
+        "not json at all",
+        json.dumps({"a": "dict, not a record"}),
+        json.dumps(["forward", "x", 10, 0]),
+        json.dumps(["backward", 20, 30, 0]),
+        json.dumps(["some_future_kind", 40, 0, 0, {"ok": True}]),
+        '["forward",50,10,1,1,1,',
+    ]  # killed mid-write
     path.write_text("\n".join(lines))
     t = read_trace(path)
     assert t.rank == 1
@@ -105,8 +114,11 @@ def test_newest_attempt_wins_and_nodes_merge(tmp_path: Path) -> None:
     node0, node1 = tmp_path / "n0", tmp_path / "n1"
     node0.mkdir()
     node1.mkdir()
-    for d, rank, name in [(node0, 0, "trace-rank0.jsonl"), (node0, 0, "trace-rank0-attempt1.jsonl"),
-                          (node1, 1, "trace-rank1.jsonl")]:
+    for d, rank, name in [
+        (node0, 0, "trace-rank0.jsonl"),
+        (node0, 0, "trace-rank0-attempt1.jsonl"),
+        (node1, 1, "trace-rank1.jsonl"),
+    ]:
         h = header(rank=rank)
         h["restart"] = 1 if "attempt" in name else 0
         (d / name).write_text(json.dumps(["header", h]) + "\n")

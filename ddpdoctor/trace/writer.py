@@ -20,6 +20,7 @@ from typing import Any
 from ddpdoctor.trace import schema
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_CHUNK = 128  # records encoded between GIL releases
 
 
 class TraceWriter:
@@ -106,6 +107,8 @@ class TraceWriter:
             while True:
                 kind, t0, t1, step, *fields = pop()
                 lines.append(_ENCODE([kind, (t0 - anchor) // 1000, (t1 - t0) // 1000, step, *fields]))
+                if len(lines) % _CHUNK == 0:
+                    time.sleep(0)  # let the training thread have the GIL between chunks
         except IndexError:
             pass
         if self.dropped != self._reported_dropped:
