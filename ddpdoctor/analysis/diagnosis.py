@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis import misuse, straggler  # noqa: F401  (their detectors register)
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.phases import rank_phases, step_times
 from ddpdoctor.trace import schema

@@ -39,6 +39,7 @@ class Collector:
         self.awaiting_backward = False  # a grad-mode DDP forward has not had its backward yet
         self.in_collective = False  # suppresses nested records (all_gather_object -> all_gather)
         self.optimizer_t0 = 0
+        self.step_model: Any = None  # the DDP model state whose forward opened this step
         self.disabled: set[str] = set()
         self.writer = TraceWriter(
             os.path.join(run_dir, schema.trace_filename(self.rank, header.get("restart", 0))),

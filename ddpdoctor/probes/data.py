@@ -67,6 +67,7 @@ def describe_loader(loader: Any) -> dict[str, Any]:
     return {
         "id": id(loader),
         "sampler": type(sampler).__name__,
+        "sampler_id": id(sampler),
         "epoch": getattr(sampler, "epoch", None),
         "shuffle": bool(getattr(sampler, "shuffle", type(sampler).__name__ == "RandomSampler")),
         "batch_size": loader.batch_size,

@@ -9,6 +9,7 @@ after, is timed instead of replaced.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +25,14 @@ _STATE = "_ddpdoctor_state"  # attribute on each DDP instance
 
 
 class _ModelState:
-    """What we keep per DDP instance: names for bucket tensors, and the hook being timed."""
+    """What we keep per DDP instance: parameter names, the hook being timed, unused checks."""
 
     def __init__(self, ddp: Any) -> None:
         self.names = {p.data_ptr(): n for n, p in ddp.module.named_parameters()}
+        self.param_names, self.params = _reducer_parameters(ddp)
+        self.reducer = ddp.reducer
+        self.find_unused = bool(ddp.find_unused_parameters)
+        self.world = ddp.process_group.size()
         self.group = ddp.process_group
         self.user_hook = False
         self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
@@ -44,6 +49,7 @@ def install() -> None:
     patch(DDP, "__init__", _wrap_init)
     patch(DDP, "forward", _wrap_forward)
     patch(DDP, "_sync_buffers", _wrap_sync_buffers)
+    patch(DDP, "_post_forward", _wrap_post_forward)
     patch(DDP, "register_comm_hook", _wrap_register_comm_hook)
     patch(DDP, "_register_builtin_comm_hook", _wrap_builtin_hook)
     patch(torch.autograd, "backward", _wrap_backward)
@@ -59,16 +65,32 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         init(self, *args, **kwargs)
         t1 = _now()
         try:
-            setattr(self, _STATE, _ModelState(self))
-            c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq))
+            state = _ModelState(self)
+            setattr(self, _STATE, state)
+            c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
         except Exception as exc:
             c.fail(PROBE, exc)
 
     return __init__
 
 
-def _describe(ddp: Any, seq: int) -> dict[str, Any]:
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
+def _reducer_parameters(ddp: Any) -> tuple[list[str], list[Any]]:
+    """Names and tensors in the Reducer's own order (its error messages index into it)."""
+    seen: set[int] = set()
+    names, params = [], []
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not param.requires_grad or name in ddp.parameters_to_ignore or id(param) in seen:
+                continue
+            seen.add(id(param))
+            names.append(name)
+            params.append(param)
+    return names, params
+
+
+def _describe(ddp: Any, seq: int, state: _ModelState) -> dict[str, Any]:
+    params = state.params
     try:
         sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
         buckets = [int(s) for s in sizes.split(",") if s.strip()]
@@ -81,6 +103,7 @@ def _describe(ddp: Any, seq: int) -> dict[str, Any]:
         "param_bytes": sum(p.nbytes for p in params),
         "buckets": buckets,
         "seq": seq,
+        "param_names": state.param_names,
         "options": {
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "broadcast_buffers": bool(ddp.broadcast_buffers),
@@ -104,10 +127,11 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(self, *inputs, **kwargs)
         grad = is_grad_enabled()
         try:
+            state = getattr(self, _STATE, None)
             if grad:
                 c.step += 1
                 c.awaiting_backward = True
-                state = getattr(self, _STATE, None)
+                c.step_model = state
                 if state is not None and not state.timer_registered and not state.builtin_hook:
                     _register_timer(self, state, None, None)
             seq = group_info(self.process_group, c)[3]
@@ -117,10 +141,70 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         t0 = _now()
         try:
             return forward(self, *inputs, **kwargs)
+        except RuntimeError as exc:
+            if state is not None and _UNFINISHED_REDUCTION in str(exc):
+                _record_ddp_error(c, state, str(exc))
+            raise
         finally:
             c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
 
     return forward_
+
+
+_UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+_UNUSED_INDICES = re.compile(r"did not receive grad for rank (\d+): ([\d ,]+)")
+
+
+def _record_ddp_error(c: _c.Collector, state: _ModelState, message: str) -> None:
+    """DDP's unused-parameter error names indices: turn them into parameter names, flush now."""
+    try:
+        match = _UNUSED_INDICES.search(message)
+        indices = [int(i) for i in re.split(r"[ ,]+", match.group(2).strip())] if match else []
+        names = [state.param_names[i] for i in indices if 0 <= i < len(state.param_names)]
+        c.meta(
+            schema.DDP_ERROR, {"error": "unfinished_reduction", "params": names, "message": message[:2000]}
+        )
+        c.writer.flush()
+    except Exception as exc:
+        c.fail(PROBE, exc)
+
+
+def _wrap_post_forward(post: Callable[..., Any]) -> Callable[..., Any]:
+    """With find_unused_parameters, DDP walks the autograd graph here: time that walk."""
+
+    def _post_forward(self: Any, output: Any) -> Any:
+        c = _c.ACTIVE
+        if c is None or not self.find_unused_parameters or PROBE in c.disabled:
+            return post(self, output)
+        t0 = _now()
+        try:
+            return post(self, output)
+        finally:
+            c.emit(schema.GRAPH_SCAN, t0, _now())
+
+    return _post_forward
+
+
+def check_unused(c: _c.Collector) -> None:
+    """After a step's backward: which parameters got no gradient? (Cheap: one pass of flags.)
+
+    Without find_unused_parameters, a parameter whose .grad is still None received none on
+    this rank (DDP will raise at the next forward). With it, DDP's used map holds, per
+    parameter, on how many ranks it was used; fewer than the world size means unused somewhere.
+    """
+    state = c.step_model
+    if state is None:
+        return
+    if state.find_unused:
+        counts = state.reducer._get_local_used_map()
+        short = (counts < state.world).nonzero().flatten().tolist()
+        if short:
+            used = [int(counts[i]) for i in short]
+            c.meta(schema.UNUSED, {"params": short, "used_on_ranks": used, "scope": "global"})
+    else:
+        missing = [i for i, p in enumerate(state.params) if p.grad is None]
+        if missing:
+            c.meta(schema.UNUSED, {"params": missing, "used_on_ranks": None, "scope": "local"})
 
 
 def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,9 +230,14 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         c.awaiting_backward = False
         t0 = _now()
         try:
-            return backward(*args, **kwargs)
+            result = backward(*args, **kwargs)
         finally:
             c.emit(schema.BACKWARD, t0, _now())
+        try:
+            check_unused(c)
+        except Exception as exc:
+            c.fail("unused", exc)
+        return result
 
     return backward_
 

@@ -145,6 +145,7 @@ _EVENT_KINDS = frozenset(
         schema.COLLECTIVE,
         schema.DATA_WAIT,
         schema.OPTIMIZER,
+        schema.GRAPH_SCAN,
     }
 )
 

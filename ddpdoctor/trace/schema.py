@@ -31,6 +31,7 @@ collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, 
                 op "barrier" is ``dist.barrier``
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
+graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
 ==============  ===============================================================================
 
 Metadata records share the shape ``[kind, ts_us, 0, step, {...}]``:
@@ -41,6 +42,10 @@ bucket          {index, bytes, params: [names without "module."]}: a gradient bu
 loader          {id, sampler, epoch, shuffle, batch_size, drop_last, num_workers, dataset_len}:
                 a DataLoader pass began (``iter(loader)``)
 comm_hook       {name, user}: the comm hook that is being timed
+unused          {params: [indices into ddp_init's param_names], used_on_ranks, scope}: after a
+                step's backward, parameters that got no gradient; scope "local" (this rank,
+                find_unused_parameters off) or "global" (DDP's used counts across ranks)
+ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished reduction)
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
@@ -63,12 +68,15 @@ ALLREDUCE = "allreduce"
 COLLECTIVE = "collective"
 DATA_WAIT = "data_wait"
 OPTIMIZER = "optimizer"
+GRAPH_SCAN = "graph_scan"
 
 # Metadata kinds.
 HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
 COMM_HOOK = "comm_hook"
+UNUSED = "unused"
+DDP_ERROR = "ddp_error"
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"

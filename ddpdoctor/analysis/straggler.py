@@ -1,0 +1,189 @@
+"""Stragglers: ranks that arrive late at the gradient sync, and which phase makes them late.
+
+Lateness needs no cross-host clock: a bucket's all-reduce finishes at about the same moment
+on every rank, so a rank that got the step's last bucket ready d µs after the earliest one
+spent d µs less in that all-reduce. Each step's time since the previous sync is then split
+into phases on each rank (data wait, forward, backward up to the last bucket, optimizer, other),
+and the late rank's phases are compared with the other ranks' at the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddpdoctor.analysis.findings import Finding, detector
+from ddpdoctor.analysis.phases import training_forwards
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import RankTrace, Run
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "other")
+LATE_FRACTION = 0.05  # of the step time: below this a rank is on time
+LATE_FLOOR_US = 300
+PERSISTENT = 0.6  # late on at least this share of steps (and late at the median step)
+MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
+OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
+_FIX = {
+    "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
+    "persistent_workers, or move decoding/augmentation off the critical path; check the rank's "
+    "disk or network share.",
+    "forward": "Its forward is slower: check that rank's device (clocks, throttling, other "
+    "processes on the GPU), unequal input sizes per rank, or rank-dependent code in forward.",
+    "backward": "Its backward is slower: check that rank's device and for rank-dependent "
+    "computation or input sizes.",
+    "optimizer": "Its optimizer step is slower: look for rank-specific work after backward "
+    "(logging, metrics, CPU-GPU copies) or a slower device.",
+    "other": "The time goes in your own code between steps (logging, checkpointing, metrics, "
+    "host-device syncs like .item()) on that rank: move it off the step or do it on every rank "
+    "asynchronously.",
+}
+
+
+@dataclass
+class SyncTable:
+    """Per (rank, step) arrays over the steps every rank completed: µs."""
+
+    ranks: list[int]
+    steps: np.ndarray
+    lateness: np.ndarray  # (ranks, steps): arrival at the last bucket after the earliest rank
+    phases: dict[str, np.ndarray]  # phase -> (ranks, steps)
+    step_us: float  # median step period
+
+
+def _per_step(values_by_step: dict[int, float], steps: np.ndarray) -> np.ndarray:
+    return np.array([values_by_step.get(int(k), 0.0) for k in steps], dtype=np.float64)
+
+
+def _sum_by_step(trace: RankTrace, kind: str, shift: int) -> dict[int, float]:
+    """Total duration per step label + shift (waits before step k carry label k-1)."""
+    ev = trace.kind(kind)
+    out: dict[int, float] = {}
+    for step, dur in zip(ev.step.tolist(), ev.dur.tolist()):
+        out[step + shift] = out.get(step + shift, 0.0) + dur
+    return out
+
+
+def _rank_rows(trace: RankTrace) -> dict[str, dict[int, float]] | None:
+    fwd = training_forwards(trace)
+    bwd = trace.kind(schema.BACKWARD)
+    ar = trace.kind(schema.ALLREDUCE)
+    if not len(fwd) or not len(bwd) or not len(ar):
+        return None
+    bwd_start = dict(zip(bwd.step.tolist(), bwd.ts.tolist()))
+    bwd_end = dict(zip(bwd.step.tolist(), bwd.end.tolist()))
+    # The step's last bucket (highest index: DDP fills buckets from the output layers back)
+    # is the one the whole step waits for.
+    last: dict[int, tuple[int, float, float]] = {}
+    for step, ts, dur, fields in zip(ar.step.tolist(), ar.ts.tolist(), ar.dur.tolist(), ar.fields):
+        index = int(fields[0]) if fields else 0
+        if step not in last or index > last[step][0]:
+            last[step] = (index, ts, dur)
+    last_ready = {step: ts for step, (_, ts, _) in last.items()}
+    last_dur = {step: dur for step, (_, _, dur) in last.items()}
+    rows: dict[str, dict[int, float]] = {k: {} for k in (*PHASES, "last_dur")}
+    data, opt = _sum_by_step(trace, schema.DATA_WAIT, 1), _sum_by_step(trace, schema.OPTIMIZER, 1)
+    for step, _fts, fdur in zip(fwd.step.tolist(), fwd.ts.tolist(), fwd.dur.tolist()):
+        if step not in last_ready or step not in bwd_start or step - 1 not in bwd_end:
+            continue
+        since_sync = last_ready[step] - bwd_end[step - 1]
+        parts = {
+            "data_wait": data.get(step, 0.0),
+            "optimizer": opt.get(step, 0.0),
+            "forward": float(fdur),
+            "backward": max(0.0, last_ready[step] - bwd_start[step]),
+        }
+        parts["other"] = max(0.0, since_sync - sum(parts.values()))
+        for name, value in parts.items():
+            rows[name][step] = value
+        rows["last_dur"][step] = last_dur[step]
+    return rows
+
+
+def sync_table(run: Run) -> SyncTable | None:
+    """Lateness and phase split for every step all ranks share; None without bucket timings."""
+    rows = {rank: _rank_rows(t) for rank, t in sorted(run.ranks.items())}
+    if len(rows) < 2 or any(r is None for r in rows.values()):
+        return None
+    common = set.intersection(*(set(r["last_dur"]) for r in rows.values() if r))
+    if len(common) < MIN_STEPS:
+        return None
+    steps = np.array(sorted(common))
+    ranks = sorted(rows)
+    last_dur = np.stack([_per_step(rows[r]["last_dur"], steps) for r in ranks])  # type: ignore[index]
+    lateness = last_dur.max(axis=0, keepdims=True) - last_dur
+    phases = {p: np.stack([_per_step(rows[r][p], steps) for r in ranks]) for p in PHASES}  # type: ignore[index]
+    periods = np.concatenate([np.diff(training_forwards(run.ranks[r]).ts) for r in ranks])
+    step_us = float(np.median(periods)) if len(periods) else 0.0
+    return SyncTable(ranks, steps, lateness, phases, step_us)
+
+
+def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
+    """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
+    others = np.delete(np.arange(len(table.ranks)), row)
+    excess = {}
+    for phase, values in table.phases.items():
+        diff = values[row, late_steps] - np.median(values[others][:, late_steps], axis=0)
+        excess[phase] = float(np.median(diff))
+    return excess
+
+
+@detector
+def stragglers(run: Run) -> Iterable[Finding]:
+    table = sync_table(run)
+    if table is None or not table.step_us:
+        return
+    threshold = max(LATE_FRACTION * table.step_us, LATE_FLOOR_US)
+    latest = table.lateness.argmax(axis=0)
+    for row, rank in enumerate(table.ranks):
+        late = (latest == row) & (table.lateness[row] > threshold)
+        n_late = int(late.sum())
+        persistent = n_late / len(table.steps) >= PERSISTENT and np.median(table.lateness[row]) > threshold
+        if not persistent:
+            late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
+            n_late = int(late.sum())
+        if n_late == 0:
+            continue
+        late_steps = np.flatnonzero(late)
+        share = n_late / len(table.steps)
+        excess = attribute(table, row, late_steps)
+        phase = max(excess, key=lambda p: excess[p])
+        excess_ms = float(np.median(table.lateness[row, late_steps])) / 1e3
+        step_ms = table.step_us / 1e3
+        speedup = step_ms / max(step_ms - excess_ms * share, 1e-9)
+        steps_list = [int(s) for s in table.steps[late_steps]]
+        details = {
+            "phase": phase,
+            "excess_ms_per_step": round(excess_ms * share, 3),
+            "lateness_ms_when_late": round(excess_ms, 3),
+            "what_if_speedup": round(speedup, 3),
+            "late_steps": steps_list[:50],
+            "late_share": round(share, 3),
+            "step_ms": round(step_ms, 3),
+            "phase_excess_ms": {p: round(v / 1e3, 3) for p, v in excess.items()},
+        }
+        if not persistent and excess[phase] < 0.5 * excess_ms * 1e3:
+            continue  # scheduling noise no phase explains: not worth a finding
+        if persistent:
+            yield Finding(
+                "straggler",
+                "warning",
+                [rank],
+                f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
+                f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step), mostly in "
+                f"{phase}; the job would run {speedup:.2f}x faster if it kept up",
+                fix=_FIX[phase],
+                details=details,
+            )
+        elif n_late >= 2:
+            shown = ", ".join(str(s) for s in steps_list[:8])
+            yield Finding(
+                "straggler_occasional",
+                "info",
+                [rank],
+                f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
+                f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}",
+                fix="Occasional noise unless those steps matter; " + _FIX[phase],
+                details=details,
+            )

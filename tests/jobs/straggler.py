@@ -1,0 +1,66 @@
+"""Rank SLOW (default 1) is slowed by DELAY ms per step in one phase.
+
+Usage: straggler.py {none|data|forward|other} DELAY_MS [--steps N] [--slow RANK]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Data(Dataset):
+    def __init__(self, n: int, delay_s: float) -> None:
+        self.x, self.y, self.delay_s = torch.randn(n, 64), torch.randint(0, 4, (n,)), delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.x[i], self.y[i]
+
+
+class Net(nn.Module):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+        self.delay_s = delay_s
+
+    def forward(self, x):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.body(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind")
+    p.add_argument("delay_ms", type=float)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--slow", type=int, default=1)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    slow = dist.get_rank() == args.slow
+    delay = args.delay_ms / 1e3 if slow else 0.0
+    batch = 8
+    data = Data(batch * args.steps * dist.get_world_size(), delay / batch if args.kind == "data" else 0)
+    loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0))
+    model = DDP(Net(delay if args.kind == "forward" else 0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if args.kind == "other" and delay:
+            time.sleep(delay)  # "logging" between steps on one rank
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Straggler analysis on simulated runs whose answer is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpdoctor.analysis import diagnose
+from ddpdoctor.trace.simulate import BASE_MS, Slowdown, simulate_run
+
+STEP_MS = sum(BASE_MS.values())
+
+
+def stragglers(run):
+    return [f for f in diagnose(run).findings if f.kind.startswith("straggler")]
+
+
+@pytest.mark.parametrize("phase", ["data_wait", "forward", "backward", "optimizer", "other"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_persistent_straggler_rank_and_phase(phase: str, rank: int) -> None:
+    delay = 0.10 * STEP_MS
+    run = simulate_run(world=4, steps=40, slow=Slowdown(rank, phase, delay), seed=rank)
+    (f,) = stragglers(run)
+    assert (f.kind, f.severity, f.ranks) == ("straggler", "warning", [rank])
+    assert f.details["phase"] == phase
+    assert f.details["excess_ms_per_step"] == pytest.approx(delay, rel=0.25)
+    step_ms = f.details["step_ms"]
+    assert f.details["what_if_speedup"] == pytest.approx(step_ms / (step_ms - delay), rel=0.05)
+
+
+def test_healthy_run_has_no_straggler() -> None:
+    for seed in range(5):
+        assert stragglers(simulate_run(world=8, steps=60, seed=seed)) == []
+
+
+def test_occasional_straggler_is_told_apart_and_names_its_steps() -> None:
+    slow_steps = {5, 17, 30}
+    run = simulate_run(world=4, steps=40, slow=Slowdown(2, "data_wait", 20.0, slow_steps))
+    (f,) = stragglers(run)
+    assert (f.kind, f.severity, f.ranks) == ("straggler_occasional", "info", [2])
+    assert set(f.details["late_steps"]) == slow_steps
+    assert f.details["phase"] == "data_wait"
+
+
+def test_too_few_steps_says_nothing() -> None:
+    assert stragglers(simulate_run(world=4, steps=4, slow=Slowdown(1, "forward", 30.0))) == []
