@@ -1,0 +1,60 @@
+"""Small DDP jobs with one classic mistake each (or none).
+
+Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch}
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+BRANCH_STEPS = {3, 7}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+        self.aux = nn.Linear(32, 2)  # an auxiliary head
+
+    def forward(self, x, use_aux: bool = True):
+        h = torch.relu(self.body(x))
+        return self.head(h), (self.aux(h) if use_aux else None)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(96, 16), torch.randint(0, 4, (96,)))
+    if mode == "no_sampler":
+        loader = DataLoader(data, batch_size=8, shuffle=True)
+        sampler = None
+    else:
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=8, sampler=sampler)
+    model = DDP(Net(), find_unused_parameters=mode in ("branch", "unneeded"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = 0
+    for epoch in range(2):
+        if sampler is not None and mode != "no_set_epoch":
+            sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            logits, aux = model(x, use_aux=not (mode == "branch" and step in BRANCH_STEPS))
+            loss = nn.functional.cross_entropy(logits, y)
+            if aux is not None and mode != "unused_head":
+                loss = loss + aux.pow(2).mean()
+            loss.backward()
+            opt.step()
+            step += 1
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Issue 5's findings from real torchrun jobs: each mistake found, healthy jobs left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, diagnose_json, job_env, run_doctor, torchrun
+
+pytestmark = pytest.mark.e2e
+
+
+def findings(tmp_path: Path, *args: str, nproc: int = 2, script: str = "misuse.py") -> tuple[int, list]:
+    job = run_doctor(tmp_path, torchrun(nproc, JOBS / script, *args))
+    return job.returncode, diagnose_json(job.run_dir)["findings"]
+
+
+def serious(found: list) -> list:
+    return [f for f in found if f["severity"] in ("warning", "error")]
+
+
+def test_unused_head_named_before_the_crash(tmp_path: Path) -> None:
+    code, found = findings(tmp_path, "unused_head")
+    assert code != 0  # DDP raises at the second forward, as it would without us
+    (f,) = [f for f in found if f["kind"] == "unused_parameters"]
+    assert f["severity"] == "error" and f["ranks"] == [0, 1]
+    assert f["details"]["parameters"] == ["aux.bias", "aux.weight"]  # no "module." prefix
+    assert f["details"]["steps"] == [0]
+    assert f["details"]["ddp_error"] is True
+    assert "find_unused_parameters=True" in f["fix"] and "stop computing" in f["fix"]
+
+
+def test_branch_leaves_parameters_unused_on_some_steps(tmp_path: Path) -> None:
+    code, found = findings(tmp_path, "branch")
+    assert code == 0
+    (f,) = [f for f in found if f["kind"] == "unused_parameters"]
+    assert f["severity"] == "info"
+    assert f["details"]["parameters"] == ["aux.bias", "aux.weight"]
+    assert f["details"]["steps"] == [3, 7]
+    assert serious(found) == []
+
+
+def test_find_unused_parameters_on_a_fully_used_model(tmp_path: Path) -> None:
+    code, found = findings(tmp_path, "unneeded")
+    assert code == 0
+    (f,) = serious(found)
+    assert f["kind"] == "find_unused_parameters_unneeded" and f["details"]["steps"] == 12
+    assert f["details"]["graph_walk_ms"] > 0
+
+
+def test_missing_distributed_sampler(tmp_path: Path) -> None:
+    code, found = findings(tmp_path, "no_sampler")
+    assert code == 0
+    (f,) = serious(found)
+    assert f["kind"] == "missing_distributed_sampler" and f["ranks"] == [0, 1]
+    assert f["details"]["sampler"] == "RandomSampler" and f["details"]["dataset_len"] == 96
+
+
+def test_missing_set_epoch(tmp_path: Path) -> None:
+    code, found = findings(tmp_path, "no_set_epoch")
+    assert code == 0
+    (f,) = serious(found)
+    assert f["kind"] == "missing_set_epoch" and f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1]}
+
+
+@pytest.mark.parametrize(("kind", "phase"), [("data", "data_wait"), ("forward", "forward")])
+def test_real_straggler_rank_and_phase(tmp_path: Path, kind: str, phase: str) -> None:
+    code, found = findings(tmp_path, kind, "25", "--steps=24", script="straggler.py")
+    assert code == 0
+    (f,) = serious(found)
+    assert (f["kind"], f["ranks"], f["details"]["phase"]) == ("straggler", [1], phase)
+    assert 15 < f["details"]["excess_ms_per_step"] < 40
+    assert f["details"]["what_if_speedup"] > 1.2
+
+
+@pytest.mark.parametrize("job", ["healthy", "counted_train", "straggler_none"])
+def test_healthy_jobs_have_no_warnings(tmp_path: Path, job: str) -> None:
+    if job == "healthy":
+        _, found = findings(tmp_path, "healthy")
+    elif job == "straggler_none":
+        _, found = findings(tmp_path, "none", "0", script="straggler.py", nproc=3)
+    else:
+        _, found = findings(tmp_path, script="counted_train.py")
+    assert serious(found) == []
+
+
+def test_demo_is_healthy_and_says_where_its_run_is(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "demo", "--out", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=job_env(),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"run dir: {tmp_path / 'd'}" in proc.stderr
+    assert "No problems found." in proc.stderr
+    assert "batch size 32 per process, 64 global" in proc.stderr
+    assert serious(diagnose_json(tmp_path / "d")["findings"]) == []
