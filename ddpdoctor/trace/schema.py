@@ -44,6 +44,9 @@ comm_hook       {name, user}: the comm hook that is being timed
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
+clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's wall clock to get
+                rank ``ref_rank``'s (0), measured by NTP-style ping-pongs through the store
+                right after init; the error is at most ``rtt_ns / 2``. Rank 0 writes 0.
 ==============  ===============================================================================
 
 Readers must ignore kinds they do not know, so later versions can add records.
@@ -72,6 +75,7 @@ COMM_HOOK = "comm_hook"
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
+CLOCK = "clock"
 
 BARRIER_OP = "barrier"
 
