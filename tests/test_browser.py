@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from test_reports import _xss_diag
 
 from ddpdoctor.reports import html

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import JOBS, run_doctor, torchrun
+
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import time_base
 from ddpdoctor.trace.reader import load_run

@@ -7,7 +7,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, run_doctor, torchrun
 from test_reports import doctor
 

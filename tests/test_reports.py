@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import JOBS, job_env, run_doctor, torchrun
+
 from ddpdoctor.analysis import Finding, diagnose
 from ddpdoctor.reports import html, terminal
 from ddpdoctor.trace.merge import time_base
