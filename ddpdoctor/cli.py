@@ -27,6 +27,8 @@ def main() -> None:
     \b
     ddpdoctor run -- torchrun --nproc_per_node 4 train.py   # no change to train.py
     ddpdoctor diagnose ddpdoctor-runs/<timestamp>
+    ddpdoctor report RUN_DIR [RUN_DIR ...] -o report.html
+    ddpdoctor export RUN_DIR [RUN_DIR ...] -o trace.json
     """
 
 
@@ -71,19 +73,36 @@ def _run_and_summarise(command: list[str], out: str | None) -> int:
     return result.exit_code
 
 
+REPORT_NAME = "report.html"
+
+
 def _summary_text(run_dir: Path) -> str:
-    """The closing summary; never lets a reporting problem hide the job's own exit code."""
+    """The closing summary and report.html; never lets a reporting problem hide the job's own
+    exit code."""
     from ddpdoctor.analysis import diagnose
     from ddpdoctor.reports import terminal
     from ddpdoctor.trace.reader import TraceError, load_run
 
     try:
-        text = terminal.render(diagnose(load_run([run_dir])))
+        diag = diagnose(load_run([run_dir]))
+        report = _write_report(diag, run_dir / REPORT_NAME)
+        text = terminal.render(diag, report=report)
     except TraceError as exc:
         text = f"ddpdoctor: nothing recorded ({exc}); did the job call init_process_group?"
     except Exception as exc:  # a bug of ours must not change the job's exit code
         text = f"ddpdoctor: could not summarise the run: {exc!r}"
     return f"{text}\n  run dir: {run_dir}"
+
+
+def _write_report(diag: object, path: Path) -> str:
+    """Write the HTML report; returns its path, or why there is none (never raises)."""
+    from ddpdoctor.reports import html
+
+    try:
+        html.write(diag, path)  # type: ignore[arg-type]
+    except Exception as exc:  # a report failure is reported, never fatal
+        return f"not written ({exc!r})"
+    return str(path)
 
 
 @main.command()
@@ -106,8 +125,76 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(json_report.render(diag), indent=2))
     else:
-        click.echo(terminal.render(diag))
+        existing = Path(run_dirs[0]) / REPORT_NAME
+        click.echo(terminal.render(diag, report=str(existing) if existing.is_file() else None))
     sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=f"HTML file to write (default: {REPORT_NAME} in the first RUN_DIR).",
+)
+def report(run_dirs: tuple[str, ...], output: str | None) -> None:
+    """Write the HTML report of RUN_DIRS (one per node) to one self-contained file.
+
+    \b
+    Example:  ddpdoctor report node0/run node1/run -o report.html
+    The file embeds plotly.js and opens offline. Exits 2 on unreadable input.
+    """
+    from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.reports import html
+    from ddpdoctor.trace.reader import TraceError, load_run
+
+    try:
+        diag = diagnose_run(load_run(run_dirs))
+    except TraceError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    path = Path(output) if output else Path(run_dirs[0]) / REPORT_NAME
+    try:
+        html.write(diag, path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+    click.echo(f"ddpdoctor: wrote {path}")
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="JSON file to write (default: trace.json in the first RUN_DIR).",
+)
+def export(run_dirs: tuple[str, ...], output: str | None) -> None:
+    """Export RUN_DIRS as one Chrome trace JSON for ui.perfetto.dev or chrome://tracing.
+
+    \b
+    Example:  ddpdoctor export node0/run node1/run -o trace.json
+    One process per rank, a compute and a comm thread each, every rank on rank 0's clock.
+    Exits 2 on unreadable input.
+    """
+    from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.reports import chrome
+    from ddpdoctor.trace.reader import TraceError, load_run
+
+    try:
+        diag = diagnose_run(load_run(run_dirs))
+    except TraceError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    path = Path(output) if output else Path(run_dirs[0]) / "trace.json"
+    try:
+        chrome.write(diag, path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+    click.echo(f"ddpdoctor: wrote {path}")
 
 
 @main.command()

@@ -119,7 +119,18 @@ def activate(dist: Any) -> Collector | None:
             _warn_once(f"ddpdoctor: not recording this rank: {exc}")
             return None
         _install_exit_handlers(ACTIVE)
+        _measure_clock(dist, ACTIVE)
         return ACTIVE
+
+
+def _measure_clock(dist: Any, collector: Collector) -> None:
+    """This rank's clock offset to rank 0, so traces from several hosts line up (bounded)."""
+    try:
+        from ddpdoctor.probes import clock
+
+        clock.measure(dist, collector)
+    except Exception as exc:
+        collector.fail("clock", exc)
 
 
 def deactivate(reason: str = "exit") -> None:

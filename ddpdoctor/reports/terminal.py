@@ -15,7 +15,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
 
 
-def render(diag: Diagnosis, *, max_findings: int = 8) -> str:
+def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None) -> str:
+    """The summary; ``report`` is the HTML report's path (or why none was written)."""
     run = diag.run
     lines = [f"ddpdoctor: {run.world_size} rank(s) on {len(run.hosts)} host(s)"]
     if run.exit_code is not None:
@@ -70,4 +71,6 @@ def render(diag: Diagnosis, *, max_findings: int = 8) -> str:
         lines.append(f"  ... and {len(diag.findings) - max_findings} more (diagnose --json)")
     for note in run.notes:
         lines.extend(textwrap.wrap(f"note: {note}", WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
+    if report:
+        lines.append(f"  report: {report}")
     return "\n".join(lines)

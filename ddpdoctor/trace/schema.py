@@ -49,6 +49,9 @@ ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished r
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
+clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's wall clock to get
+                rank ``ref_rank``'s (0), measured by NTP-style ping-pongs through the store
+                right after init; the error is at most ``rtt_ns / 2``. Rank 0 writes 0.
 ==============  ===============================================================================
 
 Readers must ignore kinds they do not know, so later versions can add records.
@@ -80,6 +83,7 @@ DDP_ERROR = "ddp_error"
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
+CLOCK = "clock"
 
 BARRIER_OP = "barrier"
 

@@ -1,0 +1,179 @@
+"""Chrome trace JSON (``ddpdoctor export``) for ui.perfetto.dev and chrome://tracing.
+
+One process per rank, named ``rank N (host)``; its events go on a compute thread and its
+bucket all-reduces and buffer broadcasts on a comm thread. Complete events ("X") must nest on
+a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
+nesting moves to the next thread of its kind ("comm 2", ...) instead. Timestamps are µs on the
+run's common time base (every rank aligned to rank 0's clock). GPU metrics, when the trace
+holds ``gpu`` records, become counter ("C") events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.merge import time_base
+from ddpdoctor.trace.reader import RankTrace
+
+GPU_KIND = "gpu"  # metadata records {name: number, ...} sampled by the NVML probe, when present
+COMPUTE_KINDS = (
+    schema.DDP_INIT,
+    schema.DATA_WAIT,
+    schema.FORWARD,
+    schema.BACKWARD,
+    schema.OPTIMIZER,
+    schema.COLLECTIVE,
+)
+COMM_KINDS = (schema.ALLREDUCE, schema.SYNC_BUFFERS)
+COMPUTE_TID, COMM_TID = 1, 100  # extra lanes count up from these
+
+
+def _args(kind: str, step: int, fields: tuple, buckets: dict[int, list[str]]) -> tuple[str, dict]:
+    """(event name, args) from a record's fields."""
+    args: dict[str, Any] = {"step": step}
+    name = kind
+    if kind == schema.ALLREDUCE and len(fields) >= 2:
+        name = f"allreduce bucket {fields[0]}"
+        args.update(bucket=fields[0], bytes=fields[1])
+        if fields[0] in buckets:
+            args["params"] = buckets[fields[0]]
+    elif kind == schema.COLLECTIVE and fields:
+        name = str(fields[0])
+        keys = ("op", "bytes", "group", "group_size", "seq", "async")
+        args.update(dict(zip(keys, fields, strict=False)))
+    elif kind == schema.FORWARD and fields:
+        name = "forward" if fields[0] == 1 else "forward (no grad)"
+    elif kind == schema.OPTIMIZER and fields:
+        name = f"optimizer {fields[0]}"
+    elif kind == schema.DDP_INIT and fields and isinstance(fields[0], dict):
+        args.update({k: v for k, v in fields[0].items() if k != "buckets"})
+    return name, args
+
+
+def _lanes(events: list[tuple[int, int, str, dict]], base_tid: int) -> Iterator[tuple[int, tuple]]:
+    """Assign each (ts, dur, name, args) a thread on which X events nest properly."""
+    stacks: list[list[int]] = []  # per lane: end times of the open events
+    for ev in sorted(events, key=lambda e: (e[0], -e[1])):
+        ts, dur = ev[0], ev[1]
+        end = ts + dur
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= ts:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                stack.append(end)
+                yield base_tid + lane, ev
+                break
+        else:
+            stacks.append([end])
+            yield base_tid + len(stacks) - 1, ev
+
+
+def _bucket_params(trace: RankTrace) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for _ts, _step, info in trace.meta.get(schema.BUCKET, []):
+        if isinstance(info.get("index"), int):
+            out[info["index"]] = [str(p) for p in info.get("params", [])]
+    return out
+
+
+def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
+    """The ``traceEvents`` list for a diagnosed run."""
+    run = diag.run
+    tb = time_base(run)
+    out: list[dict[str, Any]] = []
+    for rank, trace in sorted(run.ranks.items()):
+        pid = rank
+        out.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {rank} ({trace.host})"}}
+        )
+        out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}})
+        buckets = _bucket_params(trace)
+        for kinds, base, label in ((COMPUTE_KINDS, COMPUTE_TID, "compute"), (COMM_KINDS, COMM_TID, "comm")):
+            events: list[tuple[int, int, str, dict]] = []
+            for kind in kinds:
+                ev = trace.kind(kind)
+                if not len(ev):
+                    continue
+                ts = tb.rel(rank, ev.ts)
+                for t, d, s, f in zip(ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields, strict=True):
+                    name, args = _args(kind, s, f, buckets)
+                    events.append((t, max(d, 0), name, dict(args, cat=kind)))
+            used: set[int] = set()
+            for tid, (t, d, name, args) in _lanes(events, base):
+                used.add(tid)
+                cat = args.pop("cat")
+                out.append(
+                    {
+                        "name": name,
+                        "cat": cat,
+                        "ph": "X",
+                        "ts": t,
+                        "dur": d,
+                        "pid": pid,
+                        "tid": tid,
+                        "args": args,
+                    }
+                )
+            if base == COMM_TID:
+                used.add(COMM_TID)  # always name the comm thread, even when empty
+            for tid in sorted(used):
+                extra = tid - base
+                tname = label if extra == 0 else f"{label} {extra + 1}"
+                out.append(
+                    {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": tname}}
+                )
+                out.append(
+                    {
+                        "name": "thread_sort_index",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"sort_index": tid},
+                    }
+                )
+        for ts, _step, info in trace.meta.get(GPU_KIND, []):
+            values = {
+                k: v for k, v in info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            if values:
+                t = int(tb.rel(rank, np.asarray([ts]))[0])
+                out.append({"name": "gpu", "ph": "C", "ts": t, "pid": pid, "args": values})
+    return out
+
+
+def render(diag: Diagnosis) -> dict[str, Any]:
+    return {
+        "traceEvents": trace_events(diag),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "ddpdoctor",
+            "world_size": diag.run.world_size,
+            "command": diag.run.command,
+        },
+    }
+
+
+def write(diag: Diagnosis, path: str | os.PathLike[str]) -> Path:
+    """Write the trace atomically (temporary name, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(render(diag), fh, separators=(",", ":"))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

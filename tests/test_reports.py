@@ -1,0 +1,128 @@
+"""The HTML report: written after `run`, rebuilt by `report`, escaped, bounded at scale."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import JOBS, job_env, run_doctor, torchrun
+
+from ddpdoctor.analysis import Finding, diagnose
+from ddpdoctor.reports import html, terminal
+from ddpdoctor.trace.merge import time_base
+from ddpdoctor.trace.reader import load_run
+from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+
+XSS = "</script><img src=x onerror=alert(1)>"
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", *args], capture_output=True, text=True, timeout=120, env=job_env()
+    )
+
+
+@pytest.mark.e2e
+def test_run_writes_report_and_prints_its_path(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"))
+    assert job.returncode == 0, job.stderr
+    report = job.run_dir / "report.html"
+    assert f"report: {report}" in job.stderr
+    text = report.read_text(encoding="utf-8")
+    assert "rank 0 (" in text and "rank 1 (" in text
+    assert "Plotly.newPlot" in text
+    assert not re.search(r"<script[^>]+src=", text), "the report must not fetch scripts"
+    assert not list(job.run_dir.glob(".report.html.*")), "temporary file left behind"
+    # `report` rebuilds it elsewhere; `diagnose` points at the one in the run dir.
+    out = tmp_path / "again.html"
+    proc = doctor("report", str(job.run_dir), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 1_000_000  # plotly.js is embedded
+    proc = doctor("diagnose", str(job.run_dir))
+    assert f"report: {report}" in proc.stdout
+
+
+def test_report_exits_2_on_unreadable_input(tmp_path: Path) -> None:
+    assert doctor("report", str(tmp_path / "missing")).returncode == 2
+    assert doctor("report", str(tmp_path)).returncode == 2  # a directory with no trace
+    assert doctor("export", str(tmp_path)).returncode == 2
+
+
+def _xss_diag(tmp_path: Path):
+    job = SyntheticJob(
+        ranks=4,
+        steps=6,
+        ranks_per_host=2,
+        host_name="h{}" + XSS,
+        param_name="p{}." + XSS,
+        command=["torchrun", XSS, "train.py", "--name", "'\"&<>%{x}"],
+    )
+    diag = diagnose(load_run(write_run(job, tmp_path)))
+    diag.findings.append(
+        Finding("x" + XSS, "warning", [1], "summary " + XSS, fix="fix " + XSS, details={"e": XSS})
+    )
+    diag.run.notes.append("note " + XSS)
+    return diag
+
+
+def test_no_job_string_reaches_the_page_as_markup(tmp_path: Path) -> None:
+    text = html.render(_xss_diag(tmp_path))
+    assert "<img" not in text.lower()
+    # Every </script> closes one of our own scripts.
+    assert len(re.findall(r"</script", text, re.I)) == len(re.findall(r"<script", text, re.I))
+    # The strings did arrive, escaped: in the page and in the figure data.
+    assert "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;" in text  # header, findings
+    assert "rank 1 (h0&lt;\\u002fscript&gt;" in text  # a plotly axis label
+    assert "%&#123;x&#125;" in text  # braces too: plotly would read %{...} as a template
+
+
+def test_large_run_keeps_slowest_steps_and_every_step_in_heatmap(tmp_path: Path) -> None:
+    job = SyntheticJob(ranks=16, steps=300, straggler=5, straggler_extra_us=20_000)
+    diag = diagnose(load_run(write_run(job, tmp_path)))
+    text = html.render(diag, max_segments=2_000)
+    assert re.search(r"Showing \d+ of 300 steps", text)
+    ranks, steps, z, _ = html.lateness_matrix(diag, time_base(diag.run))
+    assert steps == list(range(300)) and z.shape == (16, 300)
+    assert int(np.argmax(np.nanmean(z, axis=1))) == 5  # the straggler is the latest row
+    assert np.nanmin(z) == 0
+    spans = html.step_spans(diag, time_base(diag.run))
+    chosen = html.choose_steps(spans, per_step=100, budget=2_000)
+    slowest = max(spans, key=lambda s: spans[s][1] - spans[s][0])
+    assert chosen is not None and len(chosen) <= 20 and slowest in chosen
+
+
+def test_report_at_scale_stays_under_budget(tmp_path: Path) -> None:
+    """A quarter of the benchmark's size (32 ranks x 500 steps) in well under its bounds."""
+    import time
+
+    dirs = write_run(SyntheticJob(ranks=32, steps=500, straggler=3), tmp_path)
+    t = time.perf_counter()
+    path = html.write(diagnose(load_run(dirs)), tmp_path / "r.html")
+    assert time.perf_counter() - t < 10
+    assert path.stat().st_size < 10_000_000
+
+
+def test_summary_fits_80_columns_and_names_the_report(tmp_path: Path) -> None:
+    diag = _xss_diag(tmp_path)
+    text = terminal.render(diag, report="/r/report.html")
+    assert text.splitlines()[-1] == "  report: /r/report.html"
+    long = [line for line in text.splitlines() if len(line) > 80 and "onerror" not in line]
+    assert not long, long
+
+
+def test_report_failure_never_changes_the_summary_or_exit(tmp_path: Path, monkeypatch) -> None:
+    from ddpdoctor import cli
+
+    run_dir = write_run(SyntheticJob(ranks=2, steps=3), tmp_path)[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(html, "write", broken)
+    text = cli._summary_text(run_dir)
+    assert "report: not written (RuntimeError('disk on fire'))" in text
+    assert "rank(s) on 1 host(s)" in text
