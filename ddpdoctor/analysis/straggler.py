@@ -22,7 +22,7 @@ from ddpdoctor.trace.reader import RankTrace, Run
 PHASES = ("data_wait", "forward", "backward", "optimizer", "other")
 LATE_FRACTION = 0.05  # of the step time: below this a rank is on time
 LATE_FLOOR_US = 300
-PERSISTENT = 0.6  # late on at least this share of steps (and late at the median step)
+PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
 _FIX = {
@@ -136,10 +136,16 @@ def stragglers(run: Run) -> Iterable[Finding]:
         return
     threshold = max(LATE_FRACTION * table.step_us, LATE_FLOOR_US)
     latest = table.lateness.argmax(axis=0)
+    # How far each rank's typical lateness stands out from the typical rank's: with many
+    # ranks someone is always a little late, so lateness alone is not a straggler.
+    typical = np.median(table.lateness, axis=1)
+    standout = [typical[i] - np.median(np.delete(typical, i)) for i in range(len(typical))]
     for row, rank in enumerate(table.ranks):
         late = (latest == row) & (table.lateness[row] > threshold)
         n_late = int(late.sum())
-        persistent = n_late / len(table.steps) >= PERSISTENT and np.median(table.lateness[row]) > threshold
+        # A healthy rank is the latest on about 1/world of the steps; a straggler on most.
+        needed = min(PERSISTENT, 3 / len(table.ranks))
+        persistent = n_late / len(table.steps) >= needed and standout[row] > threshold
         if not persistent:
             late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
             n_late = int(late.sum())
