@@ -44,7 +44,15 @@ comm_hook       {name, user}: the comm hook that is being timed
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
+rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
+                last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
+                threading.excepthook for other threads), flushed at once
 ==============  ===============================================================================
+
+Besides the trace, each rank rewrites ``status-rank{R}.json`` (schema ``ddpdoctor.status/1``,
+see ``probes/liveness.py``) after every flush: its pid, a heartbeat, the sync point it is
+inside and its collective sequence number. ``ddpdoctor run`` watches these for hangs and keeps
+what it found in ``hang-N/summary.json`` and ``watch.json``.
 
 Readers must ignore kinds they do not know, so later versions can add records.
 """
@@ -72,6 +80,7 @@ COMM_HOOK = "comm_hook"
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
+RANK_ERROR = "rank_error"
 
 BARRIER_OP = "barrier"
 
