@@ -185,6 +185,7 @@ class Watcher:
                         "pid": pid,
                         "seen_wall": now,
                         "signal": sig,
+                        "step": st.get("step"),
                         "last_heartbeat_wall": st.get("heartbeat_wall"),
                         "error": st.get("error"),
                         "others": _snapshot(statuses, rank),
