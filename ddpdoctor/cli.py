@@ -103,8 +103,21 @@ def _run_and_summarise(command: list[str], out: str | None, watch: object = None
         result = run_job(command, run_dir, watch if isinstance(watch, WatchOptions) else WatchOptions())
     except OSError as exc:
         raise click.ClickException(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
-    eprint(_summary_text(run_dir))
+    eprint(_startup_text(run_dir) or _summary_text(run_dir))
     return EXIT_HANG_KILLED if result.killed_on_hang else result.exit_code
+
+
+def _startup_text(run_dir: Path) -> str:
+    """The one-line cause of a job that failed before any rank started recording, or ""."""
+    try:
+        from ddpdoctor.probes import startup
+
+        errors = startup.read(run_dir)
+        if not errors or any(run_dir.glob("trace-rank*.jsonl")):
+            return ""
+        return f"ddpdoctor: startup failed: {errors[0]['line']}\n  run dir: {run_dir}"
+    except Exception:
+        return ""
 
 
 def _summary_text(run_dir: Path) -> str:
