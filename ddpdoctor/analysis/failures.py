@@ -118,9 +118,10 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             step = max(step, seen["step"])  # the trace may miss the last flush interval
     others = _others(watch, rank, errors)
     details.update(first_rank=rank, at_step=step, others=others, failed_wall=when)
+    at = f"at step {step}" if step >= 0 else "before its first recorded step"
     if error is not None:
         summary = (
-            f"rank {rank} failed first at step {step}: {error.get('type')}: "
+            f"rank {rank} failed first {at}: {error.get('type')}: "
             f"{str(error.get('message', '')).splitlines()[0][:200] if error.get('message') else ''}"
             f"{_where(error.get('frames') or [])}"
         )
@@ -132,8 +133,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     else:
         how = _signal_name(sig) if sig else "a signal (SIGKILL or the kernel's OOM killer)"
         summary = (
-            f"rank {rank} was killed by {how} at step {step}: it raised no Python exception and "
-            "did not exit cleanly"
+            f"rank {rank} was killed by {how} {at}: it raised no Python exception and did not exit cleanly"
         )
         fix = (
             "If nothing killed it on purpose, look for the OOM killer (dmesg | grep -i 'killed process') "

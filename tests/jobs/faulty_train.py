@@ -6,7 +6,8 @@ skip_barrier  rank 1 skips a barrier and goes on to the next all_reduce
 raise         rank 1 raises ValueError at step 3
 sigkill       rank 1 kills itself with SIGKILL at step 3
 userloop      rank 1 spins forever in user code before a step; rank 0 waits in backward
-slow          healthy, but every step takes --step-s seconds
+slow          healthy, but rank 1 is slow: --step-s seconds a step for 3 steps, then 2.5x that,
+              so rank 0 waits in the gradient all-reduce longer than the first steps took
 """
 
 import argparse
@@ -52,11 +53,12 @@ def main() -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        if args.step_s:
-            time.sleep(args.step_s)
+        if args.mode == "slow" and rank == 1:
+            time.sleep(args.step_s if step < 3 else 2.5 * args.step_s)
         if step == 3 and rank == 1 and args.mode == "raise":
             raise ValueError("bad batch at step 3")
         if step == 3 and rank == 1 and args.mode == "sigkill":
+            time.sleep(0.6)  # a little work first, as an OOM kill mid-training would interrupt
             os.kill(os.getpid(), signal.SIGKILL)
     if args.mode == "eval0" and rank == 0:
         evaluate(model, x)  # through the wrapper: a collective the other ranks never join
