@@ -160,7 +160,7 @@ class HangDiagnosis:
 
 
 def _ranks_label(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + rank_list(ranks).replace(", ", ",")
+    return "rank " + rank_list(ranks).replace(", ", ",")
 
 
 def _where(state_phase: dict[str, Any] | None, frames: list[Frame]) -> tuple[str, Frame | None]:

@@ -193,16 +193,17 @@ class Watcher:
                     self._write_watch()
             if changed:
                 self._last_change = now
-                if not self._armed and self.hangs:
+            threshold = self.threshold(statuses)
+            longest = max((sync_wait_s(s, now) for s in statuses.values()), default=0.0)
+            quiet = now - self._last_change
+            if not self._armed and changed and longest <= threshold:
+                # Every rank is out of the stuck sync point and moving: the job recovered.
+                self._armed = True
+                if self.hangs:
                     self.hangs[-1]["recovered"] = True
                     self._save_hang(self.hangs[-1])
-                self._armed = True
             if not detect or not self._armed or self.exits or self.errors:
                 return None
-            threshold = self.threshold(statuses)
-            stuck = {r: sync_wait_s(s, now) for r, s in statuses.items()}
-            longest = max(stuck.values(), default=0.0)
-            quiet = now - self._last_change
             started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
             if longest <= threshold and not (started and quiet > threshold):
                 return None
