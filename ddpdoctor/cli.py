@@ -112,7 +112,9 @@ def _startup_text(run_dir: Path) -> str:
     try:
         from ddpdoctor.probes import startup
 
-        errors = startup.read(run_dir)
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        started = int(meta.get("started_ns") or 0)
+        errors = [e for e in startup.read(run_dir) if int(e.get("wall_ns") or 0) >= started]
         if not errors or any(run_dir.glob("trace-rank*.jsonl")):
             return ""
         return f"ddpdoctor: startup failed: {errors[0]['line']}\n  run dir: {run_dir}"

@@ -125,7 +125,7 @@ def _write_status(run_dir: Path, rank: int, **kw) -> None:
 
 def test_watcher_fires_once_per_hang_and_rearms_on_progress(tmp_path: Path) -> None:
     reports: list[str] = []
-    w = Watcher(tmp_path, hang_timeout=3, report=reports.append, use_pyspy=False)
+    w = Watcher(tmp_path, hang_timeout=3, report=reports.append, use_pyspy=False, since_wall=0)
     for r in (0, 1):
         _write_status(tmp_path, r, name="collective", op="barrier", since=1.0, events=5, step=2)
     assert w.poll_once(now=100.0) is None  # 1 s in a barrier: fine
@@ -144,7 +144,7 @@ def test_watcher_fires_once_per_hang_and_rearms_on_progress(tmp_path: Path) -> N
 
 
 def test_watcher_ignores_a_healthy_slow_job_and_dead_pids_are_exits(tmp_path: Path) -> None:
-    w = Watcher(tmp_path, floor_s=2, report=lambda t: None, use_pyspy=False)
+    w = Watcher(tmp_path, floor_s=2, report=lambda t: None, use_pyspy=False, since_wall=0)
     for r in (0, 1):
         _write_status(
             tmp_path, r, name="backward", op="allreduce", since=2.5, events=5, step=4, max_step_s=1.0
@@ -249,3 +249,9 @@ def test_a_clean_run_has_no_rank_failure(tmp_path: Path) -> None:
     _trace(tmp_path, 0, ["end", 30, 0, 3, {"reason": "exit"}])
     (tmp_path / "run.json").write_text(json.dumps({"exit_code": 0}))
     assert not [f for f in diagnose(load_run([tmp_path])).findings if f.kind == "rank_failure"]
+
+
+def test_statuses_left_by_an_earlier_run_in_the_same_dir_are_ignored(tmp_path: Path) -> None:
+    (tmp_path / "status-rank0.json").write_text(json.dumps(status(0, "collective", "barrier", since=99.0)))
+    w = Watcher(tmp_path, hang_timeout=3, report=lambda t: None, use_pyspy=False)  # heartbeat 100.0: old
+    assert w.poll_once(now=200.0) is None and not w.exits and not w.hangs

@@ -59,6 +59,8 @@ class _Liveness:
 
     def status(self) -> dict[str, Any]:
         c = self.c
+        if self.stacks_file and signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            self.stacks_file = None  # the job took SIGUSR1 since: never send it ours
         progress = c.progress
         now = time.monotonic_ns()
         phase = None

@@ -107,6 +107,7 @@ class Watcher:
         report: Callable[[str], None] | None = None,
         kill_job: Callable[[list[int]], None] | None = None,
         use_pyspy: bool = True,
+        since_wall: float | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.hang_timeout = hang_timeout
@@ -125,6 +126,8 @@ class Watcher:
         self._thread = threading.Thread(target=self._loop, name="ddpdoctor-watch", daemon=True)
         self._last_events: dict[int, int] = {}
         self._last_change = time.time()
+        # Statuses with an older heartbeat belong to an earlier run in a reused --out dir.
+        self._started_wall = time.time() - 1.0 if since_wall is None else since_wall
         self._armed = True
         self._statuses: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -165,11 +168,16 @@ class Watcher:
     def poll_once(self, now: float, detect: bool = True) -> dict[str, Any] | None:
         """One look at the ranks; returns the hang summary if this look caught one."""
         with self._lock:
-            statuses = read_statuses(self.run_dir)
+            statuses = {
+                r: st
+                for r, st in read_statuses(self.run_dir).items()
+                if float(st.get("heartbeat_wall") or 0.0) >= self._started_wall
+            }
             if not statuses:
                 return None
             self._statuses = statuses
             changed = False
+            failing = False  # a rank of the current attempt died or raised: not a hang
             for rank, st in statuses.items():
                 events = int(st.get("events") or 0)
                 if self._last_events.get(rank) != events:
@@ -179,7 +187,9 @@ class Watcher:
                     self.errors[rank] = {"seen_wall": now, **st["error"], "others": _snapshot(statuses, rank)}
                     self._write_watch()
                 pid = int(st.get("pid") or 0)
-                if pid and rank not in self.exits and not pid_alive(pid):
+                alive = pid_alive(pid) if pid else True
+                failing = failing or not alive or bool(st.get("error"))
+                if pid and rank not in self.exits and not alive:
                     sig = _zombie_signal(pid)
                     self.exits[rank] = {
                         "pid": pid,
@@ -202,7 +212,7 @@ class Watcher:
                 if self.hangs:
                     self.hangs[-1]["recovered"] = True
                     self._save_hang(self.hangs[-1])
-            if not detect or not self._armed or self.exits or self.errors:
+            if not detect or not self._armed or failing:
                 return None
             started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
             if longest <= threshold and not (started and quiet > threshold):
