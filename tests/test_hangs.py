@@ -87,8 +87,10 @@ def test_rank_stuck_in_user_code_without_py_spy_uses_faulthandler(tmp_path: Path
     assert hang["details"]["ranks"]["0"]["phase"] in ("sync_buffers", "backward", "collective")
 
 
-def test_rank_that_raises_is_the_first_failure(tmp_path: Path) -> None:
-    job = run_doctor(tmp_path, torchrun(2, FAULTY, "--mode", "raise"), *KILL, timeout=120)
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "with-@record"])
+def test_rank_that_raises_is_the_first_failure(tmp_path: Path, record: bool) -> None:
+    args = ("--mode", "raise") + (("--record",) if record else ())
+    job = run_doctor(tmp_path, torchrun(2, FAULTY, *args), *KILL, timeout=120)
     assert job.returncode == 1, job.stderr[-3000:]  # torchrun's own code, passed through
     assert "HANG" not in job.stderr
     [failure] = findings(job.run_dir, "rank_failure")

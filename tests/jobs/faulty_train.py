@@ -13,6 +13,7 @@ slow          healthy, but rank 1 is slow: --step-s seconds a step for 3 steps, 
 import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--mode", default="slow")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--record", action="store_true", help="run main under torchrun's @record")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -73,4 +75,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--record" in sys.argv:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(main)()
+    else:
+        main()
