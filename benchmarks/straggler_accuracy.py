@@ -34,8 +34,9 @@ def simulated(trials: int, fraction: float, seed: int) -> tuple[int, int, int]:
         jitter = rng.uniform(0.02, 0.08)
         rank, phase = rng.randrange(world), rng.choice(PHASES)
         step = sum(BASE_MS.values())
-        run = simulate_run(world, 40, slow=Slowdown(rank, phase, fraction * step), jitter=jitter,
-                           seed=seed * 100_000 + t)
+        run = simulate_run(
+            world, 40, slow=Slowdown(rank, phase, fraction * step), jitter=jitter, seed=seed * 100_000 + t
+        )
         found = [f for f in diagnose(run).findings if f.kind == "straggler"]
         if found and found[0].ranks == [rank]:
             rank_only += 1
@@ -52,12 +53,36 @@ def real(runs: int, seed: int) -> tuple[int, int]:
         rank, kind = rng.randrange(3), rng.choice(["data", "forward", "other"])
         phase = {"data": "data_wait", "forward": "forward", "other": "other"}[kind]
         out = Path(tempfile.mkdtemp()) / "run"
-        subprocess.run([sys.executable, "-m", "ddpdoctor", "run", "--out", str(out), "--",
-                        sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=3", str(JOB), kind, "15", f"--slow={rank}"],
-                       capture_output=True, timeout=300, check=True)
-        diag = json.loads(subprocess.run([sys.executable, "-m", "ddpdoctor", "diagnose", "--json",
-                                          str(out)], capture_output=True, text=True).stdout)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddpdoctor",
+                "run",
+                "--out",
+                str(out),
+                "--",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=3",
+                str(JOB),
+                kind,
+                "15",
+                f"--slow={rank}",
+            ],
+            capture_output=True,
+            timeout=300,
+            check=True,
+        )
+        diag = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(out)],
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
         found = [f for f in diag["findings"] if f["kind"] == "straggler"]
         ok = bool(found) and found[0]["ranks"] == [rank] and found[0]["details"]["phase"] == phase
         right += ok
@@ -74,9 +99,11 @@ def main() -> None:
     print(f"simulated: {args.trials} trials per delay, world 2-16, jitter 2-8 % per phase")
     for fraction in (0.05, 0.10, 0.20, 0.50):
         both, rank_only, false = simulated(args.trials, fraction, args.seed)
-        print(f"  delay {fraction:4.0%} of step: rank+phase {both / args.trials:6.1%}, "
-              f"rank {rank_only / args.trials:6.1%}, false alarms on healthy twins "
-              f"{false}/{args.trials}")
+        print(
+            f"  delay {fraction:4.0%} of step: rank+phase {both / args.trials:6.1%}, "
+            f"rank {rank_only / args.trials:6.1%}, false alarms on healthy twins "
+            f"{false}/{args.trials}"
+        )
     if args.real:
         right, runs = real(args.real, args.seed)
         print(f"real 3-rank torchrun jobs (15 ms delay): {right}/{runs} right rank and phase")

@@ -9,3 +9,4 @@ BOOTSTRAP_DIR = "DDPDOCTOR_BOOTSTRAP_DIR"  # our sitecustomize directory, to fin
 FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (default 0.25)
 BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events held in memory before dropping (default 100000)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
+HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)

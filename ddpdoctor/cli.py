@@ -1,6 +1,7 @@
 """The command line: wiring only; each command calls into supervisor, analysis and reports.
 
-Exit codes: `run` and `demo` exit with the job's own code (128+N when a signal killed it);
+Exit codes: `run` and `demo` exit with the job's own code (128+N when a signal killed it),
+except that `run --on-hang kill` exits 124 (as timeout(1) does) when it stopped a hung job;
 `diagnose` exits 0 when it finds no error, 1 when a finding has severity "error", and 2 when
 its input cannot be read (or the command line is wrong).
 """
@@ -17,6 +18,7 @@ import ddpdoctor
 
 EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
+EXIT_HANG_KILLED = 124  # `run --on-hang kill` stopped a hung job
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -40,8 +42,24 @@ def main() -> None:
     default=None,
     help="Run directory (default: ./ddpdoctor-runs/<timestamp>).",
 )
+@click.option(
+    "--hang-timeout",
+    default="auto",
+    show_default=True,
+    metavar="SECONDS|auto",
+    help="Report a hang when a rank waits in a sync point this long, or no rank progresses. "
+    "auto: 5x the slowest step seen, at least 30 s (DDPDOCTOR_HANG_FLOOR_S).",
+)
+@click.option(
+    "--on-hang",
+    type=click.Choice(["dump", "kill"]),
+    default="dump",
+    show_default=True,
+    help="dump: report stacks and diagnosis, keep waiting (the job may recover). "
+    "kill: report, then stop the job and exit 124.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(out: str | None, command: tuple[str, ...]) -> None:
+def run(out: str | None, hang_timeout: str, on_hang: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (torchrun, python -m torch.distributed.run, mp.spawn...) under the doctor.
 
     \b
@@ -49,12 +67,30 @@ def run(out: str | None, command: tuple[str, ...]) -> None:
     The job's output, results and exit code are unchanged; ddpdoctor adds one banner line,
     a closing summary (on stderr) and a run directory holding every rank's trace.
     """
-    sys.exit(_run_and_summarise(list(command), out))
+    sys.exit(_run_and_summarise(list(command), out, _watch_options(hang_timeout, on_hang)))
 
 
-def _run_and_summarise(command: list[str], out: str | None) -> int:
+def _watch_options(hang_timeout: str, on_hang: str) -> object:
+    import os
+
+    from ddpdoctor import _env
+    from ddpdoctor.supervisor.launch import WatchOptions
+
+    timeout: float | None = None
+    if hang_timeout != "auto":
+        try:
+            timeout = float(hang_timeout)
+        except ValueError:
+            raise click.BadParameter("a number of seconds, or auto", param_hint="--hang-timeout") from None
+        if timeout <= 0:
+            raise click.BadParameter("must be positive", param_hint="--hang-timeout")
+    floor = os.environ.get(_env.HANG_FLOOR)
+    return WatchOptions(timeout, on_hang, float(floor) if floor else None)
+
+
+def _run_and_summarise(command: list[str], out: str | None, watch: object = None) -> int:
     from ddpdoctor.rundir import new_run_dir
-    from ddpdoctor.supervisor.launch import banner, eprint, run_job
+    from ddpdoctor.supervisor.launch import WatchOptions, banner, eprint, run_job
 
     if command and command[0] == "--":
         command = command[1:]
@@ -66,11 +102,26 @@ def _run_and_summarise(command: list[str], out: str | None) -> int:
         raise click.ClickException(f"cannot create the run directory: {exc}") from exc
     eprint(banner(run_dir))
     try:
-        result = run_job(command, run_dir)
+        result = run_job(command, run_dir, watch if isinstance(watch, WatchOptions) else WatchOptions())
     except OSError as exc:
         raise click.ClickException(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
-    eprint(_summary_text(run_dir))
-    return result.exit_code
+    eprint(_startup_text(run_dir) or _summary_text(run_dir))
+    return EXIT_HANG_KILLED if result.killed_on_hang else result.exit_code
+
+
+def _startup_text(run_dir: Path) -> str:
+    """The one-line cause of a job that failed before any rank started recording, or ""."""
+    try:
+        from ddpdoctor.probes import startup
+
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        started = int(meta.get("started_ns") or 0)
+        errors = [e for e in startup.read(run_dir) if int(e.get("wall_ns") or 0) >= started]
+        if not errors or any(run_dir.glob("trace-rank*.jsonl")):
+            return ""
+        return f"ddpdoctor: startup failed: {errors[0]['line']}\n  run dir: {run_dir}"
+    except Exception:
+        return ""
 
 
 REPORT_NAME = "report.html"

@@ -4,6 +4,7 @@ Nothing here imports torch or touches a live process, so every judgement can be 
 on synthetic traces.
 """
 
+from ddpdoctor.analysis import failures as _failures  # noqa: F401  (registers detectors)
 from ddpdoctor.analysis.diagnosis import Diagnosis, diagnose
 from ddpdoctor.analysis.findings import Finding
 

@@ -59,27 +59,7 @@ def rank_list(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-@detector
-def job_failed(run: Run) -> Iterable[Finding]:
-    code = run.exit_code
-    if not code:
-        return
-    unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
-    last_step = {str(r): int(t.kind(schema.FORWARD).step.max(initial=-1)) for r, t in run.ranks.items()}
-    summary = f"the job exited with code {code}"
-    if code > 128:
-        summary += f" (killed by signal {code - 128})"
-    if unclean:
-        summary += f"; rank(s) {rank_list(unclean)} stopped recording without a clean exit"
-    yield Finding(
-        "job_failed",
-        "error",
-        unclean or sorted(run.ranks),
-        summary,
-        fix="Read the first traceback in the job's output (the earliest failing rank is the cause; "
-        "the others are usually torchrun stopping them).",
-        details={"exit_code": code, "unclean_ranks": unclean, "last_step": last_step},
-    )
+# hang and rank_failure live in their own modules and register on import (analysis/__init__.py).
 
 
 @detector

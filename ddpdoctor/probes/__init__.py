@@ -22,6 +22,12 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    try:
+        from ddpdoctor.probes import startup
+
+        startup.install()
+    except Exception as exc:
+        sys.stderr.write(f"ddpdoctor: startup-failure hook not installed: {exc!r}\n")
     if "torch" in sys.modules:
         _patch_torch()
     else:

@@ -126,10 +126,12 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 return orig(*args, **kwargs)
             c.in_collective = True
             t0 = _now()
+            prev, c.progress = c.progress, ("collective", op, seq, t0)
             try:
                 return orig(*args, **kwargs)
             finally:
                 c.in_collective = False
+                c.progress = prev
                 c.emit(schema.COLLECTIVE, t0, _now(), op, nbytes, gname, gsize, seq, is_async)
 
         return collective

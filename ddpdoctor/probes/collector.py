@@ -41,6 +41,12 @@ class Collector:
         self.optimizer_t0 = 0
         self.step_model: Any = None  # the DDP model state whose forward opened this step
         self.disabled: set[str] = set()
+        # Live progress, published by the writer thread as status-rank{R}.json (liveness.py):
+        # (phase, op, seq at entry, t0 monotonic ns) of the sync point the rank is inside, or None.
+        self.progress: tuple[str, str, int, int] | None = None
+        self.events = 0  # events recorded so far: a counter the supervisor watches move
+        self.last_step_ns = 0  # entry of the last training forward
+        self.max_step_ns = 0  # the slowest step seen (forward entry to next forward entry)
         self.writer = TraceWriter(
             os.path.join(run_dir, schema.trace_filename(self.rank, header.get("restart", 0))),
             header,
@@ -52,7 +58,15 @@ class Collector:
 
     def emit(self, kind: str, t0: int, t1: int, *fields: Any) -> None:
         """Record one event (monotonic ns) at the current step."""
+        self.events += 1
         self.put((kind, t0, t1, self.step, *fields))
+
+    def progress_seq(self) -> int:
+        """The default group's collective sequence number now, -1 if unknown (never raises)."""
+        try:
+            return int(self.default_pg._get_sequence_number_for_group())
+        except Exception:
+            return -1
 
     def meta(self, kind: str, info: dict[str, Any]) -> None:
         self.writer.meta(kind, self.step, info)
@@ -119,6 +133,12 @@ def activate(dist: Any) -> Collector | None:
             _warn_once(f"ddpdoctor: not recording this rank: {exc}")
             return None
         _install_exit_handlers(ACTIVE)
+        try:
+            from ddpdoctor.probes import liveness
+
+            liveness.install(ACTIVE)
+        except Exception as exc:
+            ACTIVE.fail("liveness", exc)
         _measure_clock(dist, ACTIVE)
         return ACTIVE
 

@@ -34,7 +34,11 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if c is None or PROBE in c.disabled:
             return next_(self)
         t0 = _now()
-        batch = next_(self)
+        prev, c.progress = c.progress, ("data", "next", -1, t0)
+        try:
+            batch = next_(self)
+        finally:
+            c.progress = prev
         c.emit(schema.DATA_WAIT, t0, _now(), getattr(self, _LOADER_ID, 0))
         return batch
 

@@ -139,6 +139,11 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
         t0 = _now()
+        if grad:
+            if c.last_step_ns:
+                c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
+            c.last_step_ns = t0
+        prev, c.progress = c.progress, ("forward", "train" if grad else "eval", seq, t0)
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
@@ -146,6 +151,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 _record_ddp_error(c, state, str(exc))
             raise
         finally:
+            c.progress = prev
             c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
 
     return forward_
@@ -214,9 +220,11 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
             return sync(self, *args, **kwargs)
         seq = group_info(self.process_group, c)[3]
         t0 = _now()
+        prev, c.progress = c.progress, ("sync_buffers", "broadcast", seq, t0)
         try:
             return sync(self, *args, **kwargs)
         finally:
+            c.progress = prev
             c.emit(schema.SYNC_BUFFERS, t0, _now(), seq)
 
     return _sync_buffers
@@ -229,9 +237,11 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
         t0 = _now()
+        prev, c.progress = c.progress, ("backward", "allreduce", c.progress_seq(), t0)
         try:
             result = backward(*args, **kwargs)
         finally:
+            c.progress = prev
             c.emit(schema.BACKWARD, t0, _now())
         try:
             check_unused(c)

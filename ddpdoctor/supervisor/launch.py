@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,17 @@ class JobResult:
     exit_code: int
     signal: int | None = None  # the signal that killed the launcher, if any
     interrupted_by: list[str] = field(default_factory=list)  # signals we forwarded
+    hangs: int = 0  # hangs caught by the watcher (supervisor/watch.py)
+    killed_on_hang: bool = False  # --on-hang kill stopped the job
+
+
+@dataclass
+class WatchOptions:
+    """How `run_job` watches for hangs (see supervisor/watch.py)."""
+
+    hang_timeout: float | None = None  # None: adaptive
+    on_hang: str = "dump"  # "dump" | "kill"
+    floor_s: float | None = None  # None: watch.DEFAULT_FLOOR_S
 
 
 def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -53,7 +65,7 @@ def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / RUN_META)
 
 
-def run_job(command: list[str], run_dir: Path) -> JobResult:
+def run_job(command: list[str], run_dir: Path, watch: WatchOptions | None = None) -> JobResult:
     """Run ``command`` to completion under the doctor; returns its exit code (128+N if killed)."""
     meta: dict[str, Any] = {
         "schema": RUN_SCHEMA,
@@ -75,10 +87,14 @@ def run_job(command: list[str], run_dir: Path) -> JobResult:
     write_meta(run_dir, meta)
     result = JobResult(exit_code=0)
     terminal = _ForegroundTerminal(proc.pid)
+    watcher = _start_watcher(run_dir, proc.pid, watch)
     previous = {sig: signal.getsignal(sig) for sig in _FORWARDED}
 
     def forward(signum: int, frame: Any) -> None:
         result.interrupted_by.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT and watcher is not None and watcher.hung:
+            # Ranks blocked in a collective only act on SIGINT once it returns: end them now.
+            threading.Thread(target=watcher.kill_job, args=(watcher.rank_pids(),), daemon=True).start()
         try:
             if signum == signal.SIGINT:
                 os.killpg(proc.pid, signum)
@@ -99,6 +115,9 @@ def run_job(command: list[str], run_dir: Path) -> JobResult:
                 continue
     finally:
         terminal.take_back()
+        if watcher is not None:
+            watcher.stop()
+            result.hangs, result.killed_on_hang = len(watcher.hangs), watcher.killed
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code < 0:
@@ -110,10 +129,34 @@ def run_job(command: list[str], run_dir: Path) -> JobResult:
         exit_code=code,
         killed_by_signal=result.signal,
         signals_forwarded=result.interrupted_by,
+        hangs=result.hangs,
+        killed_on_hang=result.killed_on_hang,
         ended_ns=time.time_ns(),
     )
     write_meta(run_dir, meta)
     return result
+
+
+def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None) -> Any:
+    """Start the hang watcher; a failure here costs the watching, never the job."""
+    if watch is None:
+        return None
+    try:
+        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher, stop_job
+
+        watcher = Watcher(
+            run_dir,
+            hang_timeout=watch.hang_timeout,
+            on_hang=watch.on_hang,
+            floor_s=watch.floor_s if watch.floor_s is not None else DEFAULT_FLOOR_S,
+            report=eprint,
+            kill_job=lambda pids: stop_job(launcher_pid, pids),
+        )
+        watcher.start()
+        return watcher
+    except Exception as exc:
+        eprint(f"ddpdoctor: hang watch not started: {exc!r}")
+        return None
 
 
 class _ForegroundTerminal:

@@ -179,6 +179,8 @@ class Run:
     metas: list[dict[str, Any]]
     ranks: dict[int, RankTrace]
     notes: list[str] = field(default_factory=list)
+    hangs: list[dict[str, Any]] = field(default_factory=list)  # hang-N/summary.json (`run` watch)
+    watches: list[dict[str, Any]] = field(default_factory=list)  # watch.json, one per run dir
 
     @property
     def world_size(self) -> int:
@@ -265,4 +267,19 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
     skipped = sum(t.skipped_lines for t in ranks.values())
     if skipped:
         notes.append(f"skipped {skipped} truncated or corrupt trace line(s)")
-    return Run(paths, metas, ranks, notes)
+    hangs: list[dict[str, Any]] = []
+    watches: list[dict[str, Any]] = []
+    for run_dir in paths:
+        for path in sorted(run_dir.glob("hang-*/summary.json"), key=lambda p: len(str(p))):
+            hangs.extend(_json_object(path))
+        watches.extend(_json_object(run_dir / "watch.json"))
+    return Run(paths, metas, ranks, notes, hangs, watches)
+
+
+def _json_object(path: Path) -> list[dict[str, Any]]:
+    """[the JSON object in ``path``], or [] when it is missing or unreadable."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [obj] if isinstance(obj, dict) else []

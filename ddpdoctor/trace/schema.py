@@ -52,7 +52,15 @@ end             {reason}: the rank's trace was closed cleanly ("exit", "signal N
 clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's wall clock to get
                 rank ``ref_rank``'s (0), measured by NTP-style ping-pongs through the store
                 right after init; the error is at most ``rtt_ns / 2``. Rank 0 writes 0.
+rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
+                last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
+                threading.excepthook for other threads), flushed at once
 ==============  ===============================================================================
+
+Besides the trace, each rank rewrites ``status-rank{R}.json`` (schema ``ddpdoctor.status/1``,
+see ``probes/liveness.py``) after every flush: its pid, a heartbeat, the sync point it is
+inside and its collective sequence number. ``ddpdoctor run`` watches these for hangs and keeps
+what it found in ``hang-N/summary.json`` and ``watch.json``.
 
 Readers must ignore kinds they do not know, so later versions can add records.
 """
@@ -84,6 +92,7 @@ PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
 CLOCK = "clock"
+RANK_ERROR = "rank_error"
 
 BARRIER_OP = "barrier"
 

@@ -46,6 +46,7 @@ class TraceWriter:
         self._closed = False
         self._lock = threading.Lock()  # serialises drains (writer thread vs close)
         self._stop = threading.Event()
+        self.on_tick: Callable[[], None] | None = None  # called after each periodic flush
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._write([_ENCODE([schema.HEADER, header]) + "\n"])
@@ -95,6 +96,9 @@ class TraceWriter:
                 if self._closed:
                     return
                 self._drain()
+            tick = self.on_tick
+            if tick is not None:
+                tick()
 
     def _drain(self) -> None:
         if self._failed or self._closed:

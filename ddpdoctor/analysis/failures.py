@@ -1,0 +1,168 @@
+"""Detectors for what `ddpdoctor run` saw go wrong live: hangs and failed ranks.
+
+``rank_failure`` supersedes the old ``job_failed``: it names the rank that failed first, with
+its exception and traceback (recorded in-rank by ``probes/liveness.py``, so torchrun's
+``@record`` is not needed) or the signal that killed it, and what the other ranks were doing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.hang import hang_finding
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+# Errors a rank raises because a peer died or stalled: consequences, not the root cause.
+_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_CONSEQUENCE_TEXT = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket",
+    "nccl communicator was aborted",
+)
+
+
+def is_consequence(error: dict[str, Any]) -> bool:
+    """True for an error that says a peer went away, rather than one of this rank's own."""
+    kind, message = str(error.get("type", "")), str(error.get("message", "")).lower()
+    return kind in _CONSEQUENCE_TYPES or any(t in message for t in _CONSEQUENCE_TEXT)
+
+
+@detector
+def hangs(run: Run) -> Iterable[Finding]:
+    for summary in run.hangs:
+        finding = hang_finding(summary)
+        if finding is not None:
+            yield finding
+
+
+def _signal_name(sig: int | None) -> str:
+    if not sig:
+        return "a signal"
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _where(frames: list[Any]) -> str:
+    if not frames:
+        return ""
+    file, line, func = (list(frames[-1]) + ["?", "?", "?"])[:3]
+    return f" ({os.path.basename(str(file))}:{line} in {func})"
+
+
+@detector
+def rank_failure(run: Run) -> Iterable[Finding]:
+    code = run.exit_code
+    watch: dict[str, Any] = {}
+    for w in run.watches:
+        for key in ("rank_exits", "rank_errors"):
+            watch.setdefault(key, {}).update(w.get(key) or {})
+        watch["killed_on_hang"] = watch.get("killed_on_hang") or w.get("killed_on_hang")
+    if watch.get("killed_on_hang"):
+        return  # ddpdoctor stopped a hung job: the hang finding says why
+    # (wall seconds, rank, error record or None, signal-or-None, consequence?)
+    candidates: list[tuple[float, int, dict[str, Any] | None, int | None, bool]] = []
+    errors: dict[int, dict[str, Any]] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        records = trace.meta.get(schema.RANK_ERROR, [])
+        recs = [info for _, _, info in records if info.get("thread") == "MainThread"]
+        if recs:
+            errors[rank] = recs[0]
+            candidates.append((recs[0].get("wall_ns", 0) / 1e9, rank, recs[0], None, is_consequence(recs[0])))
+    for key, exit_info in (watch.get("rank_exits") or {}).items():
+        rank = int(key)
+        trace = run.ranks.get(rank)
+        if rank in errors or (trace is not None and trace.ended_cleanly):
+            continue  # raised (reported above) or closed its trace: it was not killed outright
+        when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
+        candidates.append((when, rank, None, exit_info.get("signal") or None, False))
+    if not candidates and not code:
+        return
+    unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
+    last_step = {str(r): int(t.kind(schema.FORWARD).step.max(initial=-1)) for r, t in run.ranks.items()}
+    details: dict[str, Any] = {"exit_code": code, "unclean_ranks": unclean, "last_step": last_step}
+    if not candidates:
+        summary = f"the job exited with code {code}"
+        if code is not None and code > 128:
+            summary += f" (killed by signal {code - 128})"
+        if unclean:
+            summary += f"; rank(s) {rank_list(unclean)} stopped recording without a clean exit"
+        yield Finding(
+            "rank_failure",
+            "error",
+            unclean or sorted(run.ranks),
+            summary,
+            fix="Read the first traceback in the job's output (the earliest failing rank is the cause; "
+            "the others are usually torchrun stopping them).",
+            details=details,
+        )
+        return
+    candidates.sort(key=lambda c: (c[4], c[0]))  # own errors first, then the earliest
+    when, rank, error, sig, _ = candidates[0]
+    step = last_step.get(str(rank), -1)
+    for seen in (
+        (watch.get("rank_exits") or {}).get(str(rank)),
+        (watch.get("rank_errors") or {}).get(str(rank)),
+    ):
+        if seen and isinstance(seen.get("step"), int):
+            step = max(step, seen["step"])  # the trace may miss the last flush interval
+    others = _others(watch, rank, errors)
+    details.update(first_rank=rank, at_step=step, others=others, failed_wall=when)
+    at = f"at step {step}" if step >= 0 else "before its first recorded step"
+    if error is not None:
+        summary = (
+            f"rank {rank} failed first {at}: {error.get('type')}: "
+            f"{str(error.get('message', '')).splitlines()[0][:200] if error.get('message') else ''}"
+            f"{_where(error.get('frames') or [])}"
+        )
+        fix = (
+            f"Fix the exception on rank {rank} (traceback in the job's output and in this finding); "
+            "the other ranks' errors are consequences of it."
+        )
+        details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
+    else:
+        how = _signal_name(sig) if sig else "a signal (SIGKILL or the kernel's OOM killer)"
+        summary = (
+            f"rank {rank} was killed by {how} {at}: it raised no Python exception and did not exit cleanly"
+        )
+        fix = (
+            "If nothing killed it on purpose, look for the OOM killer (dmesg | grep -i 'killed process') "
+            "and reduce host memory (batch size, DataLoader workers, pinned memory)."
+        )
+        details["signal"] = sig
+        details["killed_by_signal"] = True
+    if others:
+        doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(others.items(), key=lambda kv: int(kv[0])))
+        summary += f". Others then: {doing}"
+    yield Finding("rank_failure", "error", [rank], summary, fix=fix, details=details)
+
+
+def _others(watch: dict[str, Any], failed: int, errors: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """What the other ranks were doing when the failure was seen (the watcher's snapshot)."""
+    seen = (watch.get("rank_errors") or {}).get(str(failed)) or (watch.get("rank_exits") or {}).get(
+        str(failed)
+    )
+    out: dict[str, str] = {}
+    for rank, snap in ((seen or {}).get("others") or {}).items():
+        phase, op, seq = snap.get("phase"), snap.get("op"), snap.get("seq")
+        if not phase:
+            what = f"in user code at step {snap.get('step')}"
+        elif phase == "collective":
+            what = f"in dist.{op}() (collective #{seq})"
+        else:
+            what = f"in {phase} ({op}, collective #{seq})"
+        err = errors.get(int(rank))
+        if err is not None:
+            what += f", then raised {err.get('type')}"
+        out[rank] = what
+    return out

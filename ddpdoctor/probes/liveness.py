@@ -1,0 +1,175 @@
+"""What lets the supervisor watch a live rank: a status file, stack dumps on request, errors.
+
+* ``status-rank{R}.json``: rewritten atomically by the trace writer's thread after every flush
+  (that thread keeps running while the training thread is blocked in gloo/NCCL), so the
+  supervisor reads the rank's current sync point and a heartbeat without touching the process.
+* ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``: under Yama ``ptrace_scope=1`` only ancestors
+  may attach; the supervisor's py-spy is a sibling, so the rank opts in to being traced.
+* ``faulthandler`` on SIGUSR1 into ``stacks-rank{R}.txt``: a stack dump that needs no ptrace.
+  Registered only when SIGUSR1 is unclaimed, and advertised in the status file, because the
+  default action of SIGUSR1 would kill the rank.
+* ``sys.excepthook``/``threading.excepthook``: the exception that kills a rank is recorded as a
+  ``rank_error`` record and flushed at once, whether or not the script uses torchrun's
+  ``@record``; the user's hook (or Python's) still runs afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from ddpdoctor.probes import collector as _c
+from ddpdoctor.trace import schema
+
+STATUS_SCHEMA = "ddpdoctor.status/1"
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
+
+
+def status_filename(rank: int) -> str:
+    return f"status-rank{rank}.json"
+
+
+def stacks_filename(rank: int) -> str:
+    return f"stacks-rank{rank}.txt"
+
+
+class _Liveness:
+    def __init__(self, collector: _c.Collector) -> None:
+        self.c = collector
+        self.path = os.path.join(collector.run_dir, status_filename(collector.rank))
+        self.tmp = os.path.join(collector.run_dir, f".{status_filename(collector.rank)}.tmp")
+        self.pid = os.getpid()
+        try:
+            self.world_size: int | None = int(collector.default_pg.size())
+        except Exception:
+            self.world_size = None
+        self.ptracer = _allow_ptrace()
+        self.stacks_file = _register_faulthandler(collector)
+        self.error: dict[str, Any] | None = None
+        self.broken = False
+
+    def status(self) -> dict[str, Any]:
+        c = self.c
+        if self.stacks_file and signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            self.stacks_file = None  # the job took SIGUSR1 since: never send it ours
+        progress = c.progress
+        now = time.monotonic_ns()
+        phase = None
+        if progress is not None:
+            name, op, seq, t0 = progress
+            phase = {"name": name, "op": op, "seq": seq, "since_s": round((now - t0) / 1e9, 3)}
+        return {
+            "schema": STATUS_SCHEMA,
+            "rank": c.rank,
+            "world_size": self.world_size,
+            "pid": self.pid,
+            "heartbeat_wall": time.time(),
+            "step": c.step,
+            "events": c.events,
+            "seq": c.progress_seq(),
+            "phase": phase,
+            "max_step_s": round(c.max_step_ns / 1e9, 3),
+            "faulthandler": self.stacks_file,
+            "ptracer": self.ptracer,
+            "error": self.error,
+        }
+
+    def publish(self) -> None:
+        """Runs on the writer thread after every flush; never raises."""
+        if self.broken or self.pid != os.getpid():
+            return
+        try:
+            with open(self.tmp, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(self.status(), separators=(",", ":")))
+            os.replace(self.tmp, self.path)
+        except Exception as exc:
+            self.broken = True
+            self.c.fail("status", exc)
+
+
+def _allow_ptrace() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+_stacks_fh: Any = None  # kept open for faulthandler's C handler
+
+
+def _register_faulthandler(c: _c.Collector) -> str | None:
+    global _stacks_fh
+    sigusr1 = getattr(signal, "SIGUSR1", None)
+    if sigusr1 is None or threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(sigusr1) not in (signal.SIG_DFL, None):
+        return None  # the job uses SIGUSR1 itself: never steal it
+    path = os.path.join(c.run_dir, stacks_filename(c.rank))
+    try:
+        _stacks_fh = open(path, "a", encoding="utf-8")  # noqa: SIM115  (lives as long as the rank)
+        faulthandler.register(sigusr1, file=_stacks_fh, all_threads=True, chain=False)
+    except Exception:
+        return None
+    return path
+
+
+def _format_error(exc_type: Any, exc: Any, tb: Any, thread: str) -> dict[str, Any]:
+    frames = [[f.filename, f.lineno, f.name] for f in traceback.extract_tb(tb)]
+    return {
+        "type": getattr(exc_type, "__name__", str(exc_type)),
+        "message": str(exc)[:2000],
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb))[-20000:],
+        "frames": frames[-50:],
+        "thread": thread,
+        "wall_ns": time.time_ns(),
+    }
+
+
+def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
+    c = live.c
+    c.meta(schema.RANK_ERROR, info)
+    c.writer.flush()
+    if info["thread"] == "MainThread" and live.error is None:
+        live.error = {k: info[k] for k in ("type", "message", "wall_ns")}
+    live.publish()
+
+
+def install(c: _c.Collector) -> None:
+    live = _Liveness(c)
+    c.writer.on_tick = live.publish
+    live.publish()
+    previous = sys.excepthook
+
+    def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if _c.ACTIVE is c and not issubclass(exc_type, KeyboardInterrupt):
+                _record_error(live, _format_error(exc_type, exc, tb, "MainThread"))
+        except Exception:
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    previous_thread_hook = threading.excepthook
+
+    def thread_excepthook(args: Any) -> None:
+        try:
+            if _c.ACTIVE is c and args.exc_type is not SystemExit:
+                name = getattr(args.thread, "name", "?")
+                _record_error(live, _format_error(args.exc_type, args.exc_value, args.exc_traceback, name))
+        except Exception:
+            pass
+        previous_thread_hook(args)
+
+    threading.excepthook = thread_excepthook

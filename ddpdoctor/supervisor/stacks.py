@@ -1,0 +1,132 @@
+"""Stacks of live ranks: py-spy first, the rank's own faulthandler as the fallback.
+
+py-spy ``dump --json`` runs once per PID (its ``--subprocesses`` is ignored in JSON mode), all
+ranks in parallel, each under a timeout so a wedged py-spy can never stall the supervisor.
+When py-spy is missing or refused (no ptrace permission), and only when the rank confirmed in
+its status file that SIGUSR1 is registered with faulthandler (the default action would kill
+it), the rank is sent SIGUSR1 and writes its own Python stacks.
+
+A dump is ``{"method": "py-spy"|"faulthandler"|None, "threads": [{"name", "frames": [{"file",
+"line", "function"}...]}], "error": str}``, frames innermost first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+PYSPY_TIMEOUT_S = 5.0
+FAULTHANDLER_WAIT_S = 1.5
+
+
+def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S) -> dict[str, Any]:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {"method": None, "threads": [], "error": "py-spy not found"}
+    try:
+        proc = subprocess.run(
+            [exe, "dump", "--pid", str(pid), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"method": None, "threads": [], "error": f"py-spy timed out after {timeout:g} s"}
+    except OSError as exc:
+        return {"method": None, "threads": [], "error": f"py-spy: {exc}"}
+    if proc.returncode != 0:
+        return {"method": None, "threads": [], "error": f"py-spy: {proc.stderr.strip()[-300:]}"}
+    try:
+        raw = json.loads(proc.stdout)
+    except ValueError:
+        return {"method": None, "threads": [], "error": "py-spy printed no JSON"}
+    threads = [
+        {
+            "name": t.get("thread_name") or str(t.get("thread_id")),
+            "frames": [
+                {"file": f.get("filename"), "line": f.get("line"), "function": f.get("name")}
+                for f in t.get("frames") or []
+            ],
+        }
+        for t in raw
+        if isinstance(t, dict)
+    ]
+    return {"method": "py-spy", "threads": threads, "error": ""}
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_faulthandler(text: str) -> list[dict[str, Any]]:
+    """Parse one faulthandler dump into threads (frames innermost first, as it prints them)."""
+    blocks: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        m = _THREAD.match(line)
+        if m:
+            blocks.append({"name": m.group(2), "frames": []})
+            continue
+        f = _FRAME.match(line)
+        if f and blocks:
+            blocks[-1]["frames"].append({"file": f.group(1), "line": int(f.group(2)), "function": f.group(3)})
+    # faulthandler names no thread; the one whose outermost frame is <module> runs the script.
+    for b in blocks:
+        if b["frames"] and b["frames"][-1]["function"] == "<module>":
+            b["name"] = "MainThread"
+    return blocks
+
+
+def faulthandler_dump(pid: int, path: str, wait: float = FAULTHANDLER_WAIT_S) -> dict[str, Any]:
+    try:
+        offset = os.path.getsize(path)
+        os.kill(pid, signal.SIGUSR1)
+    except OSError as exc:
+        return {"method": None, "threads": [], "error": f"faulthandler: {exc}"}
+    deadline = time.monotonic() + wait
+    text, size = "", -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            new_size = os.path.getsize(path)
+        except OSError:
+            continue
+        if new_size > offset and new_size == size:  # written and no longer growing
+            break
+        size = new_size
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            fh.seek(offset)
+            text = fh.read()
+    except OSError as exc:
+        return {"method": None, "threads": [], "error": f"faulthandler: {exc}"}
+    if not text.strip():
+        return {"method": None, "threads": [], "error": "faulthandler wrote nothing"}
+    return {"method": "faulthandler", "threads": parse_faulthandler(text), "error": "", "text": text}
+
+
+def dump_rank(status: dict[str, Any], use_pyspy: bool = True) -> dict[str, Any]:
+    pid = int(status.get("pid") or 0)
+    if pid <= 0:
+        return {"method": None, "threads": [], "error": "no pid"}
+    result = pyspy_dump(pid) if use_pyspy else {"method": None, "threads": [], "error": "py-spy off"}
+    if result["method"] is None and status.get("faulthandler"):
+        fallback = faulthandler_dump(pid, str(status["faulthandler"]))
+        fallback["error"] = "; ".join(filter(None, [result["error"], fallback["error"]]))
+        result = fallback
+    return result
+
+
+def dump_all(statuses: dict[int, dict[str, Any]], use_pyspy: bool = True) -> dict[int, dict[str, Any]]:
+    """Stacks of every rank, dumped in parallel."""
+    if not statuses:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(statuses))) as pool:
+        futures = {r: pool.submit(dump_rank, s, use_pyspy) for r, s in statuses.items()}
+        return {r: f.result() for r, f in futures.items()}
