@@ -212,7 +212,7 @@ def test_sigterm_to_doctor_reaches_launcher_and_keeps_traces(tmp_path: Path, wri
     for rank in (0, 1):
         records = read_lines(run_dir / f"trace-rank{rank}.jsonl")
         assert sum(1 for r in records if r[0] == "backward") > 10
-        assert records[-1][0] == "end" and records[-1][4]["reason"].startswith("signal")
+        assert records[-1][0] != "end"  # killed by the signal as without us: no clean close
     meta = diagnose_json(run_dir)["run"]
     assert meta["exit_code"] == proc.returncode
 
@@ -272,11 +272,9 @@ def test_dataloader_workers_and_forks_write_no_traces(tmp_path: Path, write_scri
     )
     job = run_doctor(tmp_path, torchrun(2, script))
     assert job.returncode == 0, job.stderr
-    assert sorted(p.name for p in job.run_dir.iterdir()) == [
-        "run.json",
-        "trace-rank0.jsonl",
-        "trace-rank1.jsonl",
-    ]
+    # Only the two ranks wrote traces or status files: no worker, fork or torchrun agent did.
+    written = sorted(p.name for p in job.run_dir.iterdir() if p.name.startswith(("trace-", "status-")))
+    assert written == ["status-rank0.json", "status-rank1.json", "trace-rank0.jsonl", "trace-rank1.jsonl"]
     c = counts(job.run_dir, 0)
     assert c["data_wait"] == 8 and c["train_forward"] == 8  # 4 batches per rank per loader
 

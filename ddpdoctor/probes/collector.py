@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import signal
 import socket
 import sys
 import threading
@@ -208,19 +207,14 @@ def _header(dist: Any) -> dict[str, Any]:
 
 
 def _install_exit_handlers(collector: Collector) -> None:
-    """Close the trace at exit and on a default-handled SIGTERM; go quiet in forked children."""
+    """Close the trace at exit; go quiet in forked children.
+
+    No SIGTERM handler on purpose: a Python handler only runs once the main thread is back
+    in the interpreter, so a rank blocked in a collective would ignore torchrun's SIGTERM
+    until torchrun's 30 s SIGKILL. The writer's frequent flushes bound what a signal loses.
+    """
     atexit.register(collector.close)
     os.register_at_fork(after_in_child=_forget_in_child)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            collector.close(f"signal {signum}")
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _forget_in_child() -> None:

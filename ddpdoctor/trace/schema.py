@@ -48,7 +48,7 @@ unused          {params: [indices into ddp_init's param_names], used_on_ranks, s
 ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished reduction)
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
-end             {reason}: the rank's trace was closed cleanly ("exit", "signal N")
+end             {reason}: the rank's trace was closed cleanly ("exit")
 clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's wall clock to get
                 rank ``ref_rank``'s (0), measured by NTP-style ping-pongs through the store
                 right after init; the error is at most ``rtt_ns / 2``. Rank 0 writes 0.
