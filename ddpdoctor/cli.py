@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -156,6 +158,26 @@ def _write_report(diag: object, path: Path) -> str:
     return str(path)
 
 
+def _load(run_dirs: tuple[str, ...]) -> Any:
+    """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read."""
+    from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.trace.reader import TraceError, load_run
+
+    try:
+        return diagnose_run(load_run(run_dirs))
+    except TraceError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _write_output(writer: Callable[[Any, Path], Path], diag: Any, path: Path) -> None:
+    try:
+        writer(diag, path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+    click.echo(f"ddpdoctor: wrote {path}")
+
+
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.diagnosis/1).")
@@ -164,15 +186,9 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
 
     Exits 0 when nothing is wrong, 1 when a finding is an error, 2 on unreadable input.
     """
-    from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.reports import json_report, terminal
-    from ddpdoctor.trace.reader import TraceError, load_run
 
-    try:
-        diag = diagnose_run(load_run(run_dirs))
-    except TraceError as exc:
-        click.echo(f"ddpdoctor: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+    diag = _load(run_dirs)
     if as_json:
         click.echo(json.dumps(json_report.render(diag), indent=2))
     else:
@@ -197,21 +213,9 @@ def report(run_dirs: tuple[str, ...], output: str | None) -> None:
     Example:  ddpdoctor report node0/run node1/run -o report.html
     The file embeds plotly.js and opens offline. Exits 2 on unreadable input.
     """
-    from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.reports import html
-    from ddpdoctor.trace.reader import TraceError, load_run
 
-    try:
-        diag = diagnose_run(load_run(run_dirs))
-    except TraceError as exc:
-        click.echo(f"ddpdoctor: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    path = Path(output) if output else Path(run_dirs[0]) / REPORT_NAME
-    try:
-        html.write(diag, path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
-    click.echo(f"ddpdoctor: wrote {path}")
+    _write_output(html.write, _load(run_dirs), Path(output or Path(run_dirs[0]) / REPORT_NAME))
 
 
 @main.command()
@@ -231,21 +235,9 @@ def export(run_dirs: tuple[str, ...], output: str | None) -> None:
     One process per rank, a compute and a comm thread each, every rank on rank 0's clock.
     Exits 2 on unreadable input.
     """
-    from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.reports import chrome
-    from ddpdoctor.trace.reader import TraceError, load_run
 
-    try:
-        diag = diagnose_run(load_run(run_dirs))
-    except TraceError as exc:
-        click.echo(f"ddpdoctor: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    path = Path(output) if output else Path(run_dirs[0]) / "trace.json"
-    try:
-        chrome.write(diag, path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
-    click.echo(f"ddpdoctor: wrote {path}")
+    _write_output(chrome.write, _load(run_dirs), Path(output or Path(run_dirs[0]) / "trace.json"))
 
 
 @main.command()

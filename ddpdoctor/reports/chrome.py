@@ -10,10 +10,8 @@ holds ``gpu`` records, become counter ("C") events.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import time_base
 from ddpdoctor.trace.reader import RankTrace
@@ -165,15 +164,4 @@ def render(diag: Diagnosis) -> dict[str, Any]:
 
 def write(diag: Diagnosis, path: str | os.PathLike[str]) -> Path:
     """Write the trace atomically (temporary name, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(render(diag), fh, separators=(",", ":"))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_atomic(path, json.dumps(render(diag), separators=(",", ":")))

@@ -17,13 +17,11 @@ finding text) goes through ``html.escape`` before it reaches either the page or 
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 import os
 import re
 import shlex
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.phases import training_forwards
+from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Events, RankTrace
@@ -674,16 +673,4 @@ def render(diag: Diagnosis, *, max_segments: int = MAX_SEGMENTS) -> str:
 
 def write(diag: Diagnosis, path: str | os.PathLike[str], **kwargs: Any) -> Path:
     """Render to ``path`` atomically (temporary name in the same directory, then rename)."""
-    path = Path(path)
-    text = render(diag, **kwargs)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_atomic(path, render(diag, **kwargs))

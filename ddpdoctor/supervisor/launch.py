@@ -22,6 +22,7 @@ from typing import Any
 
 import ddpdoctor
 from ddpdoctor import _env
+from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace.reader import RUN_META
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
@@ -60,9 +61,7 @@ def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[s
 
 def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:
     """Write run.json atomically (temporary name, then rename)."""
-    tmp = run_dir / f".{RUN_META}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    os.replace(tmp, run_dir / RUN_META)
+    write_atomic(run_dir / RUN_META, json.dumps(meta, indent=2))
 
 
 def run_job(command: list[str], run_dir: Path, watch: WatchOptions | None = None) -> JobResult:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
+from ddpdoctor.rundir import write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -304,12 +305,8 @@ def _render_stack(rank: int, dump: dict[str, Any], raw: str) -> str:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1, default=str), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> None:
