@@ -4,7 +4,8 @@ Nothing here imports torch or touches a live process, so every judgement can be 
 on synthetic traces.
 """
 
-from ddpdoctor.analysis import failures as _failures  # noqa: F401  (registers detectors)
+# Each detector module registers its findings on import; this is the one list of them.
+from ddpdoctor.analysis import failures, gradsync, misuse, straggler  # noqa: F401
 from ddpdoctor.analysis.diagnosis import Diagnosis, diagnose
 from ddpdoctor.analysis.findings import Finding
 

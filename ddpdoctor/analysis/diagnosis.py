@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import misuse, straggler  # noqa: F401  (their detectors register)
 from ddpdoctor.analysis.findings import Finding, find_all
+from ddpdoctor.analysis.gradsync import bucket_stats
 from ddpdoctor.analysis.phases import rank_phases, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -23,6 +23,7 @@ class Diagnosis:
     step_time_s: dict[int, dict[str, float]]
     batch_size: dict[str, int | None]
     ddp: dict[str, Any]
+    buckets: list[dict[str, Any]] = field(default_factory=list)  # gradient sync per bucket
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -47,6 +48,7 @@ def diagnose(run: Run) -> Diagnosis:
         step_time_s=step_time_s,
         batch_size=batch_sizes(run),
         ddp=ddp_config(run),
+        buckets=bucket_stats(run),
         findings=find_all(run),
     )
 

@@ -59,7 +59,7 @@ def rank_list(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-# hang and rank_failure live in their own modules and register on import (analysis/__init__.py).
+# Detector modules (failures, misuse, straggler, gradsync...) register on import: analysis/__init__.py.
 
 
 @detector

@@ -189,3 +189,103 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             fix="Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
             details={"epoch": info.get("epoch"), "passes": info["passes"], "ranks": sorted(no_epoch)},
         )
+
+
+@detector
+def checkpoint_misuse(run: Run) -> Iterable[Finding]:
+    writers: dict[tuple[str, str], set[int]] = defaultdict(set)
+    prefixed: set[int] = set()
+    unmapped: dict[int, str] = {}
+    gpu_job = any("nccl" in str(t.header.get("backend", "")) for t in run.ranks.values())
+    for rank, trace in sorted(run.ranks.items()):
+        for _, _, info in trace.meta.get(schema.SAVE, []):
+            if info.get("path"):
+                writers[(trace.host, info["path"])].add(rank)
+            if info.get("module_prefix"):
+                prefixed.add(rank)
+        for _, _, info in trace.meta.get(schema.LOAD, []):
+            if gpu_job and info.get("path") and not info.get("map_location"):
+                unmapped.setdefault(rank, info["path"])
+    shared = {key: ranks for key, ranks in writers.items() if len(ranks) > 1}
+    if shared:
+        (host, path), ranks = max(shared.items(), key=lambda kv: len(kv[1]))
+        yield Finding(
+            "duplicate_checkpoint_writes",
+            "warning",
+            sorted(ranks),
+            f"rank(s) {rank_list(ranks)} all write the same checkpoint {path}: they race on one "
+            "file and waste I/O (every rank holds the same weights)",
+            fix="Save on one rank only: `if dist.get_rank() == 0: torch.save(model.module.state_dict(), "
+            "path)`, then `dist.barrier()` before any rank loads it.",
+            details={"path": path, "host": host, "ranks": sorted(ranks), "files": len(shared)},
+        )
+    if prefixed:
+        yield Finding(
+            "checkpoint_module_prefix",
+            "info",
+            sorted(prefixed),
+            "a checkpoint was saved from the DDP wrapper: its keys start with 'module.', so it "
+            "will not load into the bare model",
+            fix="Save model.module.state_dict() instead of model.state_dict().",
+            details={"ranks": sorted(prefixed)},
+        )
+    if len(unmapped) > 1:
+        yield Finding(
+            "load_without_map_location",
+            "warning",
+            sorted(unmapped),
+            f"rank(s) {rank_list(unmapped)} call torch.load without map_location in a multi-GPU "
+            "job: tensors land on the GPU they were saved from (usually GPU 0) on every rank",
+            fix="Pass map_location: torch.load(path, map_location=f'cuda:{local_rank}') (or 'cpu').",
+            details={"paths": sorted(set(unmapped.values())), "ranks": sorted(unmapped)},
+        )
+
+
+@detector
+def forward_sync_cost(run: Run) -> Iterable[Finding]:
+    """broadcast_buffers and SyncBatchNorm make every forward a sync point: what it costs."""
+    per_step, step_s = [], []
+    kind = ""
+    for trace in run.ranks.values():
+        steps = max(trace.steps, 1)
+        sync = trace.kind(schema.SYNC_BUFFERS)
+        if len(sync):
+            kind = "buffer broadcast (broadcast_buffers=True)"
+            per_step.append(float(sync.dur.sum()) / steps)
+        else:
+            fwd, coll = trace.kind(schema.FORWARD), trace.kind(schema.COLLECTIVE)
+            inside = _inside(coll, fwd)
+            if inside.any():
+                kind = "collectives inside forward (e.g. SyncBatchNorm)"
+                per_step.append(float(coll.dur[inside].sum()) / steps)
+        step_s.extend(step_times(trace).tolist())
+    if not per_step or not step_s:
+        return
+    cost_ms, step_ms = float(np.median(per_step)) / 1e3, float(np.median(step_s)) * 1e3
+    if cost_ms < 0.05 * step_ms or cost_ms < 0.2:
+        return
+    yield Finding(
+        "forward_sync_cost",
+        "info",
+        sorted(run.ranks),
+        f"every forward is a sync point: the {kind} takes {cost_ms:.1f} ms per step "
+        f"({100 * cost_ms / step_ms:.0f}% of a {step_ms:.1f} ms step), and a slow rank makes the "
+        "others wait there",
+        fix="If buffers need no syncing (they are identical, or BatchNorm statistics may differ per "
+        "rank), pass broadcast_buffers=False; use SyncBatchNorm only where small per-rank batches "
+        "need it.",
+        details={"kind": kind, "ms_per_step": round(cost_ms, 3), "step_ms": round(step_ms, 3)},
+    )
+
+
+def _inside(inner: Any, outer: Any) -> np.ndarray:
+    """Which ``inner`` events start inside some ``outer`` event (both sorted by start)."""
+    if not len(inner) or not len(outer):
+        return np.zeros(len(inner), dtype=bool)
+    order = np.argsort(outer.ts)
+    starts, ends = outer.ts[order], outer.end[order]
+    idx = np.searchsorted(starts, inner.ts, side="right") - 1
+    ok = idx >= 0
+    result = np.zeros(len(inner), dtype=bool)
+    result[ok] = inner.ts[ok] < ends[idx[ok]]
+    return result

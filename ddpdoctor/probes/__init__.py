@@ -39,9 +39,9 @@ def _patch_torch() -> None:
 
     if not torch.distributed.is_available():
         return
-    from ddpdoctor.probes import collectives, data, ddp
+    from ddpdoctor.probes import checkpoint, collectives, data, ddp
 
-    for module in (collectives, ddp, data):
+    for module in (collectives, ddp, data, checkpoint):
         try:
             module.install()
         except Exception as exc:  # a torch whose internals moved: lose the probe, not the job

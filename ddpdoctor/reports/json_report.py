@@ -29,6 +29,7 @@ def render(diag: Diagnosis) -> dict[str, Any]:
             "notes": run.notes,
         },
         "phases": {str(r): p for r, p in diag.phases.items()},
+        "buckets": diag.buckets,
         "findings": [f.to_json() for f in diag.findings],
     }
 

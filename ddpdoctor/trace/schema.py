@@ -46,6 +46,9 @@ unused          {params: [indices into ddp_init's param_names], used_on_ranks, s
                 step's backward, parameters that got no gradient; scope "local" (this rank,
                 find_unused_parameters off) or "global" (DDP's used counts across ranks)
 ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished reduction)
+save            {path, module_prefix, ms}: ``torch.save`` to a file (module_prefix: the state
+                came from the DDP wrapper, keys start with "module.")
+load            {path, map_location}: ``torch.load`` from a file, and whether it was mapped
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit")
@@ -88,6 +91,8 @@ LOADER = "loader"
 COMM_HOOK = "comm_hook"
 UNUSED = "unused"
 DDP_ERROR = "ddp_error"
+SAVE = "save"
+LOAD = "load"
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
