@@ -200,11 +200,11 @@ def test_sigterm_to_doctor_reaches_launcher_and_keeps_traces(tmp_path: Path, wri
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
+        bufsize=0,  # unbuffered: communicate() below must not lose what readline() buffered
         env=job_env(),
     )
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "started"
+    assert proc.stdout.readline().strip() == b"started"
     time.sleep(2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)

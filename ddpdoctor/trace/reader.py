@@ -218,11 +218,12 @@ class Run:
 
 
 def _trace_files(run_dir: Path) -> dict[int, Path]:
-    """The newest attempt's trace of each rank in one directory."""
+    """The newest attempt's trace of each rank in one directory (regular files only: a trace
+    name pointing at a device such as /dev/full or a FIFO would never end)."""
     best: dict[int, tuple[int, Path]] = {}
     for path in run_dir.glob(schema.TRACE_GLOB):
         match = _TRACE_NAME.match(path.name)
-        if not match:
+        if not match or not path.is_file():
             continue
         rank, attempt = int(match.group(1)), int(match.group(2) or 0)
         if rank not in best or attempt > best[rank][0]:

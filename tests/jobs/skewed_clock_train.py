@@ -1,4 +1,5 @@
-"""A 2-rank DDP job whose rank 1 believes the wall clock is SKEW_S seconds ahead.
+"""A DDP job whose rank 1 (or the ranks in TEST_CLOCK_SKEW_RANKS) believes the wall clock is
+SKEW_S seconds ahead.
 
 The skew is injected here, in the job (test-only), by replacing ``time.time_ns`` before
 ``init_process_group``: everything in this process that reads the wall clock, ddpdoctor's
@@ -10,7 +11,7 @@ import os
 import time
 
 SKEW_NS = int(float(os.environ.get("TEST_CLOCK_SKEW_S", "0")) * 1e9)
-if SKEW_NS and os.environ.get("RANK") == "1":
+if SKEW_NS and os.environ.get("RANK") in os.environ.get("TEST_CLOCK_SKEW_RANKS", "1").split(","):
     _real = time.time_ns
     time.time_ns = lambda: _real() + SKEW_NS  # noqa: E731
 
