@@ -9,6 +9,7 @@ and the late rank's phases are compared with the other ranks' at the same steps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
+CHANCE = 0.01  # a persistent straggler is late more often than chance would make it, at this p
 _FIX = {
     "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
     "persistent_workers, or move decoding/augmentation off the critical path; check the rank's "
@@ -129,6 +131,12 @@ def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, f
     return excess
 
 
+def by_chance(n_late: int, n_steps: int, world: int) -> float:
+    """P(a healthy rank is the latest on >= n_late of n_steps): each step's latest is 1 of world."""
+    p = 1 / world
+    return sum(math.comb(n_steps, k) * p**k * (1 - p) ** (n_steps - k) for k in range(n_late, n_steps + 1))
+
+
 @detector
 def stragglers(run: Run) -> Iterable[Finding]:
     table = sync_table(run)
@@ -145,7 +153,11 @@ def stragglers(run: Run) -> Iterable[Finding]:
         n_late = int(late.sum())
         # A healthy rank is the latest on about 1/world of the steps; a straggler on most.
         needed = min(PERSISTENT, 3 / len(table.ranks))
-        persistent = n_late / len(table.steps) >= needed and standout[row] > threshold
+        persistent = (
+            n_late / len(table.steps) >= needed
+            and standout[row] > threshold
+            and by_chance(n_late, len(table.steps), len(table.ranks)) < CHANCE
+        )
         if not persistent:
             late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
             n_late = int(late.sum())

@@ -472,8 +472,8 @@ def findings_section(diag: Diagnosis, notes: list[str]) -> str:
             + (f'<p class="fix"><b>fix:</b> {esc(f.fix)}</p>' if f.fix else "")
             + f"<details><summary>evidence</summary><pre>{esc(evidence)}</pre></details></li>"
         )
-    if not items:
-        items.append('<li class="finding ok">No problems found.</li>')
+    if not any(f.severity in ("error", "warning") for f in diag.findings):
+        items.insert(0, '<li class="finding ok">No problems found.</li>')
     note_html = "".join(f"<li>{esc(n)}</li>" for n in notes)
     return (
         f'<section id="findings"><h2>Findings ({len(diag.findings)})</h2><ul class="findings">'

@@ -49,8 +49,8 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
         )
     lines.append("")
     shown = diag.findings[:max_findings]
-    if not shown:
-        lines.append("  No problems found.")
+    if not any(f.severity in ("error", "warning") for f in diag.findings):
+        lines.append("  No problems found." + (" Notes:" if shown else ""))
     for f in shown:
         ranks = f" [rank {rank_list(f.ranks)}]" if f.ranks else ""
         lines.extend(
