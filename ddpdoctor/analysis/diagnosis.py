@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import misuse, straggler  # noqa: F401  (their detectors register)
+from ddpdoctor.analysis import gpu, misuse, straggler  # noqa: F401  (their detectors register)
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.phases import rank_phases, step_times
 from ddpdoctor.trace import schema
@@ -24,6 +24,7 @@ class Diagnosis:
     batch_size: dict[str, int | None]
     ddp: dict[str, Any]
     findings: list[Finding] = field(default_factory=list)
+    gpus: gpu.GpuView | None = None  # the supervisor's NVML samples, when a node took any
 
     @property
     def has_errors(self) -> bool:
@@ -47,7 +48,8 @@ def diagnose(run: Run) -> Diagnosis:
         step_time_s=step_time_s,
         batch_size=batch_sizes(run),
         ddp=ddp_config(run),
-        findings=find_all(run),
+        findings=gpu.join_stragglers(run, find_all(run)),
+        gpus=gpu.gpu_view(run),
     )
 
 
