@@ -108,6 +108,7 @@ class Sampler:
         *,
         nvml: Any = None,
         host: str | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.interval_s = max(MIN_INTERVAL_S, float(interval_s))
@@ -124,8 +125,9 @@ class Sampler:
         self._fh: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddpdoctor-nvml", daemon=True)
+        self.clock = clock  # monotonic ns; tests pass a scripted one
         self.wall_ns = time.time_ns()
-        self.mono_ns = time.monotonic_ns()
+        self.mono_ns = clock()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -230,7 +232,7 @@ class Sampler:
 
     def sample_once(self) -> bool:
         """Read every GPU once and append the records; False when sampling must stop."""
-        ts = (time.monotonic_ns() - self.mono_ns) // 1000
+        ts = (self.clock() - self.mono_ns) // 1000
         for i, h in enumerate(self.handles):
             fields: dict[str, Any] = {"gpu": i}
             for metric, read in METRICS.items():
@@ -296,7 +298,7 @@ class Sampler:
 
     def _write(self, kind: str, info: dict[str, Any], ts: int | None = None) -> None:
         if ts is None:
-            ts = (time.monotonic_ns() - self.mono_ns) // 1000
+            ts = (self.clock() - self.mono_ns) // 1000
         self._line([kind, int(ts), 0, -1, info])
 
     def _line(self, record: list[Any]) -> None:
