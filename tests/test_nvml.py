@@ -409,7 +409,9 @@ def test_straggler_joined_with_its_throttling_gpu(tmp_path: Path, slow_gpu: bool
     assert (ev["gpu"], ev["sm_clock_mhz"], ev["others_sm_clock_mhz"]) == (2, 1410.0, 1980.0)
     assert ev["throttled_share"] == 1.0 and ev["throttle_reasons"] == ["power cap", "thermal (software)"]
     assert "its GPU 2 (node0) SM clock averaged 1410 MHz" in f.summary
-    assert f.fix.startswith("Its GPU runs slower")
+    # A data-loading straggler: the slow GPU is reported, after the data fix.
+    assert f.details["phase"] == "data_wait" and f.fix.startswith("Its DataLoader")
+    assert "Its GPU also runs slower" in f.fix
 
 
 def test_reports_carry_the_gpu_panels_and_counters(tmp_path: Path) -> None:
@@ -434,6 +436,7 @@ def test_reports_carry_the_gpu_panels_and_counters(tmp_path: Path) -> None:
     assert page.index('id="gpu"') < page.index('id="lateness"')
     assert "not available from NVML: power (GPU 1)" in page
     text = terminal.render(diag)
+    assert all(len(line) <= 80 for line in text.splitlines())
     assert text.count("GPU: not available from NVML: power (GPU 1)") == 1
 
 

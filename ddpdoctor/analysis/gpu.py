@@ -163,7 +163,7 @@ def expected_gpu(header: dict[str, Any], gpus: list[dict[str, Any]]) -> int | No
     count = len(gpus)
     cvd = header.get("cuda_visible_devices")
     if cvd is None or not str(cvd).strip():
-        return local if local < count or not count else None
+        return local if local < count else None
     items = [x.strip() for x in str(cvd).split(",") if x.strip()]
     if not items:
         return None
@@ -180,7 +180,7 @@ def expected_gpu(header: dict[str, Any], gpus: list[dict[str, Any]]) -> int | No
 
 def _map_ranks(run: Run, view: GpuView) -> None:
     headers = {g.host: g.header.get("gpus", []) for g in run.gpus}
-    sampled = set(headers)
+    sampled = {host for host, gpus in headers.items() if gpus}
     for rank, trace in sorted(run.ranks.items()):
         if trace.host not in sampled:
             continue
@@ -464,10 +464,14 @@ def join_stragglers(run: Run, findings: list[Finding]) -> list[Finding]:
             continue
         f.details["gpu"] = evidence
         f.summary += f"; its {evidence['text']}"
-        f.fix = (
-            "Its GPU runs slower: check cooling and airflow, power limits and clocks "
-            "(nvidia-smi -q -d PERFORMANCE,CLOCK,POWER), or move the job off that GPU. " + f.fix
+        gpu_fix = (
+            "check cooling and airflow, power limits and clocks "
+            "(nvidia-smi -q -d PERFORMANCE,CLOCK,POWER), or move the job off that GPU."
         )
+        if f.details.get("phase") in ("forward", "backward", "optimizer"):  # GPU-bound phases
+            f.fix = f"Its GPU runs slower: {gpu_fix} {f.fix}"
+        else:  # the lateness is elsewhere; the slow GPU is worth knowing but not the cause
+            f.fix = f"{f.fix} Its GPU also runs slower than the others': {gpu_fix}"
     return findings
 
 

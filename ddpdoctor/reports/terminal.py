@@ -103,11 +103,12 @@ def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
         who = f"rank {rank_list(dev.ranks)}" if dev.ranks else "no rank"
         throttled = st.get("throttled_share")
         extra = f" throttled {throttled:.0%}" if throttled else ""
-        lines.append(
-            f"  {dev.host + ' ' if many_hosts else ''}GPU {dev.index} {who}: util "
+        line = (
+            f"{dev.host + ' ' if many_hosts else ''}GPU {dev.index} {who}: util "
             f"{mp('util_pct', '%')} mem {mem_text} {mp('power_w', 'W')} {mp('sm_clock_mhz', 'MHz')} "
             f"{mp('temp_c', 'C')}{extra}"
         )
+        lines.extend(textwrap.wrap(line, WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
     if len(view.devices) > max_gpus:
         lines.append(f"  ... and {len(view.devices) - max_gpus} more GPU(s) (diagnose --json)")
     if shown:
