@@ -36,6 +36,20 @@ def main() -> None:
     """
 
 
+def _nvml_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--nvml-interval and --no-nvml, shared by `run` and `demo`."""
+    func = click.option("--no-nvml", is_flag=True, help="Do not sample GPUs.")(func)
+    return click.option(
+        "--nvml-interval",
+        type=float,
+        default=0.5,
+        show_default=True,
+        metavar="SECONDS",
+        help="Sample this node's GPUs through NVML this often (utilisation, memory, power, "
+        "clocks, temperature, throttling, memory per rank).",
+    )(func)
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option(
     "--out",
@@ -60,8 +74,16 @@ def main() -> None:
     help="dump: report stacks and diagnosis, keep waiting (the job may recover). "
     "kill: report, then stop the job and exit 124.",
 )
+@_nvml_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(out: str | None, hang_timeout: str, on_hang: str, command: tuple[str, ...]) -> None:
+def run(
+    out: str | None,
+    hang_timeout: str,
+    on_hang: str,
+    nvml_interval: float,
+    no_nvml: bool,
+    command: tuple[str, ...],
+) -> None:
     """Run COMMAND (torchrun, python -m torch.distributed.run, mp.spawn...) under the doctor.
 
     \b
@@ -69,7 +91,17 @@ def run(out: str | None, hang_timeout: str, on_hang: str, command: tuple[str, ..
     The job's output, results and exit code are unchanged; ddpdoctor adds one banner line,
     a closing summary (on stderr) and a run directory holding every rank's trace.
     """
-    sys.exit(_run_and_summarise(list(command), out, _watch_options(hang_timeout, on_hang)))
+    watch = _watch_options(hang_timeout, on_hang)
+    sys.exit(_run_and_summarise(list(command), out, watch, _nvml_interval(nvml_interval, no_nvml)))
+
+
+def _nvml_interval(interval: float, off: bool) -> float | None:
+    """Seconds between GPU samples, or None when sampling is off."""
+    if off:
+        return None
+    if not interval > 0:
+        raise click.BadParameter("must be positive", param_hint="--nvml-interval")
+    return interval
 
 
 def _watch_options(hang_timeout: str, on_hang: str) -> object:
@@ -90,7 +122,9 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
     return WatchOptions(timeout, on_hang, float(floor) if floor else None)
 
 
-def _run_and_summarise(command: list[str], out: str | None, watch: object = None) -> int:
+def _run_and_summarise(
+    command: list[str], out: str | None, watch: object = None, nvml_interval: float | None = None
+) -> int:
     from ddpdoctor.rundir import new_run_dir
     from ddpdoctor.supervisor.launch import WatchOptions, banner, eprint, run_job
 
@@ -104,7 +138,8 @@ def _run_and_summarise(command: list[str], out: str | None, watch: object = None
         raise click.ClickException(f"cannot create the run directory: {exc}") from exc
     eprint(banner(run_dir))
     try:
-        result = run_job(command, run_dir, watch if isinstance(watch, WatchOptions) else WatchOptions())
+        watching = watch if isinstance(watch, WatchOptions) else WatchOptions()
+        result = run_job(command, run_dir, watching, nvml_interval=nvml_interval)
     except OSError as exc:
         raise click.ClickException(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
     eprint(_startup_text(run_dir) or _summary_text(run_dir))
@@ -250,7 +285,8 @@ def export(run_dirs: tuple[str, ...], output: str | None) -> None:
 )
 @click.option("--nproc", default=2, show_default=True, help="Ranks to start.")
 @click.option("--epochs", default=2, show_default=True, help="Epochs to train.")
-def demo(out: str | None, nproc: int, epochs: int) -> None:
+@_nvml_options
+def demo(out: str | None, nproc: int, epochs: int, nvml_interval: float, no_nvml: bool) -> None:
     """Train a small bundled DDP model under the doctor (gloo on CPU, nccl on GPUs)."""
     from ddpdoctor.demo import TRAIN_SCRIPT
 
@@ -263,7 +299,7 @@ def demo(out: str | None, nproc: int, epochs: int) -> None:
         str(TRAIN_SCRIPT),
         f"--epochs={epochs}",
     ]
-    sys.exit(_run_and_summarise(command, out))
+    sys.exit(_run_and_summarise(command, out, None, _nvml_interval(nvml_interval, no_nvml)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis import gpu
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.gradsync import bucket_stats
 from ddpdoctor.analysis.phases import rank_phases, step_times
@@ -25,6 +26,7 @@ class Diagnosis:
     ddp: dict[str, Any]
     buckets: list[dict[str, Any]] = field(default_factory=list)  # gradient sync per bucket
     findings: list[Finding] = field(default_factory=list)
+    gpus: gpu.GpuView | None = None  # the supervisor's NVML samples, when a node took any
 
     @property
     def has_errors(self) -> bool:
@@ -49,7 +51,8 @@ def diagnose(run: Run) -> Diagnosis:
         batch_size=batch_sizes(run),
         ddp=ddp_config(run),
         buckets=bucket_stats(run),
-        findings=find_all(run),
+        findings=gpu.join_stragglers(run, find_all(run)),
+        gpus=gpu.gpu_view(run),
     )
 
 

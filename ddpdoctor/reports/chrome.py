@@ -5,7 +5,8 @@ bucket all-reduces and buffer broadcasts on a comm thread. Complete events ("X")
 a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
 nesting moves to the next thread of its kind ("comm 2", ...) instead. Timestamps are µs on the
 run's common time base (every rank aligned to rank 0's clock). GPU metrics, when the trace
-holds ``gpu`` records, become counter ("C") events.
+holds ``gpu`` records, become counter ("C") events; the supervisor's NVML samples
+(``gpu-<host>.jsonl``) become one process per GPU, sorted under the ranks, holding counters.
 """
 
 from __future__ import annotations
@@ -150,9 +151,49 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
     return out
 
 
+GPU_PID_BASE = 1_000_000  # GPU processes come after every rank's
+# counter name -> (metric, series name, scale)
+GPU_COUNTERS: dict[str, list[tuple[str, str, float]]] = {
+    "utilization %": [("util", "gpu", 1.0), ("mem_util", "memory", 1.0)],
+    "memory used GiB": [("mem_used", "used", 2.0**-30)],
+    "power W": [("power_w", "power", 1.0)],
+    "SM clock MHz": [("sm_clock_mhz", "sm", 1.0)],
+    "temperature C": [("temp_c", "gpu", 1.0)],
+}
+
+
+def gpu_events(diag: Diagnosis) -> list[dict[str, Any]]:
+    """One process per sampled GPU with its NVML metrics as counters, on the common base."""
+    from ddpdoctor.analysis.gpu import SLOWDOWN_MASK
+
+    view = diag.gpus
+    out: list[dict[str, Any]] = []
+    for k, dev in enumerate(view.devices if view is not None else []):
+        pid = GPU_PID_BASE + k
+        ranks = f" ranks {','.join(map(str, dev.ranks))}" if dev.ranks else ""
+        name = f"{dev.label}{ranks}"
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        keep = dev.t_us >= 0  # samples before the first rank event only stretch the view
+        for i in np.flatnonzero(keep).tolist():
+            ts = int(dev.t_us[i])
+            for counter, series in GPU_COUNTERS.items():
+                args = {
+                    label: round(float(dev.metrics[metric][i]) * scale, 3)
+                    for metric, label, scale in series
+                    if not np.isnan(dev.metrics[metric][i])
+                }
+                if args:
+                    out.append({"name": counter, "ph": "C", "ts": ts, "pid": pid, "args": args})
+            if dev.throttle[i] >= 0:
+                slow = int((int(dev.throttle[i]) & SLOWDOWN_MASK) != 0)
+                out.append({"name": "throttled", "ph": "C", "ts": ts, "pid": pid, "args": {"slowdown": slow}})
+    return out
+
+
 def render(diag: Diagnosis) -> dict[str, Any]:
     return {
-        "traceEvents": trace_events(diag),
+        "traceEvents": trace_events(diag) + gpu_events(diag),
         "displayTimeUnit": "ms",
         "otherData": {
             "generator": "ddpdoctor",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.analysis import gpu as _gpu
 
 SCHEMA = "ddpdoctor.diagnosis/1"
 
@@ -31,6 +32,7 @@ def render(diag: Diagnosis) -> dict[str, Any]:
         "phases": {str(r): p for r, p in diag.phases.items()},
         "buckets": diag.buckets,
         "findings": [f.to_json() for f in diag.findings],
+        "gpus": _gpu.summary(diag.gpus),
     }
 
 

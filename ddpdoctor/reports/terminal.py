@@ -47,6 +47,7 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
             f"  {rank:>5} {diag.steps.get(rank, 0):>6} {(_ms(st['p50']) if st else '-'):>9} "
             f"{mean('forward'):>8} {mean('backward'):>8} {mean('data_wait'):>8} {mean('optimizer'):>8}"
         )
+    lines.extend(gpu_lines(diag))
     lines.append("")
     shown = diag.findings[:max_findings]
     if not any(f.severity in ("error", "warning") for f in diag.findings):
@@ -74,3 +75,45 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     if report:
         lines.append(f"  report: {report}")
     return "\n".join(lines)
+
+
+def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
+    """One line per GPU (mean/peak), and at most one line on what NVML could not give."""
+    from ddpdoctor.analysis.gpu import device_stats
+
+    view = diag.gpus
+    if view is None:
+        return []
+    lines = []
+    shown = view.devices[:max_gpus]
+    many_hosts = len({d.host for d in view.devices}) > 1
+    if shown:
+        lines.append("")
+    for dev in shown:
+        st = device_stats(view, dev)
+
+        def mp(key: str, unit: str, scale: float = 1.0, st: dict = st) -> str:
+            v = st.get(key)
+            return f"{v['mean'] / scale:.0f}/{v['peak'] / scale:.0f}{unit}" if v else "-"
+
+        mem = st.get("mem_used_bytes")
+        total = st.get("mem_total_bytes")
+        mem_text = f"{mem['peak'] / 2**30:.1f}" if mem else "-"
+        mem_text += f"/{total / 2**30:.0f} GiB" if total else " GiB"
+        who = f"rank {rank_list(dev.ranks)}" if dev.ranks else "no rank"
+        throttled = st.get("throttled_share")
+        extra = f" throttled {throttled:.0%}" if throttled else ""
+        line = (
+            f"{dev.host + ' ' if many_hosts else ''}GPU {dev.index} {who}: util "
+            f"{mp('util_pct', '%')} mem {mem_text} {mp('power_w', 'W')} {mp('sm_clock_mhz', 'MHz')} "
+            f"{mp('temp_c', 'C')}{extra}"
+        )
+        lines.extend(textwrap.wrap(line, WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
+    if len(view.devices) > max_gpus:
+        lines.append(f"  ... and {len(view.devices) - max_gpus} more GPU(s) (diagnose --json)")
+    if shown:
+        lines.append("  (GPUs: mean/peak over the run; mem: peak used/total)")
+    if view.missing:
+        text = f"GPU: {view.missing}"
+        lines.extend(textwrap.wrap(text, WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
+    return lines

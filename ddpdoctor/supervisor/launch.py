@@ -64,8 +64,11 @@ def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:
     write_atomic(run_dir / RUN_META, json.dumps(meta, indent=2))
 
 
-def run_job(command: list[str], run_dir: Path, watch: WatchOptions | None = None) -> JobResult:
-    """Run ``command`` to completion under the doctor; returns its exit code (128+N if killed)."""
+def run_job(
+    command: list[str], run_dir: Path, watch: WatchOptions | None = None, nvml_interval: float | None = None
+) -> JobResult:
+    """Run ``command`` to completion under the doctor; returns its exit code (128+N if killed).
+    ``nvml_interval``: seconds between GPU samples (supervisor/nvml.py), None for none."""
     meta: dict[str, Any] = {
         "schema": RUN_SCHEMA,
         "command": command,
@@ -76,11 +79,14 @@ def run_job(command: list[str], run_dir: Path, watch: WatchOptions | None = None
         "status": "running",
     }
     write_meta(run_dir, meta)
+    sampler = _start_sampler(run_dir, nvml_interval)
     try:
         proc = subprocess.Popen(command, env=job_environment(run_dir), process_group=0)
     except OSError as exc:
         meta.update(status="failed to start", error=str(exc), exit_code=127, ended_ns=time.time_ns())
         write_meta(run_dir, meta)
+        if sampler is not None:
+            sampler.stop()
         raise
     meta["pid"] = proc.pid
     write_meta(run_dir, meta)
@@ -117,6 +123,8 @@ def run_job(command: list[str], run_dir: Path, watch: WatchOptions | None = None
         if watcher is not None:
             watcher.stop()
             result.hangs, result.killed_on_hang = len(watcher.hangs), watcher.killed
+        if sampler is not None:
+            sampler.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code < 0:
@@ -155,6 +163,18 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None)
         return watcher
     except Exception as exc:
         eprint(f"ddpdoctor: hang watch not started: {exc!r}")
+        return None
+
+
+def _start_sampler(run_dir: Path, interval: float | None) -> Any:
+    """Start the per-node NVML sampler; any failure costs the GPU metrics, never the job."""
+    if interval is None:
+        return None
+    try:
+        from ddpdoctor.supervisor.nvml import start_sampler
+
+        return start_sampler(run_dir, interval)
+    except Exception:
         return None
 
 

@@ -172,6 +172,48 @@ _EVENT_KINDS = frozenset(
 
 
 @dataclass
+class GpuTrace:
+    """One node's NVML samples (``gpu-<host>.jsonl``), as the supervisor wrote them."""
+
+    host: str
+    header: dict[str, Any]
+    path: Path
+    samples: list[tuple[int, dict[str, Any]]]  # (ts µs since the header's mono_ns, gpu record)
+    procs: list[tuple[int, dict[str, Any]]]  # (ts, gpu_procs record)
+    meta: dict[str, list[tuple[int, dict[str, Any]]]]  # other kinds: unavailable, unsupported...
+    skipped_lines: int = 0
+
+
+def read_gpu(path: Path) -> GpuTrace:
+    """Parse one node's GPU samples; raises TraceError only when it has no readable header."""
+    header: dict[str, Any] | None = None
+    samples: list[tuple[int, dict[str, Any]]] = []
+    procs: list[tuple[int, dict[str, Any]]] = []
+    meta: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    skipped = 0
+    for rec in _records(path):
+        if not isinstance(rec, list) or len(rec) < 2 or not isinstance(rec[0], str):
+            skipped += 1
+            continue
+        if rec[0] == schema.HEADER:
+            if header is None and isinstance(rec[1], dict):
+                header = rec[1]
+            continue
+        if len(rec) != 5 or not isinstance(rec[1], int) or not isinstance(rec[4], dict):
+            skipped += 1
+            continue
+        if rec[0] == schema.GPU and isinstance(rec[4].get("gpu"), int):
+            samples.append((rec[1], rec[4]))
+        elif rec[0] == schema.GPU_PROCS and isinstance(rec[4].get("gpu"), int):
+            procs.append((rec[1], rec[4]))
+        else:
+            meta.setdefault(rec[0], []).append((rec[1], rec[4]))
+    if header is None or header.get("schema") != schema.GPU_SCHEMA:
+        raise TraceError(f"{path}: no GPU sample header")
+    return GpuTrace(str(header.get("host", "?")), header, path, samples, procs, meta, skipped)
+
+
+@dataclass
 class Run:
     """Every rank of one job, from one or more run directories (one per node)."""
 
@@ -181,6 +223,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)  # hang-N/summary.json (`run` watch)
     watches: list[dict[str, Any]] = field(default_factory=list)  # watch.json, one per run dir
+    gpus: list[GpuTrace] = field(default_factory=list)  # gpu-<host>.jsonl, one per node
 
     @property
     def world_size(self) -> int:
@@ -274,7 +317,19 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         for path in sorted(run_dir.glob("hang-*/summary.json"), key=lambda p: len(str(p))):
             hangs.extend(_json_object(path))
         watches.extend(_json_object(run_dir / "watch.json"))
-    return Run(paths, metas, ranks, notes, hangs, watches)
+    return Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
+
+
+def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
+    """Every node's GPU samples; an unreadable file is a note, never an error."""
+    out: list[GpuTrace] = []
+    for run_dir in paths:
+        for path in sorted(run_dir.glob(schema.GPU_GLOB)):
+            try:
+                out.append(read_gpu(path))
+            except (TraceError, OSError) as exc:
+                notes.append(str(exc))
+    return out
 
 
 def _json_object(path: Path) -> list[dict[str, Any]]:

@@ -65,6 +65,26 @@ see ``probes/liveness.py``) after every flush: its pid, a heartbeat, the sync po
 inside and its collective sequence number. ``ddpdoctor run`` watches these for hangs and keeps
 what it found in ``hang-N/summary.json`` and ``watch.json``.
 
+GPU samples (``gpu-<host>.jsonl``, schema ``ddpdoctor.gpu/1``) are written by the supervisor's
+NVML sampler (``supervisor/nvml.py``), one file per node, in the same line format. Its header
+``["header", {"schema", "host", "pid", "wall_ns", "mono_ns", "interval_s", "driver",
+"gpus": [{index, name, uuid, mem_total, max_sm_clock_mhz, power_limit_w}...]}]`` anchors its
+monotonic clock like a rank's; the host's ranks share that clock. Records, ``[kind, ts_us, 0,
+-1, {...}]``:
+
+==============  ===============================================================================
+gpu             {gpu, util, mem_util (%), mem_used, mem_total (bytes), power_w, sm_clock_mhz,
+                temp_c, throttle (NVML clock event reason bits)}: one GPU, one sample; a
+                metric NVML cannot give is absent
+gpu_procs       {gpu, procs: [[pid, bytes or null]...]}: the GPU's compute processes, written
+                when the list changes (bytes rounded to MiB); pids are as the driver sees them
+unavailable     {error, message, reason}: no NVML here (no library, no driver, no GPU...)
+unsupported     {gpu, metric, error}: one metric that NVML cannot give on that GPU
+nvml_error      {gpu, metric, error, message}: an error mid-run; sampling stopped there
+sampler_error   {error, message}: the sampler's own failure; sampling stopped there
+end             {reason, samples}
+==============  ===============================================================================
+
 Readers must ignore kinds they do not know, so later versions can add records.
 """
 
@@ -100,6 +120,12 @@ CLOCK = "clock"
 RANK_ERROR = "rank_error"
 
 BARRIER_OP = "barrier"
+
+# The supervisor's GPU samples (gpu-<host>.jsonl).
+GPU_SCHEMA = "ddpdoctor.gpu/1"
+GPU_GLOB = "gpu-*.jsonl"
+GPU = "gpu"
+GPU_PROCS = "gpu_procs"
 
 
 def trace_filename(rank: int, restart: int = 0) -> str:
