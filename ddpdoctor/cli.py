@@ -351,5 +351,23 @@ def bench(
     sys.exit(0 if all(m.get("ok") for m in result["modes"].values()) else EXIT_FINDINGS)
 
 
+@main.command()
+@click.argument("run_dir_a", type=click.Path())
+@click.argument("run_dir_b", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.compare/1).")
+def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
+    """Put two runs side by side: throughput, step times, phases and findings (B against A).
+
+    \b
+    Example:  ddpdoctor compare ddpdoctor-runs/before ddpdoctor-runs/after
+    Findings present in one run but not the other are listed. Exits 2 on unreadable input.
+    """
+    from ddpdoctor.analysis.compare import compare as compare_runs
+    from ddpdoctor.reports import compare as compare_report
+
+    result = compare_runs(_load((run_dir_a,)), _load((run_dir_b,)))
+    click.echo(json.dumps(result, indent=2) if as_json else compare_report.render(result))
+
+
 if __name__ == "__main__":
     main()
