@@ -31,7 +31,7 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     if text is None or not text.strip():
         return None
     try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+        shape = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ModelSpecError(f"--input-shape {text!r}: expected integers like 3,224,224") from None
     if not shape or any(d <= 0 for d in shape):
