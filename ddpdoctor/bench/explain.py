@@ -77,6 +77,14 @@ def notes(result: dict[str, Any]) -> list[str]:
                     "devices would buy."
                 )
             out.append(line)
+            if eff > 1.1:
+                load = (cfg.get("load_average") or [None])[0]
+                out.append(
+                    "Above-ideal scaling means the single process was slow, not DDP fast: on CPU, "
+                    "usually its multi-threaded ops competing for busy cores"
+                    + (f" (load average {load} on {cfg.get('cpu_count')} cores)" if load is not None else "")
+                    + "; rerun with OMP_NUM_THREADS=1 on an idle machine for a fair baseline."
+                )
     if dp.get("ok") and ddp.get("ok") and gpus >= 2 and dp.get("replicas", 1) >= 2:
         ratio = (ddp["samples_per_s"] / dp["samples_per_s"]) if dp["samples_per_s"] else 0.0
         out.append(f"DDP ran {ratio:.2f}x DataParallel's throughput with the same global batch.")

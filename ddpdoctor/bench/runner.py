@@ -144,6 +144,7 @@ def run_bench(opts: BenchOptions, run_dir: Path) -> dict[str, Any]:
             "loss": opts.loss,
             "cuda_devices": _cuda_devices(),
             "cpu_count": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "torch": _torch_version(),
         },
         "modes": modes,
