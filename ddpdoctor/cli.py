@@ -302,5 +302,108 @@ def demo(out: str | None, nproc: int, epochs: int, nvml_interval: float, no_nvml
     sys.exit(_run_and_summarise(command, out, None, _nvml_interval(nvml_interval, no_nvml)))
 
 
+@main.command()
+@click.option(
+    "--model",
+    default="mlp",
+    show_default=True,
+    help="mlp, convnet, transformer, or an import path module:callable returning an nn.Module.",
+)
+@click.option(
+    "--input-shape",
+    default=None,
+    metavar="D,D,...",
+    help="One sample's shape, without the batch (built-ins: mlp 256, convnet 3,32,32, transformer 32,64).",
+)
+@click.option("--batch-size", default=64, show_default=True, help="Global batch, the same in every mode.")
+@click.option("--steps", default=20, show_default=True, help="Measured steps per mode.")
+@click.option("--warmup", default=3, show_default=True, help="Warm-up steps per mode, not measured.")
+@click.option("--nproc", default=2, show_default=True, help="DDP processes (torchrun --nproc_per_node).")
+@click.option(
+    "--loss",
+    default="cross_entropy",
+    show_default=True,
+    help="cross_entropy (class targets), mse, l1, smooth_l1 or bce_with_logits (targets like the output).",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: ./ddpdoctor-runs/<timestamp>); DDP's own run is in its ddp/.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.bench/1).")
+def bench(
+    model: str,
+    input_shape: str | None,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    nproc: int,
+    loss: str,
+    out: str | None,
+    as_json: bool,
+) -> None:
+    """Measure one model as a single process, DataParallel and DDP, on the same global batch.
+
+    \b
+    Example:  ddpdoctor bench --model mypkg.models:build_model --input-shape 3,224,224 \\
+                  --batch-size 64 --steps 50 --nproc 4
+    Writes bench.json and bench.html in the run directory; exits 2 on a bad model or shape,
+    1 when a mode failed.
+    """
+    from ddpdoctor.bench import models, report
+    from ddpdoctor.bench.runner import BenchOptions, run_bench
+    from ddpdoctor.rundir import new_run_dir
+
+    try:
+        models.check_spec(model)
+        shape = models.input_shape(model, models.parse_shape(input_shape))
+        if loss not in models.LOSSES:
+            raise models.ModelSpecError(f"--loss {loss!r}: expected one of {', '.join(models.LOSSES)}")
+    except models.ModelSpecError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    for name, value in (("--batch-size", batch_size), ("--steps", steps), ("--nproc", nproc)):
+        if value < 1:
+            raise click.BadParameter("must be at least 1", param_hint=name)
+    if warmup < 0:
+        raise click.BadParameter("must be 0 or more", param_hint="--warmup")
+    if batch_size % nproc:
+        raise click.BadParameter(
+            f"{batch_size} does not split evenly over {nproc} DDP processes", param_hint="--batch-size"
+        )
+    try:
+        run_dir = new_run_dir(out)
+    except OSError as exc:
+        raise click.ClickException(f"cannot create the run directory: {exc}") from exc
+    opts = BenchOptions(model, shape, batch_size, steps, warmup, nproc, loss)
+    result = run_bench(opts, run_dir)
+    try:
+        report.write(result, run_dir)
+    except Exception as exc:  # the numbers still get printed
+        result["html"] = f"not written ({exc!r})"
+    click.echo(report.to_json(result) if as_json else report.terminal(result))
+    sys.exit(0 if all(m.get("ok") for m in result["modes"].values()) else EXIT_FINDINGS)
+
+
+@main.command()
+@click.argument("run_dir_a", type=click.Path())
+@click.argument("run_dir_b", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.compare/1).")
+def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
+    """Put two runs side by side: throughput, step times, phases and findings (B against A).
+
+    \b
+    Example:  ddpdoctor compare ddpdoctor-runs/before ddpdoctor-runs/after
+    Findings present in one run but not the other are listed. Exits 2 on unreadable input.
+    """
+    from ddpdoctor.analysis.compare import compare as compare_runs
+    from ddpdoctor.reports import compare as compare_report
+
+    result = compare_runs(_load((run_dir_a,)), _load((run_dir_b,)))
+    click.echo(json.dumps(result, indent=2) if as_json else compare_report.render(result))
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,1 @@
+"""`ddpdoctor bench`: the same model and global batch as one process, DataParallel and DDP."""
