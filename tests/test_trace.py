@@ -126,3 +126,56 @@ def test_newest_attempt_wins_and_nodes_merge(tmp_path: Path) -> None:
     assert sorted(run.ranks) == [0, 1]
     assert run.ranks[0].path.name == "trace-rank0-attempt1.jsonl"
     assert run.world_size == 2
+
+
+def test_bulk_parser_agrees_with_json_line_by_line(tmp_path: Path) -> None:
+    """The numpy fast path must give what json gives, and hand every unusual line to json."""
+    records = [
+        ["header", header()],
+        ["forward", 0, 10, 0, 1, 1, 3],
+        ["forward", 5, -7, -1, 0, 1, 123456789012345],
+        ["allreduce", 20, 30, 0, 2, 4_000_000, 4],
+        ["optimizer", 40, 2, 0, "AdamW"],
+        ["optimizer", 41, 2, 1, "Opt, with comma"],
+        ["optimizer", 42, 2, 2, 'quote " inside'],
+        ["optimizer", 43, 2, 3, "Ünïcode"],
+        ["collective", 50, 5, 0, "barrier", 0, "WORLD", 2, 7, 0],
+        ["collective", 60, 5, 1, "all_gather", 1024, "tp,group", 2, 8, 1],
+        ["data_wait", 70, 3, 0, 1],
+        ["data_wait", 71, 3, 1, 1.5],
+        ["data_wait", 72, 3, 2, None],
+        ["forward", 80, 10, 1, 1, 1, 9, "future field"],
+        ["backward", 90, 30, 1],
+        ["backward", 10**19, 1, 2],
+        ["loader", 1, 0, -1, {"id": 1}],
+        ["graph_scan", 95, 1, 1],
+    ]
+    text = [json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records]
+    text.insert(3, json.dumps(["forward", 6, 1, 0, 1, 1, 4]))  # default separators: spaces
+    text.insert(5, '["forward",7,1,0,1,1,5')  # corrupt in the middle
+    text.append('["backward",99,1,')  # truncated
+    path = tmp_path / "trace-rank0.jsonl"
+    path.write_text("\n".join(text), encoding="utf-8")
+    t = read_trace(path)
+    expect: dict[str, list[tuple]] = {}
+    for line in text:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec[0] not in ("header", "loader") and rec[1] < 2**63:  # larger: not an int64, skipped
+            expect.setdefault(rec[0], []).append(tuple(rec[1:]))
+    assert t.skipped_lines == 3
+    assert sorted(t.events) == sorted(expect)
+    for kind, rows in expect.items():
+        ev = t.kind(kind)
+        got = [
+            (a, b, c, *f) for a, b, c, f in zip(ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields)
+        ]
+        assert got == rows, kind
+    assert t.meta["loader"] == [(1, -1, {"id": 1})]
+    coll = t.kind(schema.COLLECTIVE)
+    assert coll.equals(0, "barrier").tolist() == [True, False]
+    assert t.kind(schema.DATA_WAIT).ints(0).tolist() == [1, -1, -1]
+    fwd = t.kind(schema.FORWARD)
+    assert fwd.select(fwd.ints(0) == 1).step.tolist() == [0, 0, 1]

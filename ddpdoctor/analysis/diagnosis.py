@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +61,8 @@ def training_loader(trace: Any) -> dict[str, Any] | None:
     loaders = trace.meta.get(schema.LOADER, [])
     if not loaders:
         return None
-    counts = Counter(f[0] for f in waits.fields if f)
+    ids, n = np.unique(waits.ints(0), return_counts=True)
+    counts = dict(zip(ids.tolist(), n.tolist(), strict=True))
     busiest = max(loaders, key=lambda rec: counts.get(rec[2].get("id"), 0))
     return busiest[2]
 

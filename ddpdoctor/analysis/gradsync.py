@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
+from ddpdoctor.analysis.phases import last_per_step, reduce_per_step
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -31,27 +32,35 @@ def bucket_layout(run: Run) -> dict[int, dict[str, Any]]:
 
 
 def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
-    """(ranks, steps, buckets) all-reduce durations in µs over steps every rank completed."""
-    per_rank: dict[int, dict[tuple[int, int], int]] = {}
-    for rank, trace in sorted(run.ranks.items()):
+    """(ranks, steps, buckets) all-reduce durations in µs over steps every rank completed
+    (float32: 1,024 ranks x 10,000 steps x 4 buckets is 160 MB; NaN where a bucket is missing)."""
+    per_rank: list[tuple[np.ndarray, np.ndarray]] = []
+    for _, trace in sorted(run.ranks.items()):
         ar = trace.kind(schema.ALLREDUCE)
-        per_rank[rank] = {
-            (step, int(f[0]) if f else 0): dur
-            for step, dur, f in zip(ar.step.tolist(), ar.dur.tolist(), ar.fields)
-        }
-    if len(per_rank) < 2 or not all(per_rank.values()):
+        bucket = ar.ints(0, default=0)
+        if len(ar) and (bucket.min() < 0 or bucket.max() >= _BUCKET_KEY):
+            return None  # not a bucket index DDP writes
+        keys, durs = last_per_step(ar.step * _BUCKET_KEY + bucket, ar.dur)  # the last of duplicates
+        per_rank.append((keys, durs))
+    if len(per_rank) < 2 or not all(len(k) for k, _ in per_rank):
         return None
-    keys = set.intersection(*(set(d) for d in per_rank.values()))
-    steps = sorted({s for s, _ in keys})
-    buckets = sorted({b for _, b in keys})
-    if not steps:
+    common = per_rank[0][0]
+    for keys, _ in per_rank[1:]:
+        common = np.intersect1d(common, keys, assume_unique=True)
+    if not len(common):
         return None
-    waits = np.full((len(per_rank), len(steps), len(buckets)), np.nan)
-    for i, d in enumerate(per_rank.values()):
-        for (s, b), dur in d.items():
-            if (s, b) in keys:
-                waits[i, steps.index(s), buckets.index(b)] = dur
-    return waits, steps, buckets
+    steps, buckets = np.unique(common // _BUCKET_KEY), np.unique(common % _BUCKET_KEY)
+    waits = np.full((len(per_rank), len(steps), len(buckets)), np.nan, dtype=np.float32)
+    for i, (keys, durs) in enumerate(per_rank):
+        inside = np.isin(keys, common, assume_unique=True)
+        k = keys[inside]
+        waits[i, np.searchsorted(steps, k // _BUCKET_KEY), np.searchsorted(buckets, k % _BUCKET_KEY)] = durs[
+            inside
+        ]
+    return waits, steps.tolist(), buckets.tolist()
+
+
+_BUCKET_KEY = 1 << 20  # (step, bucket) -> step * _BUCKET_KEY + bucket
 
 
 def exposed_comm_us(run: Run) -> tuple[float, float]:
@@ -60,28 +69,28 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
     Taken on the rank that arrives last at each step: earlier ranks also wait for it, which
     is skew (a straggler), not communication.
     """
-    per_rank: list[dict[int, int]] = []
-    periods: list[float] = []
+    per_rank: list[tuple[np.ndarray, np.ndarray]] = []
+    periods: list[np.ndarray] = []
     for trace in run.ranks.values():
         ar, bwd = trace.kind(schema.ALLREDUCE), trace.kind(schema.BACKWARD)
-        last_ready: dict[int, int] = {}
-        for step, ts in zip(ar.step.tolist(), ar.ts.tolist()):
-            last_ready[step] = max(ts, last_ready.get(step, ts))
-        per_rank.append(
-            {
-                step: max(0, end - last_ready[step])
-                for step, end in zip(bwd.step.tolist(), bwd.end.tolist())
-                if step in last_ready
-            }
-        )
+        ready_steps, last_ready = reduce_per_step(ar.step, ar.ts, np.maximum)
+        steps, ends = last_per_step(bwd.step, bwd.end)
+        inside = np.isin(steps, ready_steps, assume_unique=True)
+        steps, ends = steps[inside], ends[inside]
+        exposed = np.maximum(0, ends - last_ready[np.searchsorted(ready_steps, steps)])
+        per_rank.append((steps, exposed))
         if len(bwd) > 1:
-            periods.extend(np.diff(np.sort(bwd.end)).tolist())
-    common = set.intersection(*(set(d) for d in per_rank)) if per_rank else set()
-    common.discard(0)  # step 0 reduces in the constructor's bucket layout
-    if not common or not periods:
+            periods.append(np.diff(np.sort(bwd.end)))
+    if not per_rank:
         return 0.0, 0.0
-    exposed = [min(d[s] for d in per_rank) for s in common]
-    return float(np.median(exposed)), float(np.median(periods))
+    common = per_rank[0][0]
+    for steps, _ in per_rank[1:]:
+        common = np.intersect1d(common, steps, assume_unique=True)
+    common = common[common != 0]  # step 0 reduces in the constructor's bucket layout
+    if not len(common) or not periods:
+        return 0.0, 0.0
+    exposed = np.min([e[np.searchsorted(s, common)] for s, e in per_rank], axis=0)
+    return float(np.median(exposed)), float(np.median(np.concatenate(periods)))
 
 
 def bucket_stats(run: Run) -> list[dict[str, Any]]:

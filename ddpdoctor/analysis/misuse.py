@@ -131,13 +131,12 @@ def training_loaders(trace: RankTrace) -> dict[int, int]:
         return {}
     order = np.argsort(fwd.ts, kind="stable")
     fwd_ts = fwd.ts[order]
-    grad = np.array([f[0] == 1 for f in fwd.fields], dtype=bool)[order]
+    grad = (fwd.ints(0) == 1)[order]
     nxt = np.searchsorted(fwd_ts, waits.ts)
-    counts: dict[int, int] = defaultdict(int)
-    for i, j in enumerate(nxt):
-        if j < len(fwd_ts) and grad[j] and waits.fields[i]:
-            counts[waits.fields[i][0]] += 1
-    return dict(counts)
+    fed = nxt < len(fwd_ts)
+    fed[fed] = grad[nxt[fed]]
+    ids, counts = np.unique(waits.ints(0)[fed], return_counts=True)
+    return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 @detector

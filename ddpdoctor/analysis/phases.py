@@ -29,7 +29,7 @@ def phase_durations(trace: RankTrace, phase: str) -> np.ndarray:
         coll = trace.kind(schema.COLLECTIVE)
         if not len(coll):
             return coll.dur
-        is_barrier = np.array([f[0] == schema.BARRIER_OP for f in coll.fields], dtype=bool)
+        is_barrier = coll.equals(0, schema.BARRIER_OP)
         return coll.dur[is_barrier if phase == "barrier" else ~is_barrier]
     return trace.kind(phase).dur
 
@@ -60,19 +60,30 @@ def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
             out[phase] = stats(d)
     fwd = trace.kind(schema.FORWARD)
     if len(fwd):
-        out["forward"]["no_grad"] = sum(1 for f in fwd.fields if f and f[0] == 0)
+        out["forward"]["no_grad"] = int((fwd.ints(0) == 0).sum())
     return out
 
 
 def training_forwards(trace: RankTrace) -> Events:
     """The DDP forwards in grad mode: one per training step."""
     fwd = trace.kind(schema.FORWARD)
-    keep = np.array([bool(f and f[0] == 1) for f in fwd.fields], dtype=bool)
-    if not len(fwd):
-        return fwd
-    return Events(
-        fwd.ts[keep], fwd.dur[keep], fwd.step[keep], [f for f, k in zip(fwd.fields, keep, strict=False) if k]
-    )
+    return fwd.select(fwd.ints(0) == 1) if len(fwd) else fwd
+
+
+def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct steps, the value of each step's last event): what a dict keyed by step
+    would keep, without a Python loop over events."""
+    rev_steps, first = np.unique(step[::-1], return_index=True)
+    return rev_steps, values[::-1][first]
+
+
+def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct steps, ``ufunc`` (np.add, np.maximum...) over each step's events)."""
+    if not len(step):
+        return step, values
+    order = np.argsort(step, kind="stable")
+    steps, idx = np.unique(step[order], return_index=True)
+    return steps, ufunc.reduceat(values[order], idx)
 
 
 def step_times(trace: RankTrace) -> np.ndarray:

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.phases import training_forwards
+from ddpdoctor.analysis.phases import reduce_per_step, training_forwards
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
@@ -42,6 +43,7 @@ from ddpdoctor.trace.reader import Events, RankTrace
 MAX_SEGMENTS = 30_000  # timeline intervals drawn (about 80 bytes each in the file)
 SLOWEST_BUTTONS = 8
 MAX_BUCKET_TRACES = 64
+MAX_HEATMAP_CELLS = 400_000  # about 3 MB of numbers in the page
 
 # (label, lane, colour): lane 0 is the rank's compute row, lane 1 its communication lane.
 PHASE_STYLE: dict[str, tuple[str, int, str]] = {
@@ -83,40 +85,43 @@ def phase_events(trace: RankTrace, phase: str) -> tuple[Events, np.ndarray, np.n
     """A phase's events on one rank, with bucket index and bytes columns (-1 / 0 if none)."""
     if phase in ("barrier", "collective"):
         coll = trace.kind(schema.COLLECTIVE)
-        keep = np.array([(f[0] == schema.BARRIER_OP) == (phase == "barrier") for f in coll.fields], bool)
         if not len(coll):
             return coll, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        nbytes = np.array([f[1] if len(f) > 1 and isinstance(f[1], int) else 0 for f in coll.fields])
-        fields = [f for f, k in zip(coll.fields, keep, strict=True) if k]
-        ev = Events(coll.ts[keep], coll.dur[keep], coll.step[keep], fields)
-        return ev, np.full(len(ev), -1), nbytes[keep].astype(np.int64)
+        keep = coll.equals(0, schema.BARRIER_OP) == (phase == "barrier")
+        nbytes = np.maximum(coll.ints(1, default=0), 0)[keep]
+        return coll.select(keep), np.full(int(keep.sum()), -1, np.int64), nbytes
     ev = trace.kind(phase)
     if phase == schema.ALLREDUCE and len(ev):
-        bucket = np.array([f[0] if f and isinstance(f[0], int) else -1 for f in ev.fields], np.int64)
-        nbytes = np.array([f[1] if len(f) > 1 and isinstance(f[1], int) else 0 for f in ev.fields], np.int64)
-        return ev, bucket, nbytes
+        return ev, ev.ints(0, default=-1), ev.ints(1, default=0)
     return ev, np.full(len(ev), -1, np.int64), np.zeros(len(ev), np.int64)
 
 
 def step_spans(diag: Diagnosis, tb: TimeBase) -> dict[int, tuple[float, float]]:
     """Each training step's extent across ranks (seconds): first forward to the last event."""
-    starts: dict[int, float] = {}
-    ends: dict[int, float] = {}
+    first_parts, last_parts = [], []
     for rank, trace in diag.run.ranks.items():
         fwd = training_forwards(trace)
-        for s, t in zip(fwd.step.tolist(), (tb.rel(rank, fwd.ts) / 1e6).tolist(), strict=True):
-            starts[s] = min(starts.get(s, t), t)
+        first_parts.append(reduce_per_step(fwd.step, tb.rel(rank, fwd.ts), np.minimum))
         for ev in trace.events.values():
-            if not len(ev):
-                continue
-            end = tb.rel(rank, ev.end) / 1e6
-            order = np.argsort(ev.step, kind="stable")
-            steps, idx = np.unique(ev.step[order], return_index=True)
-            maxes = np.maximum.reduceat(end[order], idx)
-            for s, m in zip(steps.tolist(), maxes.tolist(), strict=True):
-                if m > ends.get(s, -np.inf):
-                    ends[s] = m
-    return {s: (starts[s], max(ends.get(s, starts[s]), starts[s])) for s in sorted(starts)}
+            if len(ev):
+                last_parts.append(reduce_per_step(ev.step, tb.rel(rank, ev.end), np.maximum))
+    if not first_parts:
+        return {}
+    starts = reduce_per_step(*(np.concatenate(x) for x in zip(*first_parts, strict=True)), np.minimum)
+    ends = reduce_per_step(*(np.concatenate(x) for x in zip(*last_parts, strict=True)), np.maximum)
+    end_at, found = _at(ends[0], ends[1], starts[0])
+    end_s = np.where(found, np.maximum(end_at, starts[1]), starts[1]) / 1e6
+    return dict(
+        zip(starts[0].tolist(), zip((starts[1] / 1e6).tolist(), end_s.tolist(), strict=True), strict=True)
+    )
+
+
+def _at(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values at ``want`` in sorted ``keys``, which were found)."""
+    if not len(keys):
+        return np.zeros(len(want), values.dtype), np.zeros(len(want), bool)
+    at = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
+    return values[at], keys[at] == want
 
 
 def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget: int) -> set[int] | None:
@@ -176,29 +181,41 @@ def lateness_matrix(diag: Diagnosis, tb: TimeBase) -> tuple[list[int], list[int]
     kind, label = schema.ALLREDUCE, "first gradient bucket ready"
     if not any(len(t.kind(kind)) for t in diag.run.ranks.values()):
         kind, label = schema.BACKWARD, "backward start"
-    arrivals: dict[int, dict[int, float]] = {}
+    arrivals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for rank in ranks:
         ev = diag.run.ranks[rank].kind(kind)
-        if not len(ev):
-            arrivals[rank] = {}
-            continue
-        ts = tb.rel(rank, ev.ts)
-        order = np.argsort(ev.step, kind="stable")
-        steps, idx = np.unique(ev.step[order], return_index=True)
-        first = np.minimum.reduceat(ts[order], idx)
-        arrivals[rank] = dict(zip(steps.tolist(), first.tolist(), strict=True))
-    steps_all = sorted({s for a in arrivals.values() for s in a if s >= 0})
+        arrivals[rank] = reduce_per_step(ev.step, tb.rel(rank, ev.ts), np.minimum)
+    steps_all = np.unique(np.concatenate([s for s, _ in arrivals.values()] or [np.zeros(0, np.int64)]))
+    steps_all = steps_all[steps_all >= 0]
     z = np.full((len(ranks), len(steps_all)), np.nan, dtype=np.float64)
-    col = {s: i for i, s in enumerate(steps_all)}
     for i, rank in enumerate(ranks):
-        for s, t in arrivals[rank].items():
-            if s in col:
-                z[i, col[s]] = t
+        s, t = arrivals[rank]
+        keep = s >= 0
+        z[i, np.searchsorted(steps_all, s[keep])] = t[keep]
     if z.size:
         with np.errstate(all="ignore"):
             earliest = np.nanmin(z, axis=0, keepdims=True) if np.isfinite(z).any() else 0
-        z = (z - earliest) / 1e3
-    return ranks, steps_all, z.astype(np.float32), label
+        z -= earliest
+        z /= 1e3
+    return ranks, steps_all.tolist(), z.astype(np.float32), label
+
+
+def bin_steps(steps: list[int], z: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """At most ``max_columns`` columns: runs of consecutive steps averaged into one (the
+    heatmap of 1,024 ranks x 10,000 steps would be 10 million numbers in the page).
+    Returns (the first step of each column, the matrix, steps per column)."""
+    x = np.asarray(steps, dtype=np.int64)
+    width = max(1, -(-len(steps) // max(1, max_columns)))
+    if width == 1:
+        return x, z, 1
+    n = len(steps) // width * width
+    head = z[:, :n].reshape(z.shape[0], -1, width)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN bins stay NaN
+        cols = [np.nanmean(head, axis=2)]
+        if n < len(steps):
+            cols.append(np.nanmean(z[:, n:], axis=1, keepdims=True))
+    return x[::width], np.concatenate(cols, axis=1).astype(np.float32), width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,15 +378,17 @@ def heatmap_figure(ranks: list[int], steps: list[int], z: np.ndarray, label: str
     import plotly.graph_objects as go
 
     ylabels = [_rank_label(diag.run.ranks[r]) for r in ranks]
+    x, z, width = bin_steps(steps, z, MAX_HEATMAP_CELLS // max(1, len(ranks)))
+    per = f" (mean of {width} steps from)" if width > 1 else ""
     fig = go.Figure(
         go.Heatmap(
             z=z,
-            x=np.asarray(steps, dtype=np.int32),
+            x=x.astype(np.int32),
             y=ylabels,
             colorscale="YlOrRd",
             zmin=0,
             colorbar={"title": {"text": "ms late"}},
-            hovertemplate="%{y}<br>step %{x}<br>%{z:.2f} ms after the first rank<extra></extra>",
+            hovertemplate=f"%{{y}}<br>step{per} %{{x}}<br>%{{z:.2f}} ms after the first rank<extra></extra>",
             hoverongaps=False,
         )
     )

@@ -200,7 +200,8 @@ class Sampler:
         }
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (kept open for appends)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # as rank traces
+            self._fh = os.fdopen(fd, "a", encoding="utf-8")
         except OSError:
             self.stopped_by = "cannot write"
             return False
