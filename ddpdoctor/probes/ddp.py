@@ -309,6 +309,11 @@ def _register_timer(ddp: Any, model: _ModelState, hook: Any, state: Any) -> None
 
 def _default_hook(ddp: Any, bucket: Any) -> Any:
     """DDP's built-in reduction, bit for bit: scale by 1/world size, then all-reduce SUM."""
+    return _default_allreduce(ddp, bucket).get_future().then(_first_value)
+
+
+def _default_allreduce(ddp: Any, bucket: Any) -> Any:
+    """The default hook's work handle, for the timing hook to finish in its own callback."""
     import torch.distributed.distributed_c10d as c10d
 
     from ddpdoctor.probes.patching import original
@@ -317,7 +322,7 @@ def _default_hook(ddp: Any, bucket: Any) -> Any:
     tensor = bucket.buffer()
     tensor.mul_(1.0 / group.size())  # exactly what the Reducer does (mul by 1/world, not div)
     all_reduce = original(c10d.all_reduce)  # not our wrapper: the bucket event already times it
-    return all_reduce(tensor, group=group, async_op=True).get_future().then(_first_value)
+    return all_reduce(tensor, group=group, async_op=True)
 
 
 def _first_value(fut: Any) -> Any:
@@ -345,15 +350,19 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
         return inner(inner_state, bucket)
     c.in_collective = True  # a user hook's own dist.all_reduce is part of this bucket event
     try:
-        fut = inner(inner_state, bucket)
+        if inner is _default_hook:  # one Python callback per bucket, not two: each costs a GIL trip
+            fut = _default_allreduce(inner_state, bucket).get_future()
+        else:
+            fut = inner(inner_state, bucket)
     finally:
         c.in_collective = False
+    unwrap = inner is _default_hook
 
     def reduced(done: Any) -> Any:
         value = done.value()
         with contextlib.suppress(Exception):
             c.emit(schema.ALLREDUCE, t0, _now(), index, nbytes, seq)
-        return value
+        return value[0] if unwrap else value
 
     try:
         return fut.then(reduced)
