@@ -41,6 +41,22 @@ def _workers(name: str, mode: dict[str, Any]) -> str:
     return "1 proc"
 
 
+def _cells(name: str, mode: dict[str, Any]) -> tuple[str, ...]:
+    """One mode's row of the results table, for the terminal and the HTML page alike."""
+    speed = "-" if mode.get("speedup") is None else f"{mode['speedup']:.2f}x"
+    eff = "-" if mode.get("scaling_efficiency") is None else f"{100 * mode['scaling_efficiency']:.0f}%"
+    return (
+        _LABEL.get(name, name),
+        _workers(name, mode),
+        f"{mode['samples_per_s']:.1f}",
+        _ms(mode["step_time_p50_s"]),
+        _ms(mode["step_time_p95_s"]),
+        speed,
+        eff,
+        _memory(mode),
+    )
+
+
 def _memory(mode: dict[str, Any]) -> str:
     mem = mode.get("memory_per_gpu_bytes")
     if not mem:
@@ -67,13 +83,8 @@ def terminal(result: dict[str, Any]) -> str:
         if not mode.get("ok"):
             lines.append(f"  {_LABEL.get(name, name):<13}  failed (exit code {mode.get('exit_code')})")
             continue
-        speed = "-" if mode.get("speedup") is None else f"{mode['speedup']:.2f}x"
-        eff = "-" if mode.get("scaling_efficiency") is None else f"{100 * mode['scaling_efficiency']:.0f}%"
-        lines.append(
-            f"  {_LABEL.get(name, name):<13}{_workers(name, mode):>10}{mode['samples_per_s']:>11.1f}"
-            f"{_ms(mode['step_time_p50_s']):>9}{_ms(mode['step_time_p95_s']):>9}{speed:>8}{eff:>6}  "
-            f"{_memory(mode)}"
-        )
+        label, workers, rate, p50, p95, speed, eff, memory = _cells(name, mode)
+        lines.append(f"  {label:<13}{workers:>10}{rate:>11}{p50:>9}{p95:>9}{speed:>8}{eff:>6}  {memory}")
     lines += ["", "  breakdown (ms per step, mean):"]
     for name, mode in result["modes"].items():
         if not mode.get("ok"):
@@ -178,25 +189,7 @@ def render_html(result: dict[str, Any]) -> str:
         if not mode.get("ok"):
             table_rows.append(f"<tr><td>{esc(_LABEL.get(name, name))}</td><td colspan=7>failed</td></tr>")
             continue
-        speed = "-" if mode.get("speedup") is None else f"{mode['speedup']:.2f}x"
-        eff = "-" if mode.get("scaling_efficiency") is None else f"{100 * mode['scaling_efficiency']:.0f}%"
-        table_rows.append(
-            "<tr>"
-            + "".join(
-                f"<td>{esc(v)}</td>"
-                for v in (
-                    _LABEL.get(name, name),
-                    _workers(name, mode),
-                    f"{mode['samples_per_s']:.1f}",
-                    _ms(mode["step_time_p50_s"]),
-                    _ms(mode["step_time_p95_s"]),
-                    speed,
-                    eff,
-                    _memory(mode),
-                )
-            )
-            + "</tr>"
-        )
+        table_rows.append("<tr>" + "".join(f"<td>{esc(v)}</td>" for v in _cells(name, mode)) + "</tr>")
     notes = "".join(f"<li>{esc(n)}</li>" for n in result.get("notes", []))
     findings = "".join(
         f"<li><b>{esc(f['severity'])}</b> {esc(f['kind'])}: {esc(f['summary'])}</li>"
