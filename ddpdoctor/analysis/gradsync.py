@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import last_per_step, reduce_per_step
+from ddpdoctor.analysis.phases import in_sorted, last_per_step, reduce_per_step
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -46,13 +46,13 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
         return None
     common = per_rank[0][0]
     for keys, _ in per_rank[1:]:
-        common = np.intersect1d(common, keys, assume_unique=True)
+        common = common[in_sorted(common, keys)]
     if not len(common):
         return None
     steps, buckets = np.unique(common // _BUCKET_KEY), np.unique(common % _BUCKET_KEY)
     waits = np.full((len(per_rank), len(steps), len(buckets)), np.nan, dtype=np.float32)
     for i, (keys, durs) in enumerate(per_rank):
-        inside = np.isin(keys, common, assume_unique=True)
+        inside = in_sorted(keys, common)
         k = keys[inside]
         waits[i, np.searchsorted(steps, k // _BUCKET_KEY), np.searchsorted(buckets, k % _BUCKET_KEY)] = durs[
             inside
@@ -75,7 +75,7 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         ar, bwd = trace.kind(schema.ALLREDUCE), trace.kind(schema.BACKWARD)
         ready_steps, last_ready = reduce_per_step(ar.step, ar.ts, np.maximum)
         steps, ends = last_per_step(bwd.step, bwd.end)
-        inside = np.isin(steps, ready_steps, assume_unique=True)
+        inside = in_sorted(steps, ready_steps)
         steps, ends = steps[inside], ends[inside]
         exposed = np.maximum(0, ends - last_ready[np.searchsorted(ready_steps, steps)])
         per_rank.append((steps, exposed))
@@ -85,7 +85,7 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         return 0.0, 0.0
     common = per_rank[0][0]
     for steps, _ in per_rank[1:]:
-        common = np.intersect1d(common, steps, assume_unique=True)
+        common = common[in_sorted(common, steps)]
     common = common[common != 0]  # step 0 reduces in the constructor's bucket layout
     if not len(common) or not periods:
         return 0.0, 0.0

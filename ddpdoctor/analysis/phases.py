@@ -77,6 +77,19 @@ def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     return rev_steps, values[::-1][first]
 
 
+def lookup(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values at ``want`` in sorted unique ``keys``, which were found): a binary search."""
+    if not len(keys):
+        return np.zeros(len(want), values.dtype), np.zeros(len(want), bool)
+    at = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+    return values[at], keys[at] == want
+
+
+def in_sorted(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in ``sorted_unique`` (np.isin without its sort)."""
+    return lookup(sorted_unique, sorted_unique, values)[1]
+
+
 def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct steps, ``ufunc`` (np.add, np.maximum...) over each step's events)."""
     if not len(step):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import last_per_step, reduce_per_step, training_forwards
+from ddpdoctor.analysis.phases import in_sorted, last_per_step, lookup, reduce_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -75,14 +75,6 @@ def _sum_by_step(trace: RankTrace, kind: str, steps: np.ndarray, shift: int) -> 
     return out
 
 
-def _lookup(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values at ``want`` in sorted ``keys``, which were found)."""
-    if not len(keys):
-        return np.zeros(len(want), values.dtype), np.zeros(len(want), bool)
-    at = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
-    return values[at], keys[at] == want
-
-
 def _rank_rows(trace: RankTrace) -> _Rows | None:
     fwd = training_forwards(trace)
     bwd = trace.kind(schema.BACKWARD)
@@ -98,10 +90,10 @@ def _rank_rows(trace: RankTrace) -> _Rows | None:
     ar_steps, first = np.unique(ar.step[order], return_index=True)
     last_ready, last_dur = ar.ts[order][first], ar.dur[order][first]
     steps, fdur = last_per_step(fwd.step, fwd.dur)  # a repeated step keeps its last forward
-    ready, ok1 = _lookup(ar_steps, last_ready, steps)
-    dur, _ = _lookup(ar_steps, last_dur, steps)
-    start, ok2 = _lookup(bwd_steps, bwd_start, steps)
-    prev_end, ok3 = _lookup(bwd_steps, bwd_end, steps - 1)
+    ready, ok1 = lookup(ar_steps, last_ready, steps)
+    dur, _ = lookup(ar_steps, last_dur, steps)
+    start, ok2 = lookup(bwd_steps, bwd_start, steps)
+    prev_end, ok3 = lookup(bwd_steps, bwd_end, steps - 1)
     keep = ok1 & ok2 & ok3
     steps, fdur, ready, dur, start, prev_end = (x[keep] for x in (steps, fdur, ready, dur, start, prev_end))
     parts = {
@@ -127,7 +119,7 @@ def sync_table(run: Run) -> SyncTable | None:
     ranks = sorted(rows)
     common = rows[ranks[0]].steps  # type: ignore[union-attr]
     for r in ranks[1:]:
-        common = np.intersect1d(common, rows[r].steps, assume_unique=True)  # type: ignore[union-attr]
+        common = common[in_sorted(common, rows[r].steps)]  # type: ignore[union-attr]
     if len(common) < MIN_STEPS:
         return None
     steps = common

@@ -34,7 +34,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.phases import reduce_per_step, training_forwards
+from ddpdoctor.analysis.phases import lookup, reduce_per_step, training_forwards
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
@@ -98,30 +98,30 @@ def phase_events(trace: RankTrace, phase: str) -> tuple[Events, np.ndarray, np.n
 
 def step_spans(diag: Diagnosis, tb: TimeBase) -> dict[int, tuple[float, float]]:
     """Each training step's extent across ranks (seconds): first forward to the last event."""
-    first_parts, last_parts = [], []
-    for rank, trace in diag.run.ranks.items():
+    starts: tuple[np.ndarray, np.ndarray] | None = None
+    ends: tuple[np.ndarray, np.ndarray] | None = None
+    for rank, trace in diag.run.ranks.items():  # folded rank by rank: memory stays O(steps)
         fwd = training_forwards(trace)
-        first_parts.append(reduce_per_step(fwd.step, tb.rel(rank, fwd.ts), np.minimum))
+        starts = _fold(starts, reduce_per_step(fwd.step, tb.rel(rank, fwd.ts), np.minimum), np.minimum)
         for ev in trace.events.values():
             if len(ev):
-                last_parts.append(reduce_per_step(ev.step, tb.rel(rank, ev.end), np.maximum))
-    if not first_parts:
+                ends = _fold(ends, reduce_per_step(ev.step, tb.rel(rank, ev.end), np.maximum), np.maximum)
+    if starts is None or ends is None or not len(starts[0]):
         return {}
-    starts = reduce_per_step(*(np.concatenate(x) for x in zip(*first_parts, strict=True)), np.minimum)
-    ends = reduce_per_step(*(np.concatenate(x) for x in zip(*last_parts, strict=True)), np.maximum)
-    end_at, found = _at(ends[0], ends[1], starts[0])
+    end_at, found = lookup(ends[0], ends[1], starts[0])
     end_s = np.where(found, np.maximum(end_at, starts[1]), starts[1]) / 1e6
     return dict(
         zip(starts[0].tolist(), zip((starts[1] / 1e6).tolist(), end_s.tolist(), strict=True), strict=True)
     )
 
 
-def _at(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values at ``want`` in sorted ``keys``, which were found)."""
-    if not len(keys):
-        return np.zeros(len(want), values.dtype), np.zeros(len(want), bool)
-    at = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
-    return values[at], keys[at] == want
+def _fold(
+    acc: tuple[np.ndarray, np.ndarray] | None, part: tuple[np.ndarray, np.ndarray], ufunc: np.ufunc
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two per-step reductions (sorted steps, values) into one."""
+    if acc is None:
+        return part
+    return reduce_per_step(np.concatenate([acc[0], part[0]]), np.concatenate([acc[1], part[1]]), ufunc)
 
 
 def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget: int) -> set[int] | None:
