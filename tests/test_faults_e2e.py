@@ -130,17 +130,24 @@ def test_signals_reach_the_job_and_everything_is_kept(tmp_path: Path, target: st
     assert all(diag["phases"][r]["backward"]["count"] == 5 for r in ("0", "1"))
 
 
-def test_trace_dir_out_of_space(tmp_path: Path) -> None:
-    """Rank 1's trace file is /dev/full: it stops recording, training finishes unchanged."""
+@pytest.mark.parametrize(
+    ("target", "error", "warning"),
+    [
+        ("/dev/full", "No space left on device", "rank 1 stopped recording"),  # writes fail
+        ("/sys/ddpdoctor-cannot-create", "Permission denied", "rank 1 not recorded"),  # read-only, root too
+    ],
+)
+def test_trace_file_full_or_not_writable(tmp_path: Path, target: str, error: str, warning: str) -> None:
+    """Rank 1 cannot write its trace: it stops recording, training finishes unchanged."""
     plain = run_plain(tmp_path, torchrun(2, JOBS / "seeded_train.py", "plain.pt"))
     assert plain.returncode == 0, plain.stderr
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "trace-rank1.jsonl").symlink_to("/dev/full")
+    (run_dir / "trace-rank1.jsonl").symlink_to(target)
     job = run_doctor(tmp_path, torchrun(2, JOBS / "seeded_train.py", "doc.pt"))
     assert job.returncode == 0, job.stderr
-    assert job.stderr.count("rank 1 stopped recording") == 1
-    assert "No space left on device" in (run_dir / "probe-errors.log").read_text()
+    assert job.stderr.count(warning) == 1, job.stderr
+    assert error in (run_dir / "probe-errors.log").read_text()
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     diag = diagnose_json(run_dir)

@@ -129,7 +129,11 @@ def activate(dist: Any) -> Collector | None:
             pg = dist.distributed_c10d._get_default_group()
             ACTIVE = Collector(run_dir, header, pg)
         except Exception as exc:
-            _warn_once(f"ddpdoctor: not recording this rank: {exc}")
+            rank = os.environ.get("RANK", "?")
+            run_dir = os.environ.get(_env.RUN_DIR)
+            if run_dir:
+                _log_error(run_dir, f"rank {rank}: not recorded: {exc}")
+            _warn_once(f"ddpdoctor: rank {rank} not recorded ({exc}); training continues")
             return None
         _install_exit_handlers(ACTIVE)
         try:
