@@ -64,3 +64,5 @@ def test_chance_of_being_latest() -> None:
     assert by_chance(11, 11, 2) < 0.001
     assert by_chance(0, 10, 4) == pytest.approx(1.0)
     assert by_chance(10, 40, 4) > 0.4  # a quarter of the steps is what any rank gets
+    assert by_chance(6000, 10000, 1024) < 1e-300  # long runs, many ranks: no float overflow
+    assert by_chance(10, 10000, 1024) > 0.5
