@@ -26,7 +26,7 @@ LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
-CHANCE = 0.01  # a persistent straggler is late more often than chance would make it, at this p
+CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
 _FIX = {
     "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
     "persistent_workers, or move decoding/augmentation off the critical path; check the rank's "
@@ -194,7 +194,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
         persistent = (
             n_late / len(table.steps) >= needed
             and standout[row] > threshold
-            and by_chance(n_late, len(table.steps), len(table.ranks)) < CHANCE
+            and by_chance(int((latest == row).sum()), len(table.steps), len(table.ranks)) < CHANCE
         )
         if not persistent:
             late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
