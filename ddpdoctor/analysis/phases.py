@@ -73,8 +73,21 @@ def training_forwards(trace: RankTrace) -> Events:
 def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct steps, the value of each step's last event): what a dict keyed by step
     would keep, without a Python loop over events."""
+    starts = _runs(step)
+    if starts is not None:  # already in step order (the usual trace): no sort needed
+        return step[starts], values[np.append(starts[1:], len(step)) - 1]
     rev_steps, first = np.unique(step[::-1], return_index=True)
     return rev_steps, values[::-1][first]
+
+
+def _runs(step: np.ndarray) -> np.ndarray | None:
+    """Where each run of equal steps starts, if ``step`` never decreases; else None."""
+    if not len(step):
+        return None
+    jumps = np.diff(step)
+    if (jumps < 0).any():
+        return None
+    return np.concatenate(([0], np.flatnonzero(jumps) + 1))
 
 
 def lookup(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +107,9 @@ def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tu
     """(sorted distinct steps, ``ufunc`` (np.add, np.maximum...) over each step's events)."""
     if not len(step):
         return step, values
+    starts = _runs(step)
+    if starts is not None:
+        return step[starts], ufunc.reduceat(values, starts)
     order = np.argsort(step, kind="stable")
     steps, idx = np.unique(step[order], return_index=True)
     return steps, ufunc.reduceat(values[order], idx)

@@ -1,0 +1,29 @@
+"""Per-step reductions: the sort-free path for traces in step order equals the general one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddpdoctor.analysis.phases import last_per_step, reduce_per_step
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_per_step_reductions_match_a_sorting_reference(in_order: bool) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 60))
+        step = rng.integers(0, 12, n)
+        if in_order:
+            step = np.sort(step)
+        values = rng.integers(0, 1000, n)
+        order = np.argsort(step, kind="stable")
+        steps, first = np.unique(step[order], return_index=True)
+        for ufunc in (np.add, np.maximum, np.minimum):
+            got = reduce_per_step(step, values, ufunc)
+            assert np.array_equal(got[0], steps)
+            assert np.array_equal(got[1], ufunc.reduceat(values[order], first))
+        last = {int(s): int(v) for s, v in zip(step, values, strict=True)}  # a dict keeps the last
+        got_steps, got_last = last_per_step(step, values)
+        assert got_steps.tolist() == sorted(last)
+        assert got_last.tolist() == [last[s] for s in sorted(last)]
