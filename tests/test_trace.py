@@ -168,14 +168,62 @@ def test_bulk_parser_agrees_with_json_line_by_line(tmp_path: Path) -> None:
     assert t.skipped_lines == 3
     assert sorted(t.events) == sorted(expect)
     for kind, rows in expect.items():
-        ev = t.kind(kind)
-        got = [
-            (a, b, c, *f) for a, b, c, f in zip(ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields)
-        ]
-        assert got == rows, kind
+        assert _rows(t.kind(kind)) == rows, kind
     assert t.meta["loader"] == [(1, -1, {"id": 1})]
     coll = t.kind(schema.COLLECTIVE)
     assert coll.equals(0, "barrier").tolist() == [True, False]
     assert t.kind(schema.DATA_WAIT).ints(0).tolist() == [1, -1, -1]
     fwd = t.kind(schema.FORWARD)
     assert fwd.select(fwd.ints(0) == 1).step.tolist() == [0, 0, 1]
+
+
+def _rows(ev) -> list[tuple]:
+    return [(a, b, c, *f) for a, b, c, f in zip(ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields)]
+
+
+def _reference(text: list[str]) -> dict[str, list[tuple]]:
+    """What json makes of every event line: the reader's contract."""
+    expect: dict[str, list[tuple]] = {}
+    for line in text:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(rec, list)
+            and len(rec) >= 4
+            and rec[0] not in ("header", "loader")
+            and all(type(v) is int and -(2**63) <= v < 2**63 for v in rec[1:4])
+        ):
+            expect.setdefault(rec[0], []).append(tuple(rec[1:]))
+    return expect
+
+
+def test_bulk_parser_agrees_with_json_on_random_tokens(tmp_path: Path) -> None:
+    """Integers of every width and sign, leading zeros, '-', floats, exponents and odd strings:
+    whatever the fast path accepts must be exactly what json reads, and the rest goes to json."""
+    import random
+
+    rng = random.Random(7)
+    ints = ["0", "-0", "7", "-1", "007", "-", "1.5", "1e3", "+5", " 5", "00", "9" * 16, "1" + "0" * 15]
+    ints += ["9" * 17, "-" + "9" * 16, "12345678", "123456789", "-123456789012345"]
+    strings = ['"AdamW"', '""', '"a,b"', '"a\\"b"', '"é"', '"x" ', '"a"b"', '"' + "s" * 70 + '"']
+    shapes = {"forward": "iiiiii", "allreduce": "iiiiii", "backward": "iii", "optimizer": "iiis"}
+
+    def token(t: str) -> str:
+        if t == "s":
+            return rng.choice(strings)
+        return rng.choice(ints) if rng.random() < 0.3 else str(rng.randrange(-(10**12), 10**12))
+
+    text = [json.dumps(["header", header()])]
+    for _ in range(3000):
+        kind = rng.choice(sorted(shapes))
+        toks = [token(t) for t in shapes[kind]]
+        text.append(f'["{kind}",' + ",".join(toks) + "]")
+    path = tmp_path / "trace-rank0.jsonl"
+    path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    t = read_trace(path)
+    expect = _reference(text)
+    assert t.skipped_lines == len(text) - 1 - sum(len(v) for v in expect.values())
+    for kind, rows in expect.items():
+        assert _rows(t.kind(kind)) == rows, kind

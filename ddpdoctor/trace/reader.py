@@ -328,9 +328,9 @@ _FAST_KINDS: dict[str, str] = {
     schema.GRAPH_SCAN: "",
 }
 _I64 = 2**63
-_MAX_DIGITS = 18  # longer integers (never written) go through json
+_MAX_DIGITS = 16  # two 8-byte chunks; longer integers (never written) go through json
 _MAX_STRING = 64  # longer strings too
-_POW10 = 10 ** np.arange(_MAX_DIGITS, dtype=np.int64)
+_PAD = _MAX_STRING + 32  # room to read a whole token, or 16 bytes, past any line's end
 
 FastKind = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Fields]
 
@@ -338,7 +338,10 @@ FastKind = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Fields]
 def _parse_fast(data: bytes) -> tuple[dict[str, FastKind], list[tuple[int, bytes]]]:
     """Bulk-parse the lines of the kinds in ``_FAST_KINDS`` that have exactly their shape
     (compact JSON, integers and escape-free strings); every other line is returned, with its
-    index, for the careful path. Per kind: (line indices, ts, dur, step, Fields)."""
+    index, for the careful path. Per kind: (line indices, ts, dur, step, Fields).
+
+    Each line is classified once by its first 16 bytes (two little-endian words), and commas
+    are counted once per file; the tokens between them are then parsed column by column."""
     a = np.frombuffer(data, dtype=np.uint8)
     nl = np.flatnonzero(a == 10)
     starts = np.concatenate(([0], nl + 1))
@@ -347,18 +350,18 @@ def _parse_fast(data: bytes) -> tuple[dict[str, FastKind], list[tuple[int, bytes
         starts, ends = starts[:-1], ends[:-1]
     done = np.zeros(len(starts), dtype=bool)
     out: dict[str, FastKind] = {}
-    if len(a):
+    if len(starts):
+        padded = np.concatenate((a, np.zeros(_PAD, np.uint8)))
+        # Every byte offset's next 8 bytes as one little-endian word (a view, nothing copied).
+        words = np.lib.stride_tricks.as_strided(padded, (len(padded) - 7, 8), (1, 1)).view("<u8")[:, 0]
         commas = np.flatnonzero(a == 44)
-        quotes = np.flatnonzero(a == 34)
-        backslashes = np.flatnonzero(a == 92)
-        # Room to read a whole token width past any line's end without bounds checks.
-        padded = np.concatenate((a, np.zeros(_MAX_STRING + _MAX_DIGITS + 8, np.uint8)))
-        # Bytes 2-5 of every line (the kind's first four letters) as one number, to find each
-        # kind's lines without comparing whole prefixes.
-        heads = padded[starts[:, None] + np.arange(2, 6)].copy().view("<u4").reshape(-1)
+        first_comma = np.searchsorted(commas, starts)
+        n_commas = np.diff(np.append(first_comma, len(commas)))
+        file = _File(padded, words, starts, ends, commas, first_comma, n_commas)
+        marks = (np.flatnonzero(a == 34), np.flatnonzero(a == 92))
+        head = words[starts]
         for kind, spec in _FAST_KINDS.items():
-            marks = (commas, quotes, backslashes)
-            found = _parse_kind(padded, starts, ends, kind, "iii" + spec, marks, heads)
+            found = file.parse_kind(kind, "iii" + spec, head, marks)
             if found is None:
                 continue
             lines, cols = found
@@ -369,57 +372,77 @@ def _parse_fast(data: bytes) -> tuple[dict[str, FastKind], list[tuple[int, bytes
     return out, [(i, raw) for i, raw in slow if raw.strip()]
 
 
-def _parse_kind(
-    a: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    kind: str,
-    spec: str,
-    marks: tuple[np.ndarray, np.ndarray, np.ndarray],
-    heads: np.ndarray,
-) -> tuple[np.ndarray, list[Any]] | None:
-    """The lines that are exactly ``["kind",tok,...]`` with tokens as ``spec`` says, parsed:
-    (line indices, [int64 array per "i" token, Strings per "s" token])."""
-    commas, quotes, backslashes = marks
-    prefix = np.frombuffer(f'["{kind}",'.encode(), dtype=np.uint8)
-    cand = np.flatnonzero(heads == int.from_bytes(prefix[2:6].tobytes(), "little"))
-    cand = cand[ends[cand] - starts[cand] > len(prefix) + 1]
-    for j, byte in enumerate(prefix):
-        cand = cand[a[starts[cand] + j] == byte]
+@dataclass
+class _File:
+    """One trace file's bytes and line/comma positions, as the bulk parser needs them."""
+
+    a: np.ndarray  # the bytes, padded with zeros
+    words: np.ndarray  # words[i]: bytes i..i+7 as a little-endian uint64
+    starts: np.ndarray
+    ends: np.ndarray
+    commas: np.ndarray
+    first_comma: np.ndarray  # per line: index in ``commas`` of its first comma
+    n_commas: np.ndarray  # per line
+
+    def parse_kind(
+        self, kind: str, spec: str, head: np.ndarray, marks: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, list[Any]] | None:
+        """The lines that are exactly ``["kind",tok,...]`` with tokens as ``spec`` says, parsed:
+        (line indices, [int64 array per "i" token, Strings per "s" token])."""
+        prefix = f'["{kind}",'.encode()
+        first, second = _prefix_words(prefix)
+        cand = np.flatnonzero(head == first)
         if not len(cand):
             return None
-    cand = cand[a[ends[cand] - 1] == 93]  # "]"
-    body_lo, body_hi = starts[cand] + len(prefix), ends[cand] - 1
-    n_str = spec.count("s")
+        starts, ends = self.starts[cand], self.ends[cand]
+        ok = (
+            (self.words[starts + 8] & second[1] == second[0])
+            & (ends - starts > len(prefix) + 1)
+            & (self.a[ends - 1] == 93)  # "]"
+            & (self.n_commas[cand] == len(spec))  # the prefix's comma and one between tokens
+        )
+        n_str = spec.count("s")
+        if n_str:  # quotes and backslashes only matter inside strings (an int rejects them)
+            quotes, backslashes = marks
+            ok &= _count(quotes, starts, ends) == 2 + 2 * n_str
+            if len(backslashes):
+                ok &= _count(backslashes, starts, ends) == 0
+        cand, starts, ends = cand[ok], starts[ok], ends[ok]
+        if not len(cand):
+            return None
+        sep = self.commas[self.first_comma[cand][:, None] + np.arange(len(spec))]
+        tok_lo = sep + 1
+        tok_hi = np.concatenate((sep[:, 1:], (ends - 1)[:, None]), axis=1)
+        good = np.ones(len(cand), dtype=bool)
+        parsed: list[Any] = []
+        for j, t in enumerate(spec):
+            lo, hi = tok_lo[:, j], tok_hi[:, j]
+            values, valid = _ints(self.a, self.words, lo, hi) if t == "i" else _strings(self.a, lo, hi)
+            parsed.append(values)
+            good &= valid
+        if not good.any():
+            return None
+        cols: list[Any] = []
+        for p in parsed:
+            if isinstance(p, tuple):
+                codes, table = p
+                cols.append(_strings_column(codes[good], table))
+            else:
+                cols.append(p[good])
+        return cand[good], cols
 
-    def count(pos: np.ndarray) -> np.ndarray:
-        return np.searchsorted(pos, body_hi) - np.searchsorted(pos, body_lo)
 
-    ok = (count(commas) == len(spec) - 1) & (count(quotes) == 2 * n_str) & (count(backslashes) == 0)
-    cand, body_lo, body_hi = cand[ok], body_lo[ok], body_hi[ok]
-    if not len(cand):
-        return None
-    first = np.searchsorted(commas, body_lo)
-    sep = commas[first[:, None] + np.arange(len(spec) - 1)]
-    tok_lo = np.concatenate((body_lo[:, None], sep + 1), axis=1)
-    tok_hi = np.concatenate((sep, body_hi[:, None]), axis=1)
-    good = np.ones(len(cand), dtype=bool)
-    parsed: list[Any] = []
-    for j, t in enumerate(spec):
-        lo, hi = tok_lo[:, j], tok_hi[:, j]
-        values, valid = _ints(a, lo, hi) if t == "i" else _strings(a, lo, hi)
-        parsed.append(values)
-        good &= valid
-    if not good.any():
-        return None
-    cols: list[Any] = []
-    for p in parsed:
-        if isinstance(p, tuple):
-            codes, table = p
-            cols.append(_strings_column(codes[good], table))
-        else:
-            cols.append(p[good])
-    return cand[good], cols
+def _prefix_words(prefix: bytes) -> tuple[int, tuple[int, int]]:
+    """A line prefix of 9-16 bytes as (its first word, (its second word, the mask of its bytes))."""
+    assert 8 < len(prefix) <= 16, prefix
+    rest = prefix[8:]
+    mask = (1 << (8 * len(rest))) - 1
+    return int.from_bytes(prefix[:8], "little"), (int.from_bytes(rest, "little"), mask)
+
+
+def _count(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """How many of the sorted positions ``pos`` lie in each [lo, hi)."""
+    return np.searchsorted(pos, hi) - np.searchsorted(pos, lo)
 
 
 def _strings_column(codes: np.ndarray, table: list[str]) -> Strings:
@@ -430,27 +453,46 @@ def _strings_column(codes: np.ndarray, table: list[str]) -> Strings:
     return Strings(codes.reshape(-1).astype(np.uint8 if len(kept) <= 256 else np.uint32), kept)
 
 
-def _ints(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Integer tokens a[lo:hi] -> (int64 values, which were well-formed).
+_ZEROS = np.uint64(0x3030303030303030)  # eight ASCII "0"
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
+_SIXES = np.uint64(0x0606060606060606)
+# _BELOW[n]: the low 8 - n bytes of a word, which lie before a token of n digits ending at its top.
+_BELOW = np.array([(1 << (8 * (8 - n))) - 1 for n in range(9)], dtype=np.uint64)
 
-    Digits are read right-aligned (ending at ``hi``) into a small matrix, so one matrix-vector
-    product with powers of ten gives every value; bytes before a token's start are masked."""
+
+def _ints(a: np.ndarray, words: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Integer tokens a[lo:hi] -> (int64 values, which were well-formed JSON integers).
+
+    Eight digits at a time: the 8 bytes ending at a token's end are one little-endian word,
+    bytes before the token's start are replaced by "0", and three multiply-shift steps turn
+    the eight ASCII digits into their value (SWAR). A token of 9-16 digits takes two words."""
     neg = a[lo] == 45  # "-"
     lo = lo + neg
     length = hi - lo
-    width = int(length.max())
-    if width > _MAX_DIGITS or int(length.min()) < 1:
-        valid = (length >= 1) & (length <= _MAX_DIGITS)
-        width = min(width, _MAX_DIGITS)
-    else:
-        valid = np.ones(len(lo), dtype=bool)
-    pos = np.arange(-width, 0)
-    digits = a[hi[:, None] + pos] - np.uint8(48)  # uint8: non-digits wrap to > 9
-    outside = pos < -length[:, None]
-    digits[outside] = 0
-    valid &= (digits <= 9).all(axis=1)
-    values = digits.astype(np.int64) @ _POW10[width - 1 :: -1] if width else np.zeros(len(lo), np.int64)
+    valid = (length >= 1) & (length <= _MAX_DIGITS) & ((length == 1) | (a[lo] != 48))  # no leading 0
+    length = np.clip(length, 0, _MAX_DIGITS)
+    low_len = np.minimum(length, 8)
+    values, ok = _eight_digits(words[hi - 8], low_len)
+    valid &= ok
+    if int(length.max(initial=0)) > 8:
+        high_len = length - low_len
+        high, ok = _eight_digits(words[np.maximum(hi - 16, 0)], high_len)
+        valid &= ok | (high_len == 0)
+        values = np.where(high_len > 0, high * 100_000_000 + values, values)
+    values = values.astype(np.int64)
     return np.where(neg, -values, values), valid
+
+
+def _eight_digits(word: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value of the top ``n`` bytes of each word as decimal digits, whether they all are)."""
+    below = _BELOW[n]
+    word = (word & ~below) | (_ZEROS & below)
+    ok = ((word & _HIGH_NIBBLES) == _ZEROS) & (((word + _SIXES) & _HIGH_NIBBLES) == _ZEROS)
+    d = word - _ZEROS
+    d = ((d * np.uint64(10)) + (d >> np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    d = ((d * np.uint64(100)) + (d >> np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    d = (d * np.uint64(10000)) + (d >> np.uint64(32))
+    return d & np.uint64(0xFFFFFFFF), ok
 
 
 def _strings(
