@@ -410,16 +410,16 @@ class _File:
         cand, starts, ends = cand[ok], starts[ok], ends[ok]
         if not len(cand):
             return None
-        sep = self.commas[self.first_comma[cand][:, None] + np.arange(len(spec))]
-        tok_lo = sep + 1
-        tok_hi = np.concatenate((sep[:, 1:], (ends - 1)[:, None]), axis=1)
+        first = self.first_comma[cand]  # the prefix's comma; then one after each token
+        lo = self.commas[first] + 1
         good = np.ones(len(cand), dtype=bool)
         parsed: list[Any] = []
         for j, t in enumerate(spec):
-            lo, hi = tok_lo[:, j], tok_hi[:, j]
+            hi = self.commas[first + j + 1] if j + 1 < len(spec) else ends - 1
             values, valid = _ints(self.a, self.words, lo, hi) if t == "i" else _strings(self.a, lo, hi)
             parsed.append(values)
             good &= valid
+            lo = hi + 1
         if not good.any():
             return None
         cols: list[Any] = []
@@ -466,11 +466,15 @@ def _ints(a: np.ndarray, words: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> t
     Eight digits at a time: the 8 bytes ending at a token's end are one little-endian word,
     bytes before the token's start are replaced by "0", and three multiply-shift steps turn
     the eight ASCII digits into their value (SWAR). A token of 9-16 digits takes two words."""
-    neg = a[lo] == 45  # "-"
-    lo = lo + neg
-    length = hi - lo
-    valid = (length >= 1) & (length <= _MAX_DIGITS) & ((length == 1) | (a[lo] != 48))  # no leading 0
-    length = np.clip(length, 0, _MAX_DIGITS)
+    first = a[lo]
+    neg = first == 45  # "-"
+    signed = bool(neg.any())
+    if signed:
+        lo = lo + neg
+        first = a[lo]
+    length = hi - lo  # >= 0
+    valid = ((length - 1).view(np.uint64) < _MAX_DIGITS) & ((first != 48) | (length == 1))  # no leading 0
+    length = np.minimum(length, _MAX_DIGITS)
     low_len = np.minimum(length, 8)
     values, ok = _eight_digits(words[hi - 8], low_len)
     valid &= ok
@@ -478,9 +482,9 @@ def _ints(a: np.ndarray, words: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> t
         high_len = length - low_len
         high, ok = _eight_digits(words[np.maximum(hi - 16, 0)], high_len)
         valid &= ok | (high_len == 0)
-        values = np.where(high_len > 0, high * 100_000_000 + values, values)
-    values = values.astype(np.int64)
-    return np.where(neg, -values, values), valid
+        values += high * 100_000_000  # 0 where there is no high part
+    values = values.view(np.int64)  # below 10**16: the same bits
+    return (np.where(neg, -values, values) if signed else values), valid
 
 
 def _eight_digits(word: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
