@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import in_sorted, last_per_step, reduce_per_step
+from ddpdoctor.analysis.phases import StepGrid, last_per_step
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -33,34 +33,37 @@ def bucket_layout(run: Run) -> dict[int, dict[str, Any]]:
 
 def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     """(ranks, steps, buckets) all-reduce durations in µs over steps every rank completed
-    (float32: 1,024 ranks x 10,000 steps x 4 buckets is 160 MB; NaN where a bucket is missing)."""
-    per_rank: list[tuple[np.ndarray, np.ndarray]] = []
-    for _, trace in sorted(run.ranks.items()):
+    (float32: 1,024 ranks x 10,000 steps x 4 buckets is 160 MB; NaN where a bucket is missing).
+    The cube is filled rank by rank on the run's step grid, then cut to the shared steps."""
+    traces = [t for _, t in sorted(run.ranks.items())]
+    if len(traces) < 2:
+        return None
+    buckets = [t.kind(schema.ALLREDUCE).ints(0, default=0) for t in traces]
+    if not all(len(b) for b in buckets) or min(int(b.min()) for b in buckets) < 0:
+        return None  # a rank without bucket timings, or not a bucket index DDP writes
+    nb = max(int(b.max()) for b in buckets) + 1
+    if nb > _MAX_BUCKETS:
+        return None
+    grid = StepGrid.spanning(t.kind(schema.ALLREDUCE).step for t in traces)
+    waits = np.full((len(traces), grid.n, nb), np.nan, dtype=np.float32)
+    for i, (trace, bucket) in enumerate(zip(traces, buckets)):
         ar = trace.kind(schema.ALLREDUCE)
-        bucket = ar.ints(0, default=0)
-        if len(ar) and (bucket.min() < 0 or bucket.max() >= _BUCKET_KEY):
-            return None  # not a bucket index DDP writes
-        keys, durs = last_per_step(ar.step * _BUCKET_KEY + bucket, ar.dur)  # the last of duplicates
-        per_rank.append((keys, durs))
-    if len(per_rank) < 2 or not all(len(k) for k, _ in per_rank):
+        key, durs = last_per_step((ar.step - grid.lo) * nb + bucket, ar.dur)  # the last of duplicates
+        inside = (key >= 0) & (key < grid.n * nb)
+        waits[i].reshape(-1)[key[inside]] = durs[inside]
+    common = ~np.isnan(waits).any(axis=0)  # (step, bucket) that every rank has
+    steps, cols = np.flatnonzero(common.any(axis=1)), np.flatnonzero(common.any(axis=0))
+    if not len(steps):
         return None
-    common = per_rank[0][0]
-    for keys, _ in per_rank[1:]:
-        common = common[in_sorted(common, keys)]
-    if not len(common):
-        return None
-    steps, buckets = np.unique(common // _BUCKET_KEY), np.unique(common % _BUCKET_KEY)
-    waits = np.full((len(per_rank), len(steps), len(buckets)), np.nan, dtype=np.float32)
-    for i, (keys, durs) in enumerate(per_rank):
-        inside = in_sorted(keys, common)
-        k = keys[inside]
-        waits[i, np.searchsorted(steps, k // _BUCKET_KEY), np.searchsorted(buckets, k % _BUCKET_KEY)] = durs[
-            inside
-        ]
-    return waits, steps.tolist(), buckets.tolist()
+    waits[:, ~common] = np.nan
+    if len(steps) < grid.n:
+        waits = waits[:, steps]
+    if len(cols) < nb:
+        waits = waits[:, :, cols]
+    return waits, (steps + grid.lo).tolist(), cols.tolist()
 
 
-_BUCKET_KEY = 1 << 20  # (step, bucket) -> step * _BUCKET_KEY + bucket
+_MAX_BUCKETS = 1 << 16
 
 
 def exposed_comm_us(run: Run) -> tuple[float, float]:
@@ -69,28 +72,23 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
     Taken on the rank that arrives last at each step: earlier ranks also wait for it, which
     is skew (a straggler), not communication.
     """
-    per_rank: list[tuple[np.ndarray, np.ndarray]] = []
+    traces = list(run.ranks.values())
+    grid = StepGrid.spanning(t.kind(schema.BACKWARD).step for t in traces)
+    exposed = np.full(grid.n, np.inf)
+    everywhere = np.ones(grid.n, bool)
     periods: list[np.ndarray] = []
-    for trace in run.ranks.values():
+    for trace in traces:
         ar, bwd = trace.kind(schema.ALLREDUCE), trace.kind(schema.BACKWARD)
-        ready_steps, last_ready = reduce_per_step(ar.step, ar.ts, np.maximum)
-        steps, ends = last_per_step(bwd.step, bwd.end)
-        inside = in_sorted(steps, ready_steps)
-        steps, ends = steps[inside], ends[inside]
-        exposed = np.maximum(0, ends - last_ready[np.searchsorted(ready_steps, steps)])
-        per_rank.append((steps, exposed))
+        last_ready, has_ready = grid.put(ar.step, ar.ts, np.maximum)
+        ends, has_end = grid.put(bwd.step, bwd.end)
+        everywhere &= has_ready & has_end
+        exposed = np.minimum(exposed, np.maximum(0, ends - last_ready))
         if len(bwd) > 1:
             periods.append(np.diff(np.sort(bwd.end)))
-    if not per_rank:
+    everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
+    if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0
-    common = per_rank[0][0]
-    for steps, _ in per_rank[1:]:
-        common = common[in_sorted(common, steps)]
-    common = common[common != 0]  # step 0 reduces in the constructor's bucket layout
-    if not len(common) or not periods:
-        return 0.0, 0.0
-    exposed = np.min([e[np.searchsorted(s, common)] for s, e in per_rank], axis=0)
-    return float(np.median(exposed)), float(np.median(np.concatenate(periods)))
+    return float(np.median(exposed[everywhere])), float(np.median(np.concatenate(periods)))
 
 
 def bucket_stats(run: Run) -> list[dict[str, Any]]:

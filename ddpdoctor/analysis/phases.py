@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,6 +82,15 @@ def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     return rev_steps, values[::-1][first]
 
 
+def first_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct steps, the value of each step's first event)."""
+    starts = _runs(step)
+    if starts is not None:
+        return step[starts], values[starts]
+    steps, first = np.unique(step, return_index=True)
+    return steps, values[first]
+
+
 def _runs(step: np.ndarray) -> np.ndarray | None:
     """Where each run of equal steps starts, if ``step`` never decreases; else None."""
     if not len(step):
@@ -88,19 +99,6 @@ def _runs(step: np.ndarray) -> np.ndarray | None:
     if (jumps < 0).any():
         return None
     return np.concatenate(([0], np.flatnonzero(jumps) + 1))
-
-
-def lookup(keys: np.ndarray, values: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values at ``want`` in sorted unique ``keys``, which were found): a binary search."""
-    if not len(keys):
-        return np.zeros(len(want), values.dtype), np.zeros(len(want), bool)
-    at = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
-    return values[at], keys[at] == want
-
-
-def in_sorted(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
-    """Which of ``values`` are in ``sorted_unique`` (np.isin without its sort)."""
-    return lookup(sorted_unique, sorted_unique, values)[1]
 
 
 def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +111,44 @@ def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tu
     order = np.argsort(step, kind="stable")
     steps, idx = np.unique(step[order], return_index=True)
     return steps, ufunc.reduceat(values[order], idx)
+
+
+@dataclass(frozen=True)
+class StepGrid:
+    """A run's steps ``lo .. lo + n - 1`` as one dense axis. Per-step values of every rank
+    become rows of arrays along it, so matching steps across ranks is indexing and a mask,
+    not a search: at 1,024 ranks x 10,000 steps that is what keeps analysis within seconds."""
+
+    lo: int
+    n: int
+
+    @classmethod
+    def spanning(cls, steps: Iterable[np.ndarray]) -> StepGrid:
+        """The grid from the lowest to the highest non-negative step in any of ``steps``."""
+        lo, hi = None, None
+        for s in steps:
+            s = s[s >= 0]
+            if len(s):
+                lo = int(s.min()) if lo is None else min(lo, int(s.min()))
+                hi = int(s.max()) if hi is None else max(hi, int(s.max()))
+        return cls(0, 0) if lo is None or hi is None else cls(lo, hi - lo + 1)
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.arange(self.lo, self.lo + self.n)
+
+    def put(
+        self, step: np.ndarray, values: np.ndarray, ufunc: np.ufunc | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(each grid step's value as float64, which steps have one): the last event's value
+        of a step, or ``ufunc`` (np.add, np.maximum...) over its events."""
+        steps, vals = last_per_step(step, values) if ufunc is None else reduce_per_step(step, values, ufunc)
+        at = steps - self.lo
+        inside = (at >= 0) & (at < self.n)
+        out, present = np.zeros(self.n), np.zeros(self.n, bool)
+        out[at[inside]] = vals[inside]  # steps are unique here: no repeated index
+        present[at[inside]] = True
+        return out, present
 
 
 def step_times(trace: RankTrace) -> np.ndarray:

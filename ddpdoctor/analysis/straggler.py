@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import in_sorted, last_per_step, lookup, reduce_per_step, training_forwards
+from ddpdoctor.analysis.phases import StepGrid, first_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -54,87 +54,68 @@ class SyncTable:
     step_us: float  # median step period
 
 
-@dataclass
-class _Rows:
-    """One rank's per-step values (µs) over the steps it has everything for."""
-
-    steps: np.ndarray  # sorted
-    values: dict[str, np.ndarray]  # PHASES and "last_dur", aligned with steps
-
-
-def _sum_by_step(trace: RankTrace, kind: str, steps: np.ndarray, shift: int) -> np.ndarray:
-    """Total duration at each of ``steps``, from events labelled step - shift (waits before
-    step k carry label k-1); 0 where there are none."""
-    ev = trace.kind(kind)
-    labels, totals = reduce_per_step(ev.step + shift, ev.dur.astype(np.float64), np.add)
-    out = np.zeros(len(steps))
-    if len(labels):
-        at = np.clip(np.searchsorted(labels, steps), 0, len(labels) - 1)
-        hit = labels[at] == steps
-        out[hit] = totals[at[hit]]
-    return out
-
-
-def _rank_rows(trace: RankTrace) -> _Rows | None:
+def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """(the grid steps this rank has everything for, its per-step values in µs on the grid:
+    PHASES and "last_dur"); None without forwards, backwards or bucket timings."""
     fwd = training_forwards(trace)
     bwd = trace.kind(schema.BACKWARD)
     ar = trace.kind(schema.ALLREDUCE)
     if not len(fwd) or not len(bwd) or not len(ar):
         return None
-    bwd_steps, bwd_start = last_per_step(bwd.step, bwd.ts)
-    _, bwd_end = last_per_step(bwd.step, bwd.end)
+    fdur, has_fwd = grid.put(fwd.step, fwd.dur)  # a repeated step keeps its last forward
+    start, has_bwd = grid.put(bwd.step, bwd.ts)
+    end, _ = grid.put(bwd.step, bwd.end)
     # The step's last bucket (highest index: DDP fills buckets from the output layers back)
     # is the one the whole step waits for; the first event of that index if it repeats.
-    index = ar.ints(0, default=0)
-    order = np.lexsort((np.arange(len(ar)), -index, ar.step))
-    ar_steps, first = np.unique(ar.step[order], return_index=True)
-    last_ready, last_dur = ar.ts[order][first], ar.dur[order][first]
-    steps, fdur = last_per_step(fwd.step, fwd.dur)  # a repeated step keeps its last forward
-    ready, ok1 = lookup(ar_steps, last_ready, steps)
-    dur, _ = lookup(ar_steps, last_dur, steps)
-    start, ok2 = lookup(bwd_steps, bwd_start, steps)
-    prev_end, ok3 = lookup(bwd_steps, bwd_end, steps - 1)
-    keep = ok1 & ok2 & ok3
-    steps, fdur, ready, dur, start, prev_end = (x[keep] for x in (steps, fdur, ready, dur, start, prev_end))
-    parts = {
-        "data_wait": _sum_by_step(trace, schema.DATA_WAIT, steps, 1),
-        "optimizer": _sum_by_step(trace, schema.OPTIMIZER, steps, 1),
-        "forward": fdur.astype(np.float64),
-        "backward": np.maximum(0.0, (ready - start).astype(np.float64)),
+    step, index = ar.step, ar.ints(0, default=0)
+    top, _ = grid.put(step, index.astype(np.float64), np.maximum)
+    is_top = np.flatnonzero(index == top[np.clip(step - grid.lo, 0, grid.n - 1)])
+    ready, has_ar = grid.put(*first_per_step(step[is_top], ar.ts[is_top]))
+    last_dur, _ = grid.put(*first_per_step(step[is_top], ar.dur[is_top]))
+    prev_end, has_prev = np.roll(end, 1), np.roll(has_bwd, 1)
+    has_prev[0] = False  # the step before the grid
+    waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
+    parts = {  # waits before step k, and the optimizer step that ends k-1, carry label k-1
+        "data_wait": grid.put(waits.step + 1, waits.dur, np.add)[0],
+        "optimizer": grid.put(opt.step + 1, opt.dur, np.add)[0],
+        "forward": fdur,
+        "backward": np.maximum(0.0, ready - start),
     }
-    since_sync = (ready - prev_end).astype(np.float64)
-    parts["other"] = np.maximum(0.0, since_sync - sum(parts.values()))
-    parts["last_dur"] = dur.astype(np.float64)
-    return _Rows(steps, parts)
+    parts["other"] = np.maximum(0.0, (ready - prev_end) - sum(parts.values()))
+    parts["last_dur"] = last_dur
+    return has_fwd & has_bwd & has_prev & has_ar, parts
 
 
 def sync_table(run: Run) -> SyncTable | None:
     """Lateness and phase split for every step all ranks share; None without bucket timings.
 
     The (ranks, steps) matrices are float32 (µs: exact below 16 s): at 1,024 ranks x 10,000
-    steps each is 40 MB."""
-    rows = {rank: _rank_rows(t) for rank, t in sorted(run.ranks.items())}
-    if len(rows) < 2 or any(r is None for r in rows.values()):
+    steps each is 40 MB. Ranks are folded in one at a time, so nothing per rank is kept."""
+    ranks = sorted(run.ranks)
+    if len(ranks) < 2:
         return None
-    ranks = sorted(rows)
-    common = rows[ranks[0]].steps  # type: ignore[union-attr]
-    for r in ranks[1:]:
-        common = common[in_sorted(common, rows[r].steps)]  # type: ignore[union-attr]
-    if len(common) < MIN_STEPS:
-        return None
-    steps = common
-    matrices = {name: np.empty((len(ranks), len(steps)), np.float32) for name in (*PHASES, "last_dur")}
+    spanned = StepGrid.spanning(training_forwards(run.ranks[r]).step for r in ranks)
+    grid = StepGrid(spanned.lo - 1, spanned.n + 1)  # and the step before: its backward's end
+    matrices = {name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur")}
+    common = np.ones(grid.n, bool)
     for i, r in enumerate(ranks):
-        row = rows[r]
-        at = np.searchsorted(row.steps, steps)  # type: ignore[union-attr]
+        rows = _rank_rows(run.ranks[r], grid)
+        if rows is None:
+            return None
+        complete, values = rows
+        common &= complete
         for name, m in matrices.items():
-            m[i] = row.values[name][at]  # type: ignore[union-attr]
+            m[i] = values[name]
+    if common.sum() < MIN_STEPS:
+        return None
+    for name in list(matrices):  # one at a time: a single copy's worth of memory at a time
+        matrices[name] = matrices[name][:, common]
     last_dur = matrices.pop("last_dur")
     lateness = last_dur.max(axis=0, keepdims=True) - last_dur
     del last_dur
     periods = np.concatenate([np.diff(training_forwards(run.ranks[r]).ts) for r in ranks])
     step_us = float(np.median(periods)) if len(periods) else 0.0
-    return SyncTable(ranks, steps, lateness, matrices, step_us)
+    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us)
 
 
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:

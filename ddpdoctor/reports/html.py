@@ -34,7 +34,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.phases import lookup, reduce_per_step, training_forwards
+from ddpdoctor.analysis.phases import StepGrid, reduce_per_step, training_forwards
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
@@ -97,31 +97,23 @@ def phase_events(trace: RankTrace, phase: str) -> tuple[Events, np.ndarray, np.n
 
 
 def step_spans(diag: Diagnosis, tb: TimeBase) -> dict[int, tuple[float, float]]:
-    """Each training step's extent across ranks (seconds): first forward to the last event."""
-    starts: tuple[np.ndarray, np.ndarray] | None = None
-    ends: tuple[np.ndarray, np.ndarray] | None = None
-    for rank, trace in diag.run.ranks.items():  # folded rank by rank: memory stays O(steps)
+    """Each training step's extent across ranks (seconds): first forward to the last event.
+    Folded rank by rank on the run's step grid: memory stays O(steps)."""
+    grid = StepGrid.spanning(training_forwards(t).step for t in diag.run.ranks.values())
+    starts, ends = np.full(grid.n, np.inf), np.full(grid.n, -np.inf)
+    for rank, trace in diag.run.ranks.items():
         fwd = training_forwards(trace)
-        starts = _fold(starts, reduce_per_step(fwd.step, tb.rel(rank, fwd.ts), np.minimum), np.minimum)
+        first, has = grid.put(fwd.step, tb.rel(rank, fwd.ts), np.minimum)
+        starts = np.minimum(starts, np.where(has, first, np.inf))
         for ev in trace.events.values():
             if len(ev):
-                ends = _fold(ends, reduce_per_step(ev.step, tb.rel(rank, ev.end), np.maximum), np.maximum)
-    if starts is None or ends is None or not len(starts[0]):
-        return {}
-    end_at, found = lookup(ends[0], ends[1], starts[0])
-    end_s = np.where(found, np.maximum(end_at, starts[1]), starts[1]) / 1e6
+                last, has = grid.put(ev.step, tb.rel(rank, ev.end), np.maximum)
+                ends = np.maximum(ends, np.where(has, last, -np.inf))
+    started = np.isfinite(starts)
+    begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(
-        zip(starts[0].tolist(), zip((starts[1] / 1e6).tolist(), end_s.tolist(), strict=True), strict=True)
+        zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist(), strict=True), strict=True)
     )
-
-
-def _fold(
-    acc: tuple[np.ndarray, np.ndarray] | None, part: tuple[np.ndarray, np.ndarray], ufunc: np.ufunc
-) -> tuple[np.ndarray, np.ndarray]:
-    """Merge two per-step reductions (sorted steps, values) into one."""
-    if acc is None:
-        return part
-    return reduce_per_step(np.concatenate([acc[0], part[0]]), np.concatenate([acc[1], part[1]]), ufunc)
 
 
 def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget: int) -> set[int] | None:
