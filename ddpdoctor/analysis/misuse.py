@@ -243,7 +243,8 @@ def checkpoint_misuse(run: Run) -> Iterable[Finding]:
 @detector
 def forward_sync_cost(run: Run) -> Iterable[Finding]:
     """broadcast_buffers and SyncBatchNorm make every forward a sync point: what it costs."""
-    per_step, step_s = [], []
+    per_step: list[float] = []
+    step_s: list[np.ndarray] = []
     kind = ""
     for trace in run.ranks.values():
         steps = max(trace.steps, 1)
@@ -257,10 +258,11 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
             if inside.any():
                 kind = "collectives inside forward (e.g. SyncBatchNorm)"
                 per_step.append(float(coll.dur[inside].sum()) / steps)
-        step_s.extend(step_times(trace).tolist())
-    if not per_step or not step_s:
+        step_s.append(step_times(trace))
+    all_steps = np.concatenate(step_s) if step_s else np.zeros(0)
+    if not per_step or not len(all_steps):
         return
-    cost_ms, step_ms = float(np.median(per_step)) / 1e3, float(np.median(step_s)) * 1e3
+    cost_ms, step_ms = float(np.median(per_step)) / 1e3, float(np.median(all_steps)) * 1e3
     if cost_ms < 0.05 * step_ms or cost_ms < 0.2:
         return
     yield Finding(
