@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddpdoctor.analysis.phases import last_per_step, percentiles, reduce_per_step
+from ddpdoctor.analysis.phases import StepGrid, last_per_step, percentiles, reduce_per_step
 
 
 @pytest.mark.parametrize("in_order", [True, False])
@@ -34,3 +34,23 @@ def test_percentiles_match_numpy() -> None:
     for n in (1, 2, 3, 7, 20, 101, 1000):
         values = rng.integers(0, 10**9, n)
         assert np.allclose(percentiles(values, (0, 50, 95, 100)), np.percentile(values, [0, 50, 95, 100]))
+
+
+def test_step_grid_put_matches_per_step_reductions() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n = int(rng.integers(0, 40))
+        step = rng.integers(-2, 15, n)
+        values = rng.integers(0, 10**12, n)
+        grid = StepGrid(int(rng.integers(0, 3)), int(rng.integers(1, 12)))
+        for ufunc in (None, np.add, np.maximum, np.minimum):
+            got, present = grid.put(step, values, ufunc)
+            steps, want = (
+                last_per_step(step, values) if ufunc is None else reduce_per_step(step, values, ufunc)
+            )
+            expect, expect_present = np.zeros(grid.n), np.zeros(grid.n, bool)
+            for s, v in zip(steps.tolist(), want.tolist()):
+                if grid.lo <= s < grid.lo + grid.n:
+                    expect[s - grid.lo], expect_present[s - grid.lo] = v, True
+            assert np.array_equal(present, expect_present)
+            assert np.array_equal(got, expect)

@@ -156,12 +156,20 @@ class StepGrid:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(each grid step's value as float64, which steps have one): the last event's value
         of a step, or ``ufunc`` (np.add, np.maximum...) over its events."""
-        steps, vals = last_per_step(step, values) if ufunc is None else reduce_per_step(step, values, ufunc)
-        at = steps - self.lo
+        if ufunc is None:
+            step, values = last_per_step(step, values)
+        at = step - self.lo
         inside = (at >= 0) & (at < self.n)
-        out, present = np.zeros(self.n), np.zeros(self.n, bool)
-        out[at[inside]] = vals[inside]  # steps are unique here: no repeated index
-        present[at[inside]] = True
+        if not inside.all():
+            at, values = at[inside], values[inside]
+        present = np.zeros(self.n, bool)
+        present[at] = True
+        if ufunc is np.add:
+            return np.bincount(at, weights=values, minlength=self.n), present
+        out = np.zeros(self.n)
+        out[at] = values  # one of each step's values (the only one when ufunc is None)
+        if ufunc is not None:  # unbuffered, in place: faster than sorting into runs, if no cast
+            ufunc.at(out, at, values.astype(np.float64, copy=False))
         return out, present
 
 

@@ -136,28 +136,19 @@ def collect_segments(
     diag: Diagnosis, tb: TimeBase, rows: dict[int, int], steps: set[int] | None
 ) -> dict[str, Segments]:
     out: dict[str, Segments] = {}
+    chosen = None if steps is None else np.array(sorted(steps), dtype=np.int64)
     for phase in PHASE_STYLE:
         parts: list[tuple[np.ndarray, ...]] = []
         for rank, trace in diag.run.ranks.items():
             ev, bucket, nbytes = phase_events(trace, phase)
+            if chosen is not None:  # select before materialising times: few steps of many
+                shift = 1 if phase == "data_wait" else 0  # the wait before a chosen step
+                keep = np.isin(ev.step + shift, chosen, kind="table") & (phase != "ddp_init")
+                ev, bucket, nbytes = ev.select(keep), bucket[keep], nbytes[keep]
             if not len(ev):
                 continue
-            keep = np.ones(len(ev), bool) if steps is None else np.isin(ev.step, list(steps))
-            if phase == "ddp_init":
-                keep[:] = steps is None
-            if phase == "data_wait" and steps is not None:
-                keep = np.isin(ev.step + 1, list(steps))  # the wait before a chosen step
-            start = tb.rel(rank, ev.ts[keep]) / 1e6
-            parts.append(
-                (
-                    start,
-                    start + ev.dur[keep] / 1e6,
-                    np.full(int(keep.sum()), rows[rank]),
-                    ev.step[keep],
-                    bucket[keep],
-                    nbytes[keep],
-                )
-            )
+            start = tb.rel(rank, ev.ts) / 1e6
+            parts.append((start, start + ev.dur / 1e6, np.full(len(ev), rows[rank]), ev.step, bucket, nbytes))
         if parts:
             out[phase] = Segments(*(np.concatenate([p[i] for p in parts]) for i in range(6)))
     return out
