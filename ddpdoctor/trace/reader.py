@@ -390,13 +390,13 @@ class _File:
         """The lines that are exactly ``["kind",tok,...]`` with tokens as ``spec`` says, parsed:
         (line indices, [int64 array per "i" token, Strings per "s" token])."""
         prefix = f'["{kind}",'.encode()
-        first, second = _prefix_words(prefix)
-        cand = np.flatnonzero(head == first)
+        word0, (word1, mask1) = _prefix_words(prefix)
+        cand = np.flatnonzero(head == word0)
         if not len(cand):
             return None
         starts, ends = self.starts[cand], self.ends[cand]
         ok = (
-            (self.words[starts + 8] & second[1] == second[0])
+            ((self.words[starts + 8] & mask1) == word1)
             & (ends - starts > len(prefix) + 1)
             & (self.a[ends - 1] == 93)  # "]"
             & (self.n_commas[cand] == len(spec))  # the prefix's comma and one between tokens
