@@ -444,6 +444,12 @@ def test_reports_carry_the_gpu_panels_and_counters(tmp_path: Path) -> None:
 # A real job on this machine (no GPU): the run is unchanged and the summary says so once
 
 
+def gpu_lines(stderr: str) -> list[str]:
+    """What the doctor says about GPUs and NVML (a finding's fix may mention a GPU in passing:
+    a 2-rank CPU job on a busy machine can show a short straggler note)."""
+    return [line for line in stderr.splitlines() if line.lstrip().startswith("GPU") or "nvml" in line.lower()]
+
+
 @pytest.mark.e2e
 def test_real_job_without_gpu(tmp_path: Path) -> None:
     command = torchrun(2, JOBS / "counted_train.py")
@@ -451,7 +457,7 @@ def test_real_job_without_gpu(tmp_path: Path) -> None:
     job = run_doctor(tmp_path, command, "--nvml-interval", "0.2")
     assert job.returncode == plain.returncode == 0, job.stderr
     assert job.stdout == plain.stdout and job.stdout.count("epoch ") == 3
-    said = [line for line in job.stderr.splitlines() if "GPU" in line or "NVML" in line or "nvml" in line]
+    said = gpu_lines(job.stderr)
     assert len(said) == 1, job.stderr
     assert said[0].startswith("  GPU: no GPU metrics: ")
     (path,) = job.run_dir.glob("gpu-*.jsonl")
@@ -464,4 +470,4 @@ def test_real_job_without_gpu(tmp_path: Path) -> None:
     assert off.returncode == 0, off.stderr
     assert off.stdout == plain.stdout
     assert not list(off.run_dir.glob("gpu-*.jsonl"))
-    assert "GPU" not in off.stderr and "NVML" not in off.stderr
+    assert not gpu_lines(off.stderr), off.stderr

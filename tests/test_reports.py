@@ -95,14 +95,11 @@ def test_large_run_keeps_slowest_steps_and_every_step_in_heatmap(tmp_path: Path)
     assert chosen is not None and len(chosen) <= 20 and slowest in chosen
 
 
-def test_report_at_scale_stays_under_budget(tmp_path: Path) -> None:
-    """A quarter of the benchmark's size (32 ranks x 500 steps) in well under its bounds."""
-    import time
-
+def test_report_at_scale_stays_within_its_size_budget(tmp_path: Path) -> None:
+    """A quarter of the benchmark's size (32 ranks x 500 steps) stays a page a browser opens.
+    How long it takes is measured by benchmarks/report_scale.py and scale.py, not here."""
     dirs = write_run(SyntheticJob(ranks=32, steps=500, straggler=3), tmp_path)
-    t = time.perf_counter()
     path = html.write(diagnose(load_run(dirs)), tmp_path / "r.html")
-    assert time.perf_counter() - t < 10
     assert path.stat().st_size < 10_000_000
 
 
