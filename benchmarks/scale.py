@@ -8,15 +8,14 @@ optimizer, and a barrier every 100 steps), then runs ``ddpdoctor diagnose DIRS -
 ``ddpdoctor report DIRS`` as subprocesses, the way users run them, and measures wall time and
 peak memory. Peak memory is the largest sum of the resident sets of the command's whole process
 tree (it reads rank files in worker processes), sampled every 20 ms, next to the parent's own
-``ru_maxrss``. Target: each command within 60 s and 2 GB. Generation is not timed against the
-target; it is numpy plus one big ``%`` format per rank, one process per host.
+``ru_maxrss``. Target: each command within 60 s and 2 GB. Generation (``trace.synthetic``, the
+generator the tests use too, one process per host) is not timed against the target.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -27,165 +26,19 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-from ddpdoctor.trace import schema
-
-RANKS_PER_HOST = 8
-BUCKETS = 4
-BARRIER_EVERY = 100
-BUCKET_BYTES = [4_000_000 * (i + 1) for i in range(BUCKETS)]
-
-# Per-step model, filled in the parent before forking the writers: (steps, ranks) arrays of
-# true µs since job start.
-_MODEL: dict[str, np.ndarray] = {}
-
-
-def model(ranks: int, steps: int, straggler: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The same step model as ``trace.synthetic``: all-reduces end after the slowest rank."""
-    rng = np.random.default_rng(seed)
-    n, nb = ranks, BUCKETS
-    start = rng.integers(0, 2_000, n)
-    shape = (steps, n)
-    data = rng.integers(200, 1_500, shape)
-    data[:, straggler] += 30_000 + rng.integers(0, 5_000, steps)
-    fwd = rng.integers(8_000, 10_000, shape)
-    bwd = rng.integers(15_000, 20_000, shape)
-    opt = rng.integers(1_000, 2_000, shape)
-    t_all = np.empty(shape, np.int64)
-    ready_all = np.empty((steps, n, nb), np.int64)
-    done_all = np.empty((steps, nb), np.int64)
-    bwd_end_all = np.empty(shape, np.int64)
-    bar_end = np.zeros(steps, np.int64)
-    t = 2_000 + start.astype(np.int64)
-    frac = (np.arange(nb) + 1)[None, :]
-    for k in range(steps):
-        t_all[k] = t
-        fwd_start = t + data[k]
-        bwd_start = fwd_start + fwd[k] + 50
-        ready = bwd_start[:, None] + (bwd[k][:, None] * frac) // (nb + 1)
-        done = np.maximum.accumulate(ready.max(axis=0) + 1_500 + np.arange(nb) * 300)
-        bwd_end = np.maximum(bwd_start + bwd[k], done[-1] + 20)
-        t_next = bwd_end + 30 + opt[k] + 20
-        ready_all[k], done_all[k], bwd_end_all[k] = ready, done, bwd_end
-        if (k + 1) % BARRIER_EVERY == 0:
-            bar_end[k] = int(t_next.max()) + 200
-            t = np.full(n, bar_end[k] + 10)
-        else:
-            t = t_next
-    return {
-        "start": start,
-        "t": t_all,
-        "data": data,
-        "fwd": fwd,
-        "bwd_end": bwd_end_all,
-        "ready": ready_all,
-        "done": done_all,
-        "opt": opt,
-        "bar_end": bar_end,
-    }
-
-
-def _templates(n: int) -> tuple[str, str]:
-    """One step's lines as a % template, without and with the barrier."""
-    lines = [
-        '["data_wait",%d,%d,%d,1]',
-        '["forward",%d,%d,%d,1,1,%d]',
-        *(f'["allreduce",%d,%d,%d,{i},{BUCKET_BYTES[i]},%d]' for i in range(BUCKETS)),
-        '["backward",%d,%d,%d]',
-        '["optimizer",%d,%d,%d,"AdamW"]',
-    ]
-    plain = "\n".join(lines) + "\n"
-    return plain, plain + f'["collective",%d,%d,%d,"barrier",0,"WORLD",{n},%d,0]\n'
-
-
-def _write_rank(rank: int, n: int, out_dir: Path) -> None:
-    m = _MODEL
-    steps = m["t"].shape[0]
-    nb = BUCKETS
-    base = -int(m["start"][rank])
-    k = np.arange(steps, dtype=np.int64)
-    barrier = (k + 1) % BARRIER_EVERY == 0
-    seq = 1 + k * nb + np.concatenate([[0], np.cumsum(barrier)[:-1]])
-    t, data, fwd, opt = (m[x][:, rank] for x in ("t", "data", "fwd", "opt"))
-    fwd_start = t + data
-    bwd_start = fwd_start + fwd + 50
-    bwd_end = m["bwd_end"][:, rank]
-    ready = m["ready"][:, rank, :]
-    cols = [t + base, data, k - 1, fwd_start + base, fwd, k, seq]
-    for i in range(nb):
-        cols += [ready[:, i] + base, m["done"][:, i] - ready[:, i], k, seq + i]
-    opt_start = bwd_end + 30
-    cols += [bwd_start + base, bwd_end - bwd_start, k, opt_start + base, opt, k]
-    t_next = opt_start + opt + 20
-    cols += [t_next + base, m["bar_end"] - t_next, k, seq + nb]
-    values = np.stack(cols, axis=1)
-    keep = np.ones(values.shape, bool)
-    keep[~barrier, -4:] = False
-    plain, with_barrier = _templates(n)
-    block = plain * (BARRIER_EVERY - 1) + with_barrier
-    template = block * (steps // BARRIER_EVERY) + plain * (steps % BARRIER_EVERY)
-    header = {
-        "schema": schema.SCHEMA,
-        "rank": rank,
-        "world_size": n,
-        "local_rank": rank % RANKS_PER_HOST,
-        "host": f"node{rank // RANKS_PER_HOST}",
-        "pid": 1000 + rank,
-        "wall_ns": (1_700_000_000_000_000 + int(m["start"][rank]) + _skew(rank)) * 1000,
-        "mono_ns": 5_000_000_000 + rank,
-        "backend": "nccl",
-        "torch": "2.13.0",
-        "argv": ["train.py"],
-        "restart": 0,
-    }
-    options = {"find_unused_parameters": False, "broadcast_buffers": True, "bucket_cap_mb": 25.0}
-    init = {"module": "Net", "params": sum(BUCKET_BYTES) // 4, "param_bytes": sum(BUCKET_BYTES)}
-    init.update({"buckets": BUCKET_BYTES, "seq": 0, "options": options})
-    loader = {"id": 1, "sampler": "DistributedSampler", "epoch": 0, "shuffle": True, "batch_size": 32}
-    loader.update({"drop_last": False, "num_workers": 4, "dataset_len": 32 * n * steps})
-    head = [
-        [schema.HEADER, header],
-        [schema.DDP_INIT, 0, 1_000, -1, init],
-        [schema.CLOCK, 1_000, 0, -1, {"offset_ns": -_skew(rank) * 1000, "rtt_ns": 120_000, "ref_rank": 0}],
-        [schema.LOADER, 1_500, 0, -1, loader],
-        [schema.COMM_HOOK, 1_600, 0, -1, {"name": "ddp default", "user": False}],
-    ]
-    head += [
-        [schema.BUCKET, 1_700, 0, 0, {"index": i, "bytes": BUCKET_BYTES[i], "params": [f"layers.{i}.weight"]}]
-        for i in range(nb)
-    ]
-    end = int(m["t"][-1, rank] + base + 50_000)
-    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in head)
-    text += template % tuple(values[keep].tolist())
-    text += json.dumps([schema.END, end, 0, steps - 1, {"reason": "exit"}]) + "\n"
-    (out_dir / schema.trace_filename(rank)).write_text(text, encoding="utf-8")
-
-
-def _skew(rank: int) -> int:
-    host = rank // RANKS_PER_HOST
-    return {1: 40_000, 2: -250_000}.get(host, 0)
-
-
-def _write_host(args: tuple[int, int, str]) -> str:
-    host, n, out = args
-    out_dir = Path(out) / f"host{host}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for rank in range(host * RANKS_PER_HOST, min(n, (host + 1) * RANKS_PER_HOST)):
-        _write_rank(rank, n, out_dir)
-    meta = {"schema": "ddpdoctor.run/1", "command": ["torchrun", "train.py"], "exit_code": 0}
-    (out_dir / "run.json").write_text(json.dumps(dict(meta, status="finished", host=f"node{host}")))
-    return str(out_dir)
+from ddpdoctor.trace.synthetic import SyntheticJob, write_run
 
 
 def generate(ranks: int, steps: int, out: Path, workers: int) -> list[str]:
-    _MODEL.clear()
-    _MODEL.update(model(ranks, steps, straggler=ranks // 3))
-    hosts = (ranks + RANKS_PER_HOST - 1) // RANKS_PER_HOST
-    with mp.get_context("fork").Pool(workers) as pool:
-        dirs = pool.map(_write_host, [(h, ranks, str(out)) for h in range(hosts)], chunksize=1)
-    _MODEL.clear()
-    return dirs
+    """Hosts of 8 ranks, one straggler (rank ranks // 3), hosts 1 and 2 with skewed clocks."""
+    job = SyntheticJob(
+        ranks=ranks,
+        steps=steps,
+        straggler=ranks // 3,
+        host_skew_us={1: 40_000, 2: -250_000},
+        command=["torchrun", "train.py"],
+    )
+    return [str(d) for d in write_run(job, out, processes=workers)]
 
 
 def _tree_rss(pid: int) -> int:

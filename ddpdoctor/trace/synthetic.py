@@ -4,12 +4,14 @@ The model is a DDP step per rank: data wait, forward, backward whose buckets bec
 turn and whose all-reduces finish only when the slowest rank's bucket is ready (so a straggler
 makes every other rank wait at the gradient sync), then the optimizer; a barrier every
 ``barrier_every`` steps. Hosts can be given skewed wall clocks, recorded the way the clock
-probe records them, to test alignment. Pure Python and numpy: no torch.
+probe records them, to test alignment. Pure Python and numpy, no torch; each rank's steps are
+written with one %-format, so the scale benchmark's 82 million events take under a minute.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,143 +32,194 @@ class SyntheticJob:
     straggler_extra_us: int = 30_000
     host_skew_us: dict[int, int] = field(default_factory=dict)  # host index -> wall clock error
     record_clock: bool = True  # write the clock records the probe would
-    barrier_every: int = 100
+    barrier_every: int = 100  # 0: never
     seed: int = 0
     host_name: str = "node{}"  # formatted with the host index
     param_name: str = "layers.{}.weight"  # formatted with a parameter index
     command: list[str] = field(default_factory=lambda: ["torchrun", "--nproc_per_node", "8", "train.py"])
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        return [4_000_000 * (i + 1) for i in range(self.buckets)]
+
+    def barrier_after(self, steps: np.ndarray) -> np.ndarray:
+        """Which steps end with a barrier."""
+        if not self.barrier_every:
+            return np.zeros(len(steps), bool)
+        return (steps + 1) % self.barrier_every == 0
+
+
+def step_model(job: SyntheticJob) -> dict[str, np.ndarray]:
+    """Every rank's timings (true µs since the job's start): (steps, ranks) arrays, ``ready``
+    (steps, ranks, buckets), ``done`` (steps, buckets), ``bar_end`` (steps,), ``t_end`` (ranks,)."""
+    rng = np.random.default_rng(job.seed)
+    n, nb, steps = job.ranks, job.buckets, job.steps
+    start = rng.integers(0, 2_000, n)
+    rtt = rng.integers(50, 300, n)
+    shape = (steps, n)
+    data = rng.integers(200, 1_500, shape)
+    if job.straggler is not None:
+        data[:, job.straggler] += job.straggler_extra_us + rng.integers(0, 5_000, steps)
+    fwd = rng.integers(8_000, 10_000, shape)
+    bwd = rng.integers(15_000, 20_000, shape)
+    opt = rng.integers(1_000, 2_000, shape)
+    t_all = np.empty(shape, np.int64)
+    ready_all = np.empty((steps, n, nb), np.int64)
+    done_all = np.empty((steps, nb), np.int64)
+    bwd_end_all = np.empty(shape, np.int64)
+    bar_end = np.zeros(steps, np.int64)
+    barrier = job.barrier_after(np.arange(steps))
+    t = 2_000 + start.astype(np.int64)  # each rank's true clock now
+    frac = (np.arange(nb) + 1)[None, :]
+    for k in range(steps):
+        t_all[k] = t
+        bwd_start = t + data[k] + fwd[k] + 50
+        ready = bwd_start[:, None] + (bwd[k][:, None] * frac) // (nb + 1)
+        done = ready.max(axis=0) + 1_500 + np.arange(nb) * 300  # a bucket ends after the last rank
+        done = np.maximum.accumulate(done)
+        bwd_end = np.maximum(bwd_start + bwd[k], done[-1] + 20)
+        t_next = bwd_end + 30 + opt[k] + 20
+        ready_all[k], done_all[k], bwd_end_all[k] = ready, done, bwd_end
+        if barrier[k]:
+            bar_end[k] = int(t_next.max()) + 200
+            t = np.full(n, bar_end[k] + 10)
+        else:
+            t = t_next
+    return {
+        "start": start,
+        "rtt": rtt,
+        "t": t_all,
+        "data": data,
+        "fwd": fwd,
+        "bwd_end": bwd_end_all,
+        "ready": ready_all,
+        "done": done_all,
+        "opt": opt,
+        "bar_end": bar_end,
+        "t_end": t,
+    }
+
+
+# The job and its model while writing: set before forking the writers, which inherit them (the
+# model of 1,024 ranks x 10,000 steps is about 0.7 GB: never pickled).
+_WRITING: list[tuple[SyntheticJob, dict[str, np.ndarray]]] = []
+
+
+def write_run(job: SyntheticJob, out: Path, processes: int = 1) -> list[Path]:
+    """Write the job's traces (one run dir per host, like a multi-node run) under ``out``;
+    ``processes`` > 1 writes hosts in parallel (forked)."""
+    hosts = sorted({_host(job, r) for r in range(job.ranks)})
+    _WRITING[:] = [(job, step_model(job))]
+    try:
+        if processes > 1 and len(hosts) > 1:
+            with multiprocessing.get_context("fork").Pool(processes) as pool:
+                dirs = pool.map(_write_host, [(h, str(out)) for h in hosts], chunksize=1)
+        else:
+            dirs = [_write_host((h, str(out))) for h in hosts]
+    finally:
+        _WRITING.clear()
+    return [Path(d) for d in dirs]
 
 
 def _host(job: SyntheticJob, rank: int) -> int:
     return rank // job.ranks_per_host
 
 
-def write_run(job: SyntheticJob, out: Path) -> list[Path]:
-    """Write the job's traces (one run dir per host, like a multi-node run) under ``out``."""
-    rng = np.random.default_rng(job.seed)
-    n, nb = job.ranks, job.buckets
-    t0_wall_us = 1_700_000_000_000_000
-    start = rng.integers(0, 2_000, n)  # true µs since the job's start when each rank begins
-    dirs: dict[int, Path] = {}
-    lines: list[list[str]] = [[] for _ in range(n)]
-    param_bytes = [4_000_000 * (i + 1) for i in range(nb)]
-    params = [[job.param_name.format(2 * i), job.param_name.format(2 * i + 1)] for i in range(nb)]
-    for r in range(n):
-        h = _host(job, r)
-        dirs.setdefault(h, out / f"host{h}")
-        skew = job.host_skew_us.get(h, 0)
-        header = {
-            "schema": schema.SCHEMA,
-            "rank": r,
-            "world_size": n,
-            "local_rank": r % job.ranks_per_host,
-            "host": job.host_name.format(h),
-            "pid": 1000 + r,
-            "wall_ns": (t0_wall_us + int(start[r]) + skew) * 1000,
-            "mono_ns": 5_000_000_000 + r,
-            "backend": "nccl",
-            "torch": "2.13.0",
-            "argv": job.command[3:] if len(job.command) > 3 else ["train.py"],
-            "restart": 0,
-        }
-        out_lines = lines[r]
-        out_lines.append(_ENC([schema.HEADER, header]))
-        options = {
-            "find_unused_parameters": False,
-            "broadcast_buffers": True,
-            "gradient_as_bucket_view": False,
-            "static_graph": False,
-            "bucket_cap_mb": 25.0,
-            "device_ids": [str(r % job.ranks_per_host)],
-            "buffers": 0,
-        }
-        init = {"module": "Net", "params": sum(param_bytes) // 4, "param_tensors": 2 * nb}
-        init.update({"param_bytes": sum(param_bytes), "buckets": param_bytes, "seq": 0, "options": options})
-        out_lines.append(_ENC([schema.DDP_INIT, 0, 1_000, -1, init]))
-        if job.record_clock:
-            rtt = int(rng.integers(50, 300))
-            out_lines.append(
-                _ENC(
-                    [
-                        schema.CLOCK,
-                        1_000,
-                        0,
-                        -1,
-                        {"offset_ns": -skew * 1000, "rtt_ns": rtt * 1000, "ref_rank": 0},
-                    ]
-                )
-            )
-        loader = {"id": 1, "sampler": "DistributedSampler", "epoch": 0, "shuffle": True, "batch_size": 32}
-        loader.update({"drop_last": False, "num_workers": 4, "dataset_len": 32 * n * job.steps})
-        out_lines.append(_ENC([schema.LOADER, 1_500, 0, -1, loader]))
-        out_lines.append(_ENC([schema.COMM_HOOK, 1_600, 0, -1, {"name": "ddp default", "user": False}]))
-        for i in range(nb):
-            info = {"index": i, "bytes": param_bytes[i], "params": params[i]}
-            out_lines.append(_ENC([schema.BUCKET, 1_700, 0, 0, info]))
-
-    t = 2_000 + start.astype(np.int64)  # each rank's true clock now (µs since job start)
-    seq = 1
-    for k in range(job.steps):
-        data = rng.integers(200, 1_500, n)
-        if job.straggler is not None:
-            data[job.straggler] += job.straggler_extra_us + int(rng.integers(0, 5_000))
-        fwd = rng.integers(8_000, 10_000, n)
-        bwd = rng.integers(15_000, 20_000, n)
-        opt = rng.integers(1_000, 2_000, n)
-        fwd_start = t + data
-        bwd_start = fwd_start + fwd + 50
-        ready = bwd_start[:, None] + (bwd[:, None] * (np.arange(nb)[None, :] + 1)) // (nb + 1)
-        done = ready.max(axis=0) + 1_500 + np.arange(nb) * 300  # a bucket ends after the last rank
-        done = np.maximum.accumulate(done)
-        bwd_end = np.maximum(bwd_start + bwd, done[-1] + 20)
-        opt_start = bwd_end + 30
-        t_next = opt_start + opt + 20
-        barrier = job.barrier_every and (k + 1) % job.barrier_every == 0
-        if barrier:
-            b_end = int(t_next.max()) + 200
-        for r in range(n):
-            out_lines = lines[r]
-            base = -start[r]  # trace timestamps are µs since the rank's own anchor
-            out_lines.append(_ENC([schema.DATA_WAIT, int(t[r] + base), int(data[r]), k - 1, 1]))
-            out_lines.append(_ENC([schema.FORWARD, int(fwd_start[r] + base), int(fwd[r]), k, 1, 1, seq]))
-            for i in range(nb):
-                rd = int(ready[r, i])
-                out_lines.append(
-                    _ENC([schema.ALLREDUCE, rd + int(base), int(done[i]) - rd, k, i, param_bytes[i], seq + i])
-                )
-            out_lines.append(
-                _ENC([schema.BACKWARD, int(bwd_start[r] + base), int(bwd_end[r] - bwd_start[r]), k])
-            )
-            out_lines.append(_ENC([schema.OPTIMIZER, int(opt_start[r] + base), int(opt[r]), k, "AdamW"]))
-            if barrier:
-                ts = int(t_next[r])
-                out_lines.append(
-                    _ENC(
-                        [
-                            schema.COLLECTIVE,
-                            ts + int(base),
-                            b_end - ts,
-                            k,
-                            "barrier",
-                            0,
-                            "WORLD",
-                            n,
-                            seq + nb,
-                            0,
-                        ]
-                    )
-                )
-        seq += nb + (1 if barrier else 0)
-        t = t_next if not barrier else np.full(n, b_end + 10)
-    paths = []
-    for r in range(n):
-        lines[r].append(_ENC([schema.END, int(t[r] - start[r]), 0, job.steps - 1, {"reason": "exit"}]))
-        run_dir = dirs[_host(job, r)]
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / schema.trace_filename(r)
-        path.write_text("\n".join(lines[r]) + "\n", encoding="utf-8")
-        paths.append(path)
+def _write_host(args: tuple[int, str]) -> str:
+    host, out = args
+    job, _ = _WRITING[0]
+    run_dir = Path(out) / f"host{host}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(host * job.ranks_per_host, min(job.ranks, (host + 1) * job.ranks_per_host)):
+        (run_dir / schema.trace_filename(rank)).write_text(_rank_text(rank), encoding="utf-8")
     meta = {"schema": "ddpdoctor.run/1", "command": job.command, "exit_code": 0, "status": "finished"}
-    for h, run_dir in dirs.items():
-        (run_dir / "run.json").write_text(json.dumps(dict(meta, host=job.host_name.format(h))), "utf-8")
-    return [dirs[h] for h in sorted(dirs)]
+    (run_dir / "run.json").write_text(json.dumps(dict(meta, host=job.host_name.format(host))), "utf-8")
+    return str(run_dir)
+
+
+def _rank_text(rank: int) -> str:
+    """One rank's whole trace file."""
+    job, m = _WRITING[0]
+    return "".join(_ENC(r) + "\n" for r in _head_records(job, m, rank)) + _steps_text(job, m, rank)
+
+
+def _head_records(job: SyntheticJob, m: dict[str, np.ndarray], rank: int) -> list[list]:
+    """The records a rank writes before its first step: header, DDP init, clock, loader, buckets."""
+    host = _host(job, rank)
+    skew = job.host_skew_us.get(host, 0)
+    n, nb, sizes = job.ranks, job.buckets, job.bucket_bytes
+    header = {
+        "schema": schema.SCHEMA,
+        "rank": rank,
+        "world_size": n,
+        "local_rank": rank % job.ranks_per_host,
+        "host": job.host_name.format(host),
+        "pid": 1000 + rank,
+        "wall_ns": (1_700_000_000_000_000 + int(m["start"][rank]) + skew) * 1000,
+        "mono_ns": 5_000_000_000 + rank,
+        "backend": "nccl",
+        "torch": "2.13.0",
+        "argv": job.command[3:] if len(job.command) > 3 else ["train.py"],
+        "restart": 0,
+    }
+    options = {
+        "find_unused_parameters": False,
+        "broadcast_buffers": True,
+        "gradient_as_bucket_view": False,
+        "static_graph": False,
+        "bucket_cap_mb": 25.0,
+        "device_ids": [str(rank % job.ranks_per_host)],
+        "buffers": 0,
+    }
+    init = {"module": "Net", "params": sum(sizes) // 4, "param_tensors": 2 * nb}
+    init.update({"param_bytes": sum(sizes), "buckets": sizes, "seq": 0, "options": options})
+    loader = {"id": 1, "sampler": "DistributedSampler", "epoch": 0, "shuffle": True, "batch_size": 32}
+    loader.update({"drop_last": False, "num_workers": 4, "dataset_len": 32 * n * job.steps})
+    records: list[list] = [[schema.HEADER, header], [schema.DDP_INIT, 0, 1_000, -1, init]]
+    if job.record_clock:
+        clock = {"offset_ns": -skew * 1000, "rtt_ns": int(m["rtt"][rank]) * 1000, "ref_rank": 0}
+        records.append([schema.CLOCK, 1_000, 0, -1, clock])
+    records.append([schema.LOADER, 1_500, 0, -1, loader])
+    records.append([schema.COMM_HOOK, 1_600, 0, -1, {"name": "ddp default", "user": False}])
+    for i in range(nb):
+        params = [job.param_name.format(2 * i), job.param_name.format(2 * i + 1)]
+        records.append([schema.BUCKET, 1_700, 0, 0, {"index": i, "bytes": sizes[i], "params": params}])
+    return records
+
+
+def _steps_text(job: SyntheticJob, m: dict[str, np.ndarray], rank: int) -> str:
+    """Every step's records and the end record, as the probes would write them: timestamps
+    in µs since the rank's own anchor (its start)."""
+    steps, nb, sizes = job.steps, job.buckets, job.bucket_bytes
+    base = -int(m["start"][rank])
+    k = np.arange(steps, dtype=np.int64)
+    barrier = job.barrier_after(k)
+    seq = 1 + k * nb + np.concatenate([[0], np.cumsum(barrier)[:-1]]).astype(np.int64)
+    t, data, fwd, opt = (m[x][:, rank] for x in ("t", "data", "fwd", "opt"))
+    fwd_start = t + data
+    bwd_start = fwd_start + fwd + 50
+    bwd_end = m["bwd_end"][:, rank]
+    ready = m["ready"][:, rank, :]
+    opt_start = bwd_end + 30
+    t_next = opt_start + opt + 20
+    cols = [t + base, data, k - 1, fwd_start + base, fwd, k, seq]
+    for i in range(nb):
+        cols += [ready[:, i] + base, m["done"][:, i] - ready[:, i], k, seq + i]
+    cols += [bwd_start + base, bwd_end - bwd_start, k, opt_start + base, opt, k]
+    cols += [t_next + base, m["bar_end"] - t_next, k, seq + nb]
+    values = np.stack(cols, axis=1)
+    keep = np.ones(values.shape, bool)
+    keep[~barrier, -4:] = False  # the barrier's four numbers only on barrier steps
+    plain = "\n".join(
+        [
+            f'["{schema.DATA_WAIT}",%d,%d,%d,1]',
+            f'["{schema.FORWARD}",%d,%d,%d,1,1,%d]',
+            *(f'["{schema.ALLREDUCE}",%d,%d,%d,{i},{sizes[i]},%d]' for i in range(nb)),
+            f'["{schema.BACKWARD}",%d,%d,%d]',
+            f'["{schema.OPTIMIZER}",%d,%d,%d,"AdamW"]',
+        ]
+    )
+    with_barrier = plain + f'\n["{schema.COLLECTIVE}",%d,%d,%d,"barrier",0,"WORLD",{job.ranks},%d,0]'
+    template = "".join((with_barrier if b else plain) + "\n" for b in barrier.tolist())
+    end = [schema.END, int(m["t_end"][rank]) + base, 0, steps - 1, {"reason": "exit"}]
+    return template % tuple(values[keep].tolist()) + _ENC(end) + "\n"
