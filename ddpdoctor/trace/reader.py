@@ -351,17 +351,9 @@ def _parse_fast(data: bytes) -> tuple[dict[str, FastKind], list[tuple[int, bytes
     done = np.zeros(len(starts), dtype=bool)
     out: dict[str, FastKind] = {}
     if len(starts):
-        padded = np.concatenate((a, np.zeros(_PAD, np.uint8)))
-        # Every byte offset's next 8 bytes as one little-endian word (a view, nothing copied).
-        words = np.lib.stride_tricks.as_strided(padded, (len(padded) - 7, 8), (1, 1)).view("<u8")[:, 0]
-        commas = np.flatnonzero(a == 44)
-        first_comma = np.searchsorted(commas, starts)
-        n_commas = np.diff(np.append(first_comma, len(commas)))
-        file = _File(padded, words, starts, ends, commas, first_comma, n_commas)
-        marks = (np.flatnonzero(a == 34), np.flatnonzero(a == 92))
-        head = words[starts]
+        file = _File.of(a, starts, ends)
         for kind, spec in _FAST_KINDS.items():
-            found = file.parse_kind(kind, "iii" + spec, head, marks)
+            found = file.parse_kind(kind, "iii" + spec)
             if found is None:
                 continue
             lines, cols = found
@@ -380,18 +372,31 @@ class _File:
     words: np.ndarray  # words[i]: bytes i..i+7 as a little-endian uint64
     starts: np.ndarray
     ends: np.ndarray
+    head: np.ndarray  # per line: its first 8 bytes as a word
     commas: np.ndarray
     first_comma: np.ndarray  # per line: index in ``commas`` of its first comma
     n_commas: np.ndarray  # per line
+    quotes: np.ndarray
+    backslashes: np.ndarray
 
-    def parse_kind(
-        self, kind: str, spec: str, head: np.ndarray, marks: tuple[np.ndarray, np.ndarray]
-    ) -> tuple[np.ndarray, list[Any]] | None:
+    @classmethod
+    def of(cls, a: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> _File:
+        padded = np.concatenate((a, np.zeros(_PAD, np.uint8)))
+        # Every byte offset's next 8 bytes as one little-endian word (a view, nothing copied).
+        words = np.lib.stride_tricks.as_strided(padded, (len(padded) - 7, 8), (1, 1)).view("<u8")[:, 0]
+        commas = np.flatnonzero(a == 44)
+        first_comma = np.searchsorted(commas, starts)
+        n_commas = np.diff(np.append(first_comma, len(commas)))
+        quotes, backslashes = np.flatnonzero(a == 34), np.flatnonzero(a == 92)
+        head = words[starts]
+        return cls(padded, words, starts, ends, head, commas, first_comma, n_commas, quotes, backslashes)
+
+    def parse_kind(self, kind: str, spec: str) -> tuple[np.ndarray, list[Any]] | None:
         """The lines that are exactly ``["kind",tok,...]`` with tokens as ``spec`` says, parsed:
         (line indices, [int64 array per "i" token, Strings per "s" token])."""
         prefix = f'["{kind}",'.encode()
         word0, (word1, mask1) = _prefix_words(prefix)
-        cand = np.flatnonzero(head == word0)
+        cand = np.flatnonzero(self.head == word0)
         if not len(cand):
             return None
         starts, ends = self.starts[cand], self.ends[cand]
@@ -403,10 +408,9 @@ class _File:
         )
         n_str = spec.count("s")
         if n_str:  # quotes and backslashes only matter inside strings (an int rejects them)
-            quotes, backslashes = marks
-            ok &= _count(quotes, starts, ends) == 2 + 2 * n_str
-            if len(backslashes):
-                ok &= _count(backslashes, starts, ends) == 0
+            ok &= _count(self.quotes, starts, ends) == 2 + 2 * n_str
+            if len(self.backslashes):
+                ok &= _count(self.backslashes, starts, ends) == 0
         cand, starts, ends = cand[ok], starts[ok], ends[ok]
         if not len(cand):
             return None
