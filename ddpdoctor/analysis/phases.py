@@ -115,18 +115,6 @@ def _runs(step: np.ndarray) -> np.ndarray | None:
     return np.concatenate(([0], np.flatnonzero(jumps) + 1))
 
 
-def reduce_per_step(step: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct steps, ``ufunc`` (np.add, np.maximum...) over each step's events)."""
-    if not len(step):
-        return step, values
-    starts = _runs(step)
-    if starts is not None:
-        return step[starts], ufunc.reduceat(values, starts)
-    order = np.argsort(step, kind="stable")
-    steps, idx = np.unique(step[order], return_index=True)
-    return steps, ufunc.reduceat(values[order], idx)
-
-
 @dataclass(frozen=True)
 class StepGrid:
     """A run's steps ``lo .. lo + n - 1`` as one dense axis. Per-step values of every rank
