@@ -128,10 +128,16 @@ class HangDiagnosis:
     groups: list[tuple[list[int], str]] = field(default_factory=list)
     quiet_s: float = 0.0
     threshold_s: float = 0.0
+    proof: str = ""  # set when the statuses prove the hang: no threshold had to pass
 
     def text(self, hang_dir: str = "") -> str:
         """The report printed on stderr when the hang is caught."""
-        lines = [f"ddpdoctor: HANG - no progress for {self.quiet_s:.0f} s (threshold {self.threshold_s:g} s)"]
+        if self.proof:
+            lines = [f"ddpdoctor: HANG - proven after {self.quiet_s:.1f} s: {self.proof}"]
+        else:
+            lines = [
+                f"ddpdoctor: HANG - no progress for {self.quiet_s:.0f} s (threshold {self.threshold_s:g} s)"
+            ]
         width = max((len(_ranks_label(r)) for r, _ in self.groups), default=6)
         for ranks, where in self.groups:
             lines.append(f"  {_ranks_label(ranks):<{width}}  in {where}")
@@ -150,6 +156,7 @@ class HangDiagnosis:
             fix=self.fix,
             details={
                 "pattern": self.pattern,
+                "proof": self.proof,
                 "threshold_s": self.threshold_s,
                 "no_progress_s": round(self.quiet_s, 3),
                 "hang_dir": hang_dir,
@@ -179,6 +186,7 @@ def analyse(
     quiet_s: float | None = None,
     now: float | None = None,
     world_size: int | None = None,
+    proof: str = "",
 ) -> HangDiagnosis:
     """Diagnose a hang from each rank's status and stack dump (``{"method", "threads"}``)."""
     states: dict[int, RankState] = {}
@@ -195,7 +203,7 @@ def analyse(
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)
     pattern, culprits, explanation, fix = _judge(states, world_size)
-    return HangDiagnosis(pattern, culprits, explanation, fix, states, groups, quiet_s, threshold_s)
+    return HangDiagnosis(pattern, culprits, explanation, fix, states, groups, quiet_s, threshold_s, proof)
 
 
 def _loc(state: RankState) -> str:
@@ -329,6 +337,9 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
         quiet_s=summary.get("quiet_s"),
         now=summary.get("detected_wall"),
         world_size=summary.get("world_size"),
+        proof=str((summary.get("verdict") or {}).get("proof") or "")
+        if (summary.get("verdict") or {}).get("state") == "proven"
+        else "",
     )
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")

@@ -116,7 +116,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 group = kwargs.get("group")
                 if group is None:
                     group = next((a for a in args if _is_group(a)), None)
-                _, gname, gsize, seq = group_info(group, c)
+                group, gname, gsize, seq = group_info(group, c)
                 nbytes = tensor_bytes(args[0]) if args else 0
                 if not nbytes:
                     nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
@@ -126,7 +126,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 return orig(*args, **kwargs)
             c.in_collective = True
             t0 = _now()
-            prev, c.progress = c.progress, ("collective", op, seq, t0)
+            prev, c.progress = c.progress, ("collective", op, seq, t0, gname, gsize, nbytes, group)
             try:
                 return orig(*args, **kwargs)
             finally:

@@ -41,8 +41,10 @@ class Collector:
         self.step_model: Any = None  # the DDP model state whose forward opened this step
         self.disabled: set[str] = set()
         # Live progress, published by the writer thread as status-rank{R}.json (liveness.py):
-        # (phase, op, seq at entry, t0 monotonic ns) of the sync point the rank is inside, or None.
-        self.progress: tuple[str, str, int, int] | None = None
+        # (phase, op, seq at entry, t0 monotonic ns[, group name, group size, bytes, group]) of
+        # the sync point the rank is inside, or None; the group fields let the supervisor prove
+        # a hang (ranks of one group that disagree on op, size or sequence number).
+        self.progress: tuple[Any, ...] | None = None
         self.events = 0  # events recorded so far: a counter the supervisor watches move
         self.last_step_ns = 0  # entry of the last training forward
         self.max_step_ns = 0  # the slowest step seen (forward entry to next forward entry)

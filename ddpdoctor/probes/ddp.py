@@ -134,7 +134,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.builtin_hook:
                     _register_timer(self, state, None, None)
-            seq = group_info(self.process_group, c)[3]
+            pg, gname, gsize, seq = group_info(self.process_group, c)
         except Exception as exc:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
@@ -143,7 +143,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
-        prev, c.progress = c.progress, ("forward", "train" if grad else "eval", seq, t0)
+        prev, c.progress = c.progress, ("forward", "train" if grad else "eval", seq, t0, gname, gsize, -1, pg)
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
@@ -218,9 +218,9 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return sync(self, *args, **kwargs)
-        seq = group_info(self.process_group, c)[3]
+        pg, gname, gsize, seq = group_info(self.process_group, c)
         t0 = _now()
-        prev, c.progress = c.progress, ("sync_buffers", "broadcast", seq, t0)
+        prev, c.progress = c.progress, ("sync_buffers", "broadcast", seq, t0, gname, gsize, -1, pg)
         try:
             return sync(self, *args, **kwargs)
         finally:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import json
@@ -56,6 +57,8 @@ class _Liveness:
         self.stacks_file = _register_faulthandler(collector)
         self.error: dict[str, Any] | None = None
         self.broken = False
+        self.exited = False  # set by the exit hook: the rank left on its own (no signal)
+        self._group_ranks: dict[int, list[int] | None] = {}
 
     def status(self) -> dict[str, Any]:
         c = self.c
@@ -65,8 +68,14 @@ class _Liveness:
         now = time.monotonic_ns()
         phase = None
         if progress is not None:
-            name, op, seq, t0 = progress
+            name, op, seq, t0 = progress[:4]
             phase = {"name": name, "op": op, "seq": seq, "since_s": round((now - t0) / 1e9, 3)}
+            if len(progress) >= 8:
+                phase.update(group=progress[4], group_size=progress[5], bytes=progress[6])
+                phase["group_ranks"] = self.group_ranks(progress[7], progress[4])
+            elif name == "backward":  # its sequence number is the default group's
+                phase.update(group="WORLD", group_size=self.world_size)
+        cpu_s = time.process_time()  # the supervisor reads /proc; this serves where it cannot
         return {
             "schema": STATUS_SCHEMA,
             "rank": c.rank,
@@ -81,7 +90,23 @@ class _Liveness:
             "faulthandler": self.stacks_file,
             "ptracer": self.ptracer,
             "error": self.error,
+            "cpu_s": round(cpu_s, 3),
+            "exited": self.exited,
         }
+
+    def group_ranks(self, pg: Any, name: str) -> list[int] | None:
+        """Global ranks of a subgroup (None for WORLD: every rank), looked up once per group."""
+        if name == "WORLD" or pg is None:
+            return None
+        key = id(pg)
+        if key not in self._group_ranks:
+            try:
+                import torch.distributed as dist
+
+                self._group_ranks[key] = [int(r) for r in dist.get_process_group_ranks(pg)]
+            except Exception:
+                self._group_ranks[key] = None
+        return self._group_ranks[key]
 
     def publish(self) -> None:
         """Runs on the writer thread after every flush; never raises."""
@@ -150,6 +175,15 @@ def install(c: _c.Collector) -> None:
     live = _Liveness(c)
     c.writer.on_tick = live.publish
     live.publish()
+
+    def at_exit() -> None:
+        # The last word: the rank left by itself, with its final sequence number; peers still
+        # waiting in a collective it never issued can then be proven hung at once.
+        if _c.ACTIVE is c:
+            live.exited = True
+            live.publish()
+
+    atexit.register(at_exit)  # registered after the collector's close: runs before it
     previous = sys.excepthook
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:

@@ -26,13 +26,15 @@ PYSPY_TIMEOUT_S = 5.0
 FAULTHANDLER_WAIT_S = 1.5
 
 
-def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S) -> dict[str, Any]:
+def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S, nonblocking: bool = False) -> dict[str, Any]:
+    """One py-spy dump; ``nonblocking`` reads the stack without pausing the rank (for the
+    repeated samples that tell a busy rank from a stuck one)."""
     exe = shutil.which("py-spy")
     if exe is None:
         return {"method": None, "threads": [], "error": "py-spy not found"}
     try:
         proc = subprocess.run(
-            [exe, "dump", "--pid", str(pid), "--json"],
+            [exe, "dump", "--pid", str(pid), "--json"] + (["--nonblocking"] if nonblocking else []),
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
+from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
+from ddpdoctor.supervisor.activity import ActivityTracker, pyspy_sample
+from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
@@ -132,6 +135,9 @@ class Watcher:
         self._armed = True
         self._statuses: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        self._rank_change: dict[int, float] = {}  # when each rank last recorded an event
+        self._tracker = ActivityTracker(dump=pyspy_sample if use_pyspy else None)
+        self._notes = WaitNotes(self.run_dir, on_change=self._write_watch)
 
     def start(self) -> None:
         self._thread.start()
@@ -143,6 +149,8 @@ class Watcher:
             self._thread.join(timeout)
         with contextlib.suppress(Exception):
             self.poll_once(time.time(), detect=False)  # last look: catch a final rank death
+        with self._lock:
+            self._notes.close(time.time())
         self._write_watch()
 
     @property
@@ -178,24 +186,26 @@ class Watcher:
                 return None
             self._statuses = statuses
             changed = False
-            failing = False  # a rank of the current attempt died or raised: not a hang
+            failing = False  # a rank of the current attempt raised: a failure, not a hang
+            alive: dict[int, bool] = {}
             for rank, st in statuses.items():
                 events = int(st.get("events") or 0)
                 if self._last_events.get(rank) != events:
                     self._last_events[rank] = events
+                    self._rank_change[rank] = now
                     changed = True
                 if st.get("error") and rank not in self.errors:
                     self.errors[rank] = {"seen_wall": now, **st["error"], "others": _snapshot(statuses, rank)}
                     self._write_watch()
                 pid = int(st.get("pid") or 0)
-                alive = pid_alive(pid) if pid else True
-                failing = failing or not alive or bool(st.get("error"))
-                if pid and rank not in self.exits and not alive:
-                    sig = _zombie_signal(pid)
+                alive[rank] = pid_alive(pid) if pid else True
+                failing = failing or bool(st.get("error"))
+                if pid and rank not in self.exits and not alive[rank]:
                     self.exits[rank] = {
                         "pid": pid,
                         "seen_wall": now,
-                        "signal": sig,
+                        "signal": _zombie_signal(pid),
+                        "exited": bool(st.get("exited")),
                         "step": st.get("step"),
                         "last_heartbeat_wall": st.get("heartbeat_wall"),
                         "error": st.get("error"),
@@ -205,31 +215,82 @@ class Watcher:
             if changed:
                 self._last_change = now
             threshold = self.threshold(statuses)
-            longest = max((sync_wait_s(s, now) for s in statuses.values()), default=0.0)
             quiet = now - self._last_change
-            if not self._armed and changed and longest <= threshold:
+            verdict = self._judge(statuses, alive, now, quiet)
+            longest = max((sync_wait_s(s, now) for r, s in statuses.items() if alive[r]), default=0.0)
+            if not self._armed and changed and longest <= threshold and verdict.state != "proven":
                 # Every rank is out of the stuck sync point and moving: the job recovered.
                 self._armed = True
                 if self.hangs:
                     self.hangs[-1]["recovered"] = True
                     self._save_hang(self.hangs[-1])
+            self._notes.update(verdict, now, threshold, self.report)
             if not detect or not self._armed or failing:
                 return None
             started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
-            if longest <= threshold and not (started and quiet > threshold):
+            if not self._is_hang(verdict, threshold, longest, quiet, started):
                 return None
             self._armed = False
-        return self._on_hang(statuses, threshold, max(longest, quiet if started else 0.0), now)
+        return self._on_hang(statuses, threshold, max(longest, quiet if started else 0.0), now, verdict)
+
+    def _judge(
+        self, statuses: dict[int, dict[str, Any]], alive: dict[int, bool], now: float, quiet: float
+    ) -> Verdict:
+        """The proof over this look, measuring the ranks' CPU and stacks only while it matters."""
+        live = {r for r, a in alive.items() if a and not statuses[r].get("exited")}
+        waiting = any(
+            (statuses[r].get("phase") or {}).get("name") in SYNC and phase_since(statuses[r], now) >= 1.0
+            for r in live
+        )
+        if not waiting and quiet < 1.0:
+            self._tracker.forget()
+            return judge(
+                statuses, {r: Activity(alive=alive[r]) for r in statuses}, now, self._world(statuses)
+            )
+        measure = {r for r in live if (statuses[r].get("phase") or {}).get("name") not in ATOMIC}
+        activity = self._tracker.look(
+            statuses, now, measure, alive, want_frame=measure if waiting else None, since=self._rank_change
+        )
+        return judge(statuses, activity, now, self._world(statuses))
+
+    @staticmethod
+    def _world(statuses: dict[int, dict[str, Any]]) -> int | None:
+        return max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
+
+    def _is_hang(
+        self, verdict: Verdict, threshold: float, longest: float, quiet: float, started: bool
+    ) -> bool:
+        """Proven: now. Stalled or blocked: past the threshold. Busy: only past --hang-timeout."""
+        state = verdict.state
+        if state == "proven":
+            return True
+        if state in ("stalled", "quiet"):
+            return verdict.idle_s >= threshold
+        if state == "busy":
+            return self.hang_timeout is not None and verdict.wait_s >= self.hang_timeout
+        if state == "blocked":
+            return verdict.wait_s >= threshold
+        if state == "unmeasured":  # no /proc, no stack: the wait alone decides, as it always did
+            return longest > threshold or (started and quiet > threshold)
+        return False
 
     def _on_hang(
-        self, statuses: dict[int, dict[str, Any]], threshold: float, quiet: float, now: float
+        self,
+        statuses: dict[int, dict[str, Any]],
+        threshold: float,
+        quiet: float,
+        now: float,
+        verdict: Verdict | None = None,
     ) -> dict[str, Any]:
         n = len(self.hangs) + 1
         hang_dir = self.run_dir / f"hang-{n}"
         hang_dir.mkdir(exist_ok=True)
         stacks = _stacks.dump_all(statuses, self.use_pyspy)
         world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
-        diag = analyse(statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world)
+        proof = verdict.proof if verdict is not None and verdict.state == "proven" else ""
+        diag = analyse(
+            statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world, proof=proof
+        )
         text = diag.text(str(hang_dir))
         summary = {
             "schema": HANG_SCHEMA,
@@ -243,6 +304,7 @@ class Watcher:
             "statuses": {str(r): s for r, s in statuses.items()},
             "stacks": {str(r): s for r, s in stacks.items()},
             "text": text,
+            "verdict": verdict.to_json() if verdict is not None else None,
             "reported_wall": time.time(),
             "recovered": False,
         }
@@ -275,6 +337,7 @@ class Watcher:
                 "killed_on_hang": self.killed,
                 "rank_exits": {str(r): e for r, e in self.exits.items()},
                 "rank_errors": {str(r): e for r, e in self.errors.items()},
+                "waits": self._notes.episodes,
             },
         )
 

@@ -1,0 +1,282 @@
+"""Is the job hung, slow, or fine? A pure judgement over one look at every rank.
+
+Three states matter to a user, and each is decided from facts the ranks publish
+(``status-rank{R}.json``: phase, op, bytes, group, sequence number) plus what the supervisor
+measured about each process (alive, seconds since its CPU time or stack last moved):
+
+* **proven**: every live rank is blocked in a sync point and they cannot all complete: ranks of
+  one group disagree on the op or the size at one sequence number, wait at different sequence
+  numbers, or a member of the group has left. No timeout needs to pass: the job cannot go on.
+* **stalled**: a rank outside every sync point makes no progress while others wait. It may
+  still be a slow syscall, so this becomes a hang only once the threshold passes.
+* **busy**: the rank the others wait for is progressing (evaluation, a checkpoint, logging).
+  Not a hang; the watcher keeps a note of who waits on whom.
+
+Transient disagreements are real: a rank that finished collective #n may already wait in #n+1
+while its peer has not yet returned from #n. So a rank counts as blocked only after
+``CONFIRM_S`` in its sync point on a fresh status, long past any such overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpdoctor.analysis.findings import rank_list
+
+CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
+STALE_S = 2.0  # a status older than this says nothing about now
+BUSY_S = 3.0  # CPU time or stack moved within this many seconds: the rank is progressing
+# One collective call: the rank waits in exactly this op at exactly this sequence number.
+ATOMIC = frozenset({"collective", "sync_buffers"})
+# DDP's own forward/backward: entered at sequence number n, they may issue #n, #n+1, ...;
+# they wait only when their CPU is idle, and compute otherwise.
+COMPOUND = frozenset({"forward", "backward"})
+SYNC = ATOMIC | COMPOUND
+# Ops whose per-rank arguments legitimately differ in size (objects, splits, roots) or that are
+# not group collectives at all (point to point): never used to prove a size or order mismatch.
+_NO_PROOF_OPS = frozenset(
+    {
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "monitored_barrier",
+        "all_gather_object",
+        "gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+    }
+)
+_SIZED_OPS = frozenset(
+    {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
+)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the supervisor measured about one rank's process (not what the rank said)."""
+
+    alive: bool = True
+    idle_s: float | None = None  # seconds since its CPU time or stack last moved; None: unknown
+    cpu_rate: float | None = None  # CPU seconds per second over the recent window
+    frame: str | None = None  # its innermost user frame, "evaluate() train.py:27"
+
+
+@dataclass
+class Verdict:
+    state: str  # "running" | "proven" | "stalled" | "busy" | "blocked" | "quiet" | "unmeasured"
+    proof: str = ""  # the sentence that proves or explains the state
+    culprits: list[int] = field(default_factory=list)  # the ranks the others wait on
+    waiting: list[int] = field(default_factory=list)  # ranks blocked in a sync point
+    wait_s: float = 0.0  # the longest of their waits
+    idle_s: float = 0.0  # stalled: how long the culprit has not moved
+    where: dict[int, str] = field(default_factory=dict)  # rank -> "barrier #15", "evaluate() ..."
+    phases: dict[int, dict[str, Any]] = field(default_factory=dict)  # the waiting ranks' phases
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "proof": self.proof,
+            "culprits": self.culprits,
+            "waiting": self.waiting,
+            "wait_s": round(self.wait_s, 3),
+            "idle_s": round(self.idle_s, 3),
+            "where": {str(r): w for r, w in sorted(self.where.items())},
+            "phases": {str(r): p for r, p in sorted(self.phases.items())},
+        }
+
+
+def phase_since(status: dict[str, Any], now: float) -> float:
+    """Seconds in the current phase, as of ``now`` (the status was written a little earlier)."""
+    phase = status.get("phase") or {}
+    age = max(0.0, now - float(status.get("heartbeat_wall") or now))
+    return float(phase.get("since_s") or 0.0) + age
+
+
+def op_label(phase: dict[str, Any]) -> str:
+    name = phase.get("name")
+    if name == "sync_buffers":
+        return "broadcast"
+    if name == "backward":
+        return "allreduce"  # DDP's gradient buckets (and the unused-parameter map)
+    if name == "forward":
+        return "DDP forward"
+    return str(phase.get("op"))
+
+
+def point(phase: dict[str, Any]) -> str:
+    """'barrier #15', 'broadcast #67 (DDP buffers)', 'allreduce #40.. (DDP backward)'."""
+    seq = phase.get("seq", -1)
+    name = phase.get("name")
+    if name == "sync_buffers":
+        return f"broadcast #{seq} (DDP buffers)"
+    if name in COMPOUND:
+        return f"{op_label(phase)} #{seq}.. (DDP {name})"
+    return f"{phase.get('op')} #{seq}"
+
+
+def _members(phase: dict[str, Any], world: set[int]) -> set[int]:
+    ranks = phase.get("group_ranks")
+    return set(int(r) for r in ranks) if isinstance(ranks, list) else set(world)
+
+
+def judge(
+    statuses: dict[int, dict[str, Any]],
+    activity: dict[int, Activity],
+    now: float,
+    world_size: int | None = None,
+) -> Verdict:
+    """One look at every rank -> the state of the job. Pure: no clock, no files, no processes."""
+    world = set(range(world_size)) if world_size else set(statuses)
+    acts = {r: activity.get(r, Activity()) for r in statuses}
+    gone = {r for r, st in statuses.items() if not acts[r].alive or st.get("exited")}
+    live = {r: st for r, st in statuses.items() if r not in gone}
+    if world - set(statuses):
+        return Verdict("running")  # a rank never reported: nothing can be proven about it
+    waits: dict[int, dict[str, Any]] = {}
+    where: dict[int, str] = {}
+    for r, st in live.items():
+        phase = st.get("phase") or {}
+        if phase.get("name") not in SYNC:
+            continue
+        fresh = now - float(st.get("heartbeat_wall") or 0.0) <= STALE_S
+        settled = phase_since(st, now) >= CONFIRM_S
+        idle = acts[r].idle_s
+        if fresh and settled and (phase["name"] in ATOMIC or (idle is not None and idle >= CONFIRM_S)):
+            waits[r] = phase
+            where[r] = point(phase)
+    wait_s = max((phase_since(live[r], now) for r in waits), default=0.0)
+    others = sorted(set(live) - set(waits))
+    if waits and not others:
+        proven = _prove(waits, gone, statuses, world)
+        if proven is not None:
+            text, culprits = proven
+            return Verdict("proven", text, culprits, sorted(waits), wait_s, 0.0, where, waits)
+        return Verdict(
+            "blocked",
+            f"every live rank waits in {_same_point(waits)}: nothing on record says why",
+            sorted(live),
+            sorted(waits),
+            wait_s,
+            0.0,
+            where,
+            waits,
+        )
+    if not others:
+        return Verdict("running")
+    moving = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s < BUSY_S]
+    stalled = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s >= BUSY_S]
+    for r in others:
+        where[r] = acts[r].frame or _outside(live[r])
+    if waits and stalled:
+        idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
+        culprit = stalled[0]
+        text = (
+            f"rank {culprit} makes no progress outside any sync point ({where[culprit]}) while "
+            f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)}"
+        )
+        return Verdict("stalled", text, stalled, sorted(waits), wait_s, idle, where, waits)
+    if waits and moving:
+        busy = ", ".join(f"rank {r} in {where[r]}" for r in moving)
+        text = f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)} for busy {busy}"
+        return Verdict("busy", text, moving, sorted(waits), wait_s, 0.0, where, waits)
+    if not waits and stalled and len(stalled) == len(others):
+        idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
+        text = f"no rank makes progress: rank(s) {rank_list(stalled)} idle outside any sync point"
+        return Verdict("quiet", text, stalled, [], 0.0, idle, where)
+    unknown = [r for r in others if acts[r].idle_s is None]
+    if unknown and not moving:
+        # Nothing measured about the ranks that do not wait: only the clock can decide.
+        text = f"rank(s) {rank_list(unknown)} not measured"
+        return Verdict("unmeasured", text, unknown, sorted(waits), wait_s, 0.0, where, waits)
+    return Verdict("running", waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
+
+
+def _outside(status: dict[str, Any]) -> str:
+    phase = status.get("phase") or {}
+    if phase.get("name") == "data":
+        return "DataLoader.__next__"
+    if phase.get("name") in COMPOUND:
+        return point(phase)
+    return f"user code after step {status.get('step')}"
+
+
+def _same_point(waits: dict[int, dict[str, Any]]) -> str:
+    points = sorted({point(p) for p in waits.values()})
+    return points[0] if len(points) == 1 else ", ".join(points)
+
+
+def _prove(
+    waits: dict[int, dict[str, Any]],
+    gone: set[int],
+    statuses: dict[int, dict[str, Any]],
+    world: set[int],
+) -> tuple[str, list[int]] | None:
+    """The sentence that proves every blocked rank can never return, and whom it blames."""
+    provable = {r: p for r, p in waits.items() if p.get("op") not in _NO_PROOF_OPS}
+    for _r, phase in sorted(waits.items()):
+        members = _members(phase, world)
+        left = sorted(members & gone)
+        for d in left:
+            final = statuses[d]
+            seq = int(final.get("seq", -1))
+            group = phase.get("group") or "WORLD"
+            joined = group == "WORLD" and seq > int(phase.get("seq", -1)) >= 0
+            if joined:
+                continue  # it issued this collective before leaving: the wait may still end
+            how = "exited" if final.get("exited") else "died"
+            return (
+                f"rank {d} {how} (after step {final.get('step')}) while rank(s) "
+                f"{rank_list(sorted(w for w in waits if d in _members(waits[w], world)))} wait in "
+                f"{point(phase)}, a collective of its group it can no longer join",
+                [d],
+            )
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    for r, phase in provable.items():
+        groups.setdefault(str(phase.get("group") or "WORLD"), {})[r] = phase
+    for gname, members in sorted(groups.items()):
+        label = "" if gname == "WORLD" else f" of group {gname}"
+        atomic = {r: p for r, p in members.items() if p.get("name") in ATOMIC}
+        for _r, p in sorted(atomic.items()):
+            seq = int(p.get("seq", -1))
+            ahead = sorted(o for o, q in members.items() if int(q.get("seq", -1)) > seq >= 0)
+            if ahead:
+                a = members[ahead[0]]
+                return (
+                    f"ranks{label} wait at different collectives: rank(s) "
+                    f"{rank_list([o for o, q in atomic.items() if q.get('seq') == seq])} in {point(p)}, "
+                    f"rank(s) {rank_list(ahead)} already past it in {point(a)}",
+                    sorted(o for o, q in atomic.items() if q.get("seq") == seq),
+                )
+        by_seq: dict[int, dict[int, dict[str, Any]]] = {}
+        for r, p in members.items():
+            if p.get("name") != "forward":  # DDP forward: which collective it waits in is unknown
+                by_seq.setdefault(int(p.get("seq", -1)), {})[r] = p
+        for seq, at in sorted(by_seq.items()):
+            if seq < 0 or len(at) < 2:
+                continue
+            ops: dict[str, list[int]] = {}
+            for r, p in at.items():
+                ops.setdefault(op_label(p), []).append(r)
+            if len(ops) > 1:
+                parts = sorted(ops.items(), key=lambda kv: min(kv[1]))
+                text = " vs ".join(f"rank(s) {rank_list(rs)} {op}" for op, rs in parts)
+                minority = min(parts, key=lambda kv: (len(kv[1]), min(kv[1])))[1]
+                return f"ranks{label} disagree on the op of collective #{seq}: {text}", sorted(minority)
+            sizes: dict[int, list[int]] = {}
+            for r, p in at.items():
+                if p.get("op") in _SIZED_OPS and int(p.get("bytes") or 0) > 0:
+                    sizes.setdefault(int(p["bytes"]), []).append(r)
+            if len(sizes) > 1:
+                parts_b = sorted(sizes.items(), key=lambda kv: min(kv[1]))
+                text = " vs ".join(f"rank(s) {rank_list(rs)} {b:,} bytes" for b, rs in parts_b)
+                minority = min(parts_b, key=lambda kv: (len(kv[1]), min(kv[1])))[1]
+                op = next(iter(ops))
+                return f"ranks{label} disagree on the size of {op} #{seq}: {text}", sorted(minority)
+    return None

@@ -1,0 +1,141 @@
+"""Is a rank progressing? Its CPU time and its Python stack, measured from outside.
+
+A rank that evaluates, writes a checkpoint or logs is not hung even when the others wait for
+it minutes; a rank stuck on a lock, a dead socket or ``sleep`` in a retry loop is. The rank's
+own status cannot say which (its writer thread may not get the GIL), so the supervisor looks:
+
+* CPU time: ``utime + stime`` of ``/proc/<pid>/stat``, compared over a window of ``WINDOW_S``;
+  at least ``MIN_RATE`` of one core means work. The doctor's own writer thread costs well
+  under 1% of a core, far below that.
+* Stack: when the CPU is idle, a non-blocking ``py-spy dump`` every ``STACK_EVERY_S`` (never
+  pausing the rank, never sending it a signal); a different main-thread stack means progress
+  (a sleeping retry loop that sleeps in the same line is not).
+
+Tracking costs one small read per rank and window, and only runs while the watcher asks
+(someone waits, or nothing has been recorded for a while).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ddpdoctor.analysis.hang import main_thread, user_frame
+from ddpdoctor.analysis.proof import Activity
+from ddpdoctor.supervisor import stacks as _stacks
+
+WINDOW_S = 1.0
+MIN_RATE = 0.05  # CPU seconds per second
+STACK_EVERY_S = 2.0
+MAX_DUMPS_PER_LOOK = 4
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) the process has used so far, or None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def describe_frame(dump: dict[str, Any]) -> tuple[tuple[Any, ...], str | None]:
+    """(signature of the main thread's stack, 'evaluate() train.py:27' or None)."""
+    frames = main_thread(dump.get("threads") or [])
+    sig = tuple((f.get("file"), f.get("line"), f.get("function")) for f in frames)
+    user = user_frame(frames)
+    if user is None:
+        return sig, None
+    return sig, f"{user.get('function')}() {os.path.basename(str(user.get('file')))}:{user.get('line')}"
+
+
+@dataclass
+class _Track:
+    pid: int
+    ref_t: float
+    ref_cpu: float | None
+    moved_t: float
+    known: bool = False  # one full window measured
+    rate: float | None = None
+    stack_t: float = 0.0
+    stack_sig: tuple[Any, ...] = ()
+    frame: str | None = None
+
+
+class ActivityTracker:
+    """Per-rank progress facts for ``proof.judge``; state lives here, judgement does not."""
+
+    def __init__(
+        self,
+        dump: Callable[[int], dict[str, Any]] | None = None,
+        cpu: Callable[[int], float | None] = proc_cpu_s,
+    ) -> None:
+        self._dump = dump
+        self._cpu = cpu
+        self._tracks: dict[int, _Track] = {}
+
+    def forget(self) -> None:
+        """Stop tracking (nobody waits): the next episode measures afresh."""
+        self._tracks.clear()
+
+    def look(
+        self,
+        statuses: dict[int, dict[str, Any]],
+        now: float,
+        ranks: set[int],
+        alive: dict[int, bool],
+        want_frame: set[int] | None = None,
+        since: dict[int, float] | None = None,
+    ) -> dict[int, Activity]:
+        """Measure ``ranks`` now; every rank gets an Activity (unmeasured ones: idle unknown).
+        ``since``: when each rank last recorded an event, the latest progress known before the
+        first measurement."""
+        dumps = 0
+        out: dict[int, Activity] = {}
+        for rank, st in statuses.items():
+            pid = int(st.get("pid") or 0)
+            if rank not in ranks or not alive.get(rank, True) or pid <= 0:
+                out[rank] = Activity(alive=alive.get(rank, True))
+                continue
+            cpu = self._cpu(pid)
+            if cpu is None and st.get("cpu_s") is not None:
+                cpu = float(st["cpu_s"])
+            tr = self._tracks.get(rank)
+            if tr is None or tr.pid != pid:
+                start = min(now, (since or {}).get(rank, now))
+                tr = self._tracks[rank] = _Track(pid, now, cpu, start)
+            elif now - tr.ref_t >= WINDOW_S:
+                if cpu is not None and tr.ref_cpu is not None:
+                    tr.rate = (cpu - tr.ref_cpu) / (now - tr.ref_t)
+                    if tr.rate >= MIN_RATE:
+                        tr.moved_t = now
+                tr.known = True
+                tr.ref_t, tr.ref_cpu = now, cpu
+            idle_cpu = tr.rate is None or tr.rate < MIN_RATE
+            needs_frame = want_frame is not None and rank in want_frame and tr.frame is None
+            if (
+                self._dump is not None
+                and (idle_cpu or needs_frame)
+                and now - tr.stack_t >= STACK_EVERY_S
+                and dumps < MAX_DUMPS_PER_LOOK
+            ):
+                dumps += 1
+                tr.stack_t = now
+                dump = self._dump(pid)
+                if dump.get("threads"):
+                    sig, frame = describe_frame(dump)
+                    if tr.stack_sig and sig != tr.stack_sig:
+                        tr.moved_t = now
+                    tr.stack_sig, tr.frame = sig, frame or tr.frame
+            idle = (now - tr.moved_t) if tr.known else None
+            out[rank] = Activity(True, idle, tr.rate, tr.frame)
+        return out
+
+
+def pyspy_sample(pid: int) -> dict[str, Any]:
+    """A non-blocking py-spy dump (the rank is never paused); empty when py-spy cannot."""
+    return _stacks.pyspy_dump(pid, timeout=3.0, nonblocking=True)
