@@ -16,6 +16,7 @@ from tests.conftest import JOBS, diagnose_json, job_env, run_doctor, torchrun
 
 pytestmark = pytest.mark.e2e
 FAULTY = JOBS / "faulty_train.py"
+SLOW = JOBS / "slow_or_hung.py"
 EXIT_HANG_KILLED = 124
 KILL = ("--hang-timeout", "3", "--on-hang", "kill")
 
@@ -40,7 +41,8 @@ def test_rank0_evaluation_through_the_wrapper_hangs_and_is_explained(tmp_path: P
     job = run_doctor(tmp_path, torchrun(2, FAULTY, "--mode", "eval0"), *KILL, timeout=120)
     assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
     err = job.stderr
-    assert "ddpdoctor: HANG - no progress for" in err
+    assert "ddpdoctor: HANG - proven after" in err
+    assert "disagree on the op of collective #" in err and "broadcast vs rank(s) 1 barrier" in err
     assert "rank 0  in DistributedDataParallel.forward -> _sync_buffers (broadcast, collective #" in err
     assert "<- evaluate() faulty_train.py:" in err
     assert "rank 1  in dist.barrier() (collective #" in err
@@ -181,3 +183,98 @@ def test_master_port_in_use_is_one_line(tmp_path: Path) -> None:
         job = run_doctor(tmp_path, command, timeout=120)
     assert job.returncode != 0
     assert f"ddpdoctor: startup failed: master port {port} is already in use" in job.stderr
+
+
+def stall_to_verdict_s(summary: dict) -> float:
+    """Seconds from the last rank's entry into the sync point it is stuck in to the verdict."""
+    onsets = [
+        s["heartbeat_wall"] - s["phase"]["since_s"] for s in summary["statuses"].values() if s.get("phase")
+    ]
+    return summary["detected_wall"] - max(onsets)
+
+
+def test_proven_hang_is_declared_at_default_settings_within_3_s(tmp_path: Path) -> None:
+    # No --hang-timeout: the auto threshold is 30 s, but the statuses prove the hang at once.
+    job = run_doctor(tmp_path, torchrun(2, FAULTY, "--mode", "eval0"), "--on-hang", "kill", timeout=120)
+    assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
+    summary = hang_summary(job.run_dir)
+    assert summary["verdict"]["state"] == "proven" and summary["threshold_s"] >= 30
+    assert stall_to_verdict_s(summary) <= 3.0, summary["verdict"]
+    [hang] = findings(job.run_dir, "hang")
+    assert "disagree on the op of collective" in hang["details"]["proof"]
+
+
+def test_rank_that_exits_0_early_is_named_not_its_waiting_peer(tmp_path: Path) -> None:
+    # Rank 1 returns (exit 0) before the all_reduce rank 0 waits in. gloo sees the closed socket
+    # and rank 0 raises "Connection closed by peer"; a backend that keeps waiting (NCCL) leaves
+    # rank 0 blocked, which the proof catches at once. Either way rank 1 is the cause.
+    job = run_doctor(tmp_path, torchrun(2, SLOW, "--mode", "early_exit"), "--on-hang", "kill", timeout=120)
+    assert job.returncode in (1, EXIT_HANG_KILLED), job.stderr[-3000:]
+    exits = json.loads((job.run_dir / "watch.json").read_text())["rank_exits"]
+    assert exits["1"]["exited"] is True, "rank 1 said it left on its own"
+    if job.returncode == EXIT_HANG_KILLED:
+        [hang] = findings(job.run_dir, "hang")
+        assert hang["ranks"] == [1] and "rank 1 exited" in hang["details"]["proof"]
+    else:
+        [failure] = findings(job.run_dir, "rank_failure")
+        assert failure["ranks"] == [1] and failure["details"]["left_early"] is True, failure["summary"]
+        assert failure["summary"].startswith("rank 1 left early: it exited cleanly at step")
+        assert "HANG" not in job.stderr
+
+
+@pytest.mark.parametrize("mode", ["slow_eval", "slow_ckpt"])
+def test_rank0_only_slow_work_is_not_a_hang(tmp_path: Path, mode: str) -> None:
+    # Floor 4 s (CI's stand-in for the 30 s default); rank 0 works 12 s while rank 1 waits in a
+    # barrier: three times the threshold, and still no hang, because rank 0 progresses.
+    job = run_doctor(
+        tmp_path,
+        torchrun(2, SLOW, "--mode", mode, "--busy-s", "12"),
+        timeout=180,
+        DDPDOCTOR_HANG_FLOOR_S="4",
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "HANG" not in job.stderr and not (job.run_dir / "hang-1").exists()
+    assert "ddpdoctor: not a hang: rank(s) 1 wait in barrier #" in job.stderr
+    assert "ERROR hang" not in job.stderr and not findings(job.run_dir, "hang")
+    [work] = findings(job.run_dir, "rank_only_work")
+    function = "evaluate" if mode == "slow_eval" else "save_checkpoint"
+    assert work["ranks"] == [0] and work["details"]["waiting"] == [1]
+    assert work["details"]["where"].startswith(f"{function}() slow_or_hung.py:")
+    assert 11.0 <= work["details"]["idle_s"]["1"] <= 30.0, "the barrier's own duration on rank 1"
+    assert not (job.run_dir / "waiting.json").exists(), "the live note goes when the wait ends"
+
+
+def test_a_hang_given_live_becomes_an_efficiency_finding_when_the_job_completes(tmp_path: Path) -> None:
+    # --hang-timeout 3 makes the busy wait a hang live; the job then completes with exit 0.
+    job = run_doctor(
+        tmp_path,
+        torchrun(2, SLOW, "--mode", "slow_eval", "--busy-s", "8"),
+        "--hang-timeout",
+        "3",
+        timeout=180,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "ddpdoctor: HANG" in job.stderr, "the live verdict was printed"
+    assert (job.run_dir / "hang-1" / "summary.json").exists(), "and stays in the run dir"
+    assert "ERROR hang" not in job.stderr and not findings(job.run_dir, "hang")
+    [work] = findings(job.run_dir, "rank_only_work")
+    assert "reported live as a hang; the job then completed" in work["summary"]
+    assert work["details"]["live_verdicts"][0]["hang_dir"].endswith("hang-1")
+    assert work["details"]["idle_s"]["1"] >= 7.0
+
+
+def test_a_rank_that_sleeps_outside_sync_points_is_a_stall_at_the_threshold(tmp_path: Path) -> None:
+    job = run_doctor(
+        tmp_path,
+        torchrun(2, SLOW, "--mode", "sleep"),
+        "--on-hang",
+        "kill",
+        timeout=180,
+        DDPDOCTOR_HANG_FLOOR_S="5",
+    )
+    assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
+    summary = hang_summary(job.run_dir)
+    assert summary["verdict"]["state"] == "stalled" and summary["verdict"]["culprits"] == [0]
+    assert 5.0 <= stall_to_verdict_s(summary) <= 5.0 + 4.0
+    [hang] = findings(job.run_dir, "hang")
+    assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "wait_for_peer"

@@ -38,7 +38,11 @@ def is_consequence(error: dict[str, Any]) -> bool:
 
 @detector
 def hangs(run: Run) -> Iterable[Finding]:
+    from ddpdoctor.analysis.waits import went_on  # the job outlived it: rank_only_work says what
+
     for summary in run.hangs:
+        if went_on(summary, run):
+            continue
         finding = hang_finding(summary)
         if finding is not None:
             yield finding
@@ -82,9 +86,12 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     for key, exit_info in (watch.get("rank_exits") or {}).items():
         rank = int(key)
         trace = run.ranks.get(rank)
+        when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
+        if rank not in errors and _left_early(rank, when, exit_info, trace, errors):
+            candidates.append((when, rank, {"left": True}, None, False))
+            continue
         if rank in errors or (trace is not None and trace.ended_cleanly):
             continue  # raised (reported above) or closed its trace: it was not killed outright
-        when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
         candidates.append((when, rank, None, exit_info.get("signal") or None, False))
     if not candidates and not code:
         return
@@ -119,7 +126,17 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     others = _others(watch, rank, errors)
     details.update(first_rank=rank, at_step=step, others=others, failed_wall=when)
     at = f"at step {step}" if step >= 0 else "before its first recorded step"
-    if error is not None:
+    if error is not None and error.get("left"):
+        summary = (
+            f"rank {rank} left early: it exited cleanly {at} while the others still needed it in "
+            "their collectives; their errors (a closed connection, a timeout) are consequences"
+        )
+        fix = (
+            f"Find the return, break or sys.exit that ends rank {rank} early (a rank-dependent branch, "
+            "fewer batches on that rank): every rank must issue the same collectives before exiting."
+        )
+        details["left_early"] = True
+    elif error is not None:
         summary = (
             f"rank {rank} failed first {at}: {error.get('type')}: "
             f"{str(error.get('message', '')).splitlines()[0][:200] if error.get('message') else ''}"
@@ -145,6 +162,18 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(others.items(), key=lambda kv: int(kv[0])))
         summary += f". Others then: {doing}"
     yield Finding("rank_failure", "error", [rank], summary, fix=fix, details=details)
+
+
+def _left_early(
+    rank: int, when: float, exit_info: dict[str, Any], trace: Any, errors: dict[int, dict[str, Any]]
+) -> bool:
+    """The rank exited on its own (clean trace end, its status said so) and a peer then failed
+    only because it was gone: it left while the others still needed it."""
+    if not exit_info.get("exited") or trace is None or not trace.ended_cleanly:
+        return False
+    return any(
+        r != rank and is_consequence(e) and e.get("wall_ns", 0) / 1e9 >= when - 1.0 for r, e in errors.items()
+    )
 
 
 def _others(watch: dict[str, Any], failed: int, errors: dict[int, dict[str, Any]]) -> dict[str, str]:

@@ -69,9 +69,9 @@ def main() -> None:
                 save_checkpoint(model.module, os.path.join(os.getcwd(), "ckpt.pt"), args.busy_s)
             elif args.mode == "sleep":
                 wait_for_peer()
+        dist.barrier()
         if args.mode == "early_exit" and rank == 1 and epoch == 1:
             return  # leaves early and cleanly: rank 0 waits in the all_reduce below alone
-        dist.barrier()
         dist.all_reduce(torch.ones(8))
     if rank == 0:
         print("done", flush=True)

@@ -1,0 +1,160 @@
+"""Waits on a busy rank, judged at the end: what a slow rank-only phase cost the others.
+
+The live watcher keeps every wait on a busy rank (``watch.json`` ``waits``) and every hang it
+reported (``hang-N/summary.json``). When the job then went on and completed, a hang verdict
+was wrong about the end: it becomes what it was, the same efficiency finding as a noted wait,
+with its cost measured from the waiting ranks' own trace records. The live verdict stays in
+the run directory (``hang-N/``) and in the finding's details.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.hang import SYNC_PHASES, hang_finding
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+_FIXES = (
+    (
+        ("eval", "valid", "test"),
+        "spread evaluation over every rank with a DistributedSampler (each rank evaluates its "
+        "share, then all_reduce the metrics), or evaluate less often",
+    ),
+    (
+        ("save", "checkpoint", "ckpt"),
+        "save asynchronously (torch.distributed.checkpoint.async_save, or a background thread "
+        "copying a CPU state dict), or checkpoint less often",
+    ),
+    (("log", "print", "report", "plot"), "log less often, or hand the logging to a background thread"),
+)
+_GENERIC_FIX = (
+    "move the rank-only work off the other ranks' path: share it across ranks, run it in a "
+    "background thread, or do it less often"
+)
+
+
+def went_on(summary: dict[str, Any], run: Run) -> bool:
+    """The job moved past the live hang verdict and completed: it was slow, not hung."""
+    if any(w.get("killed_on_hang") for w in run.watches):
+        return False
+    if summary.get("recovered"):
+        return True
+    ranks = [int(r) for r in (summary.get("statuses") or {})]
+    return (
+        run.exit_code == 0
+        and bool(ranks)
+        and all(r in run.ranks and run.ranks[r].ended_cleanly for r in ranks)
+    )
+
+
+def fix_for(function: str) -> str:
+    name = function.lower()
+    return next((fix for words, fix in _FIXES if any(w in name for w in words)), _GENERIC_FIX)
+
+
+def _idle_s(run: Run, rank: int, phase: dict[str, Any]) -> float | None:
+    """How long the rank really waited in that sync point, from its own trace (None: not found)."""
+    trace = run.ranks.get(rank)
+    seq = phase.get("seq")
+    if trace is None or not isinstance(seq, int) or seq < 0:
+        return None
+    if phase.get("name") == "collective":
+        ev = trace.kind(schema.COLLECTIVE)
+        hit = (ev.ints(4) == seq) & ev.equals(0, phase.get("op"))
+    elif phase.get("name") == "sync_buffers":
+        ev = trace.kind(schema.SYNC_BUFFERS)
+        hit = ev.ints(0) == seq
+    else:
+        return None
+    durations = ev.dur[hit]
+    return float(durations.max()) / 1e6 if len(durations) else None
+
+
+def _point(phase: dict[str, Any]) -> str:
+    op = "broadcast" if phase.get("name") == "sync_buffers" else phase.get("op")
+    return f"{op} #{phase.get('seq')}"
+
+
+def _episodes(run: Run) -> Iterable[dict[str, Any]]:
+    """Every wait on a busy rank: noted live, or a hang verdict the job then outlived."""
+    for watch in run.watches:
+        for ep in watch.get("waits") or []:
+            yield {**ep, "live_verdict": None}
+    for summary in run.hangs:
+        if not went_on(summary, run):
+            continue
+        finding = hang_finding(summary)
+        if finding is None:
+            continue
+        ranks = finding.details.get("ranks") or {}
+        waiting = sorted(int(r) for r, s in ranks.items() if s.get("phase") in SYNC_PHASES)
+        busy = sorted(int(r) for r in ranks if int(r) not in waiting)
+        statuses = summary.get("statuses") or {}
+        where = {}
+        for r in busy:
+            frame = ranks[str(r)].get("user_frame") or {}
+            if frame:
+                base = os.path.basename(str(frame.get("file")))
+                where[str(r)] = f"{frame.get('function')}() {base}:{frame.get('line')}"
+        yield {
+            "waiting": waiting,
+            "busy": busy,
+            "where": where,
+            "phases": {str(r): (statuses.get(str(r)) or {}).get("phase") or {} for r in waiting},
+            "wait_s": float(summary.get("quiet_s") or 0.0),
+            "live_verdict": {"text": summary.get("text"), "hang_dir": summary.get("hang_dir")},
+        }
+
+
+@detector
+def rank_only_work(run: Run) -> Iterable[Finding]:
+    """One finding per busy rank and place: the others' idle time at the sync point after it."""
+    groups: dict[tuple[tuple[int, ...], str], list[dict[str, Any]]] = {}
+    for ep in _episodes(run):
+        if not ep.get("waiting") or not ep.get("busy"):
+            continue
+        busy = tuple(ep["busy"])
+        where = str((ep.get("where") or {}).get(str(busy[0])) or "user code")
+        groups.setdefault((busy, where), []).append(ep)
+    for (busy, where), eps in sorted(groups.items()):
+        waiting = sorted({r for ep in eps for r in ep["waiting"]})
+        idle: dict[str, float] = {}
+        points: list[str] = []
+        for ep in eps:
+            for r in ep["waiting"]:
+                phase = (ep.get("phases") or {}).get(str(r)) or {}
+                spent = _idle_s(run, r, phase)
+                spent = float(ep.get("wait_s") or 0.0) if spent is None else spent
+                idle[str(r)] = round(idle.get(str(r), 0.0) + spent, 3)
+                if phase and _point(phase) not in points:
+                    points.append(_point(phase))
+        worst = max(idle.values(), default=0.0)
+        function = where.split("(")[0]
+        at = ", ".join(points) if points else "the next sync point"
+        summary = (
+            f"rank(s) {rank_list(waiting)} idled {worst:.1f} s at {at} while rank(s) "
+            f"{rank_list(busy)} ran {where}"
+        )
+        verdicts = [ep["live_verdict"] for ep in eps if ep.get("live_verdict")]
+        if verdicts:
+            summary += " (reported live as a hang; the job then completed)"
+        yield Finding(
+            "rank_only_work",
+            "warning",
+            sorted(busy),
+            summary,
+            fix=f"{fix_for(function)[0].upper()}{fix_for(function)[1:]}.",
+            details={
+                "waiting": waiting,
+                "busy": list(busy),
+                "where": where,
+                "sync_points": points,
+                "idle_s": idle,
+                "episodes": len(eps),
+                "live_verdicts": verdicts,
+            },
+        )
