@@ -220,40 +220,41 @@ def _prove(
 ) -> tuple[str, list[int]] | None:
     """The sentence that proves every blocked rank can never return, and whom it blames."""
     provable = {r: p for r, p in waits.items() if p.get("op") not in _NO_PROOF_OPS}
-    for _r, phase in sorted(waits.items()):
-        members = _members(phase, world)
-        left = sorted(members & gone)
-        for d in left:
-            final = statuses[d]
-            seq = int(final.get("seq", -1))
-            group = phase.get("group") or "WORLD"
-            joined = group == "WORLD" and seq > int(phase.get("seq", -1)) >= 0
-            if joined:
-                continue  # it issued this collective before leaving: the wait may still end
-            how = "exited" if final.get("exited") else "died"
-            return (
-                f"rank {d} {how} (after step {final.get('step')}) while rank(s) "
-                f"{rank_list(sorted(w for w in waits if d in _members(waits[w], world)))} wait in "
-                f"{point(phase)}, a collective of its group it can no longer join",
-                [d],
-            )
+    if gone:
+        members_of: dict[str, set[int]] = {}
+        for _r, phase in sorted(waits.items()):
+            key = str(phase.get("group") or "WORLD")
+            members = members_of.setdefault(key, _members(phase, world))
+            for d in sorted(members & gone):
+                final = statuses[d]
+                seq = int(final.get("seq", -1))
+                if key == "WORLD" and seq > int(phase.get("seq", -1)) >= 0:
+                    continue  # it issued this collective before leaving: the wait may still end
+                how = "exited" if final.get("exited") else "died"
+                who = sorted(w for w, q in waits.items() if str(q.get("group") or "WORLD") == key)
+                return (
+                    f"rank {d} {how} (after step {final.get('step')}) while rank(s) {rank_list(who)} "
+                    f"wait in {point(phase)}, a collective of its group it can no longer join",
+                    [d],
+                )
     groups: dict[str, dict[int, dict[str, Any]]] = {}
     for r, phase in provable.items():
         groups.setdefault(str(phase.get("group") or "WORLD"), {})[r] = phase
     for gname, members in sorted(groups.items()):
         label = "" if gname == "WORLD" else f" of group {gname}"
-        atomic = {r: p for r, p in members.items() if p.get("name") in ATOMIC}
-        for _r, p in sorted(atomic.items()):
-            seq = int(p.get("seq", -1))
-            ahead = sorted(o for o, q in members.items() if int(q.get("seq", -1)) > seq >= 0)
-            if ahead:
-                a = members[ahead[0]]
-                return (
-                    f"ranks{label} wait at different collectives: rank(s) "
-                    f"{rank_list([o for o, q in atomic.items() if q.get('seq') == seq])} in {point(p)}, "
-                    f"rank(s) {rank_list(ahead)} already past it in {point(a)}",
-                    sorted(o for o, q in atomic.items() if q.get("seq") == seq),
-                )
+        top = max(int(q.get("seq", -1)) for q in members.values())
+        atomic = {r: int(p.get("seq", -1)) for r, p in members.items() if p.get("name") in ATOMIC}
+        behind = [q for q in atomic.values() if 0 <= q < top]
+        if behind:
+            low = min(behind)
+            lows = sorted(r for r, q in atomic.items() if q == low)
+            ahead = sorted(r for r, q in members.items() if int(q.get("seq", -1)) > low)
+            return (
+                f"ranks{label} wait at different collectives: rank(s) {rank_list(lows)} in "
+                f"{point(members[lows[0]])}, rank(s) {rank_list(ahead)} already past it in "
+                f"{point(members[ahead[0]])}",
+                lows,
+            )
         by_seq: dict[int, dict[int, dict[str, Any]]] = {}
         for r, p in members.items():
             if p.get("name") != "forward":  # DDP forward: which collective it waits in is unknown

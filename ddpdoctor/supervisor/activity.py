@@ -12,7 +12,8 @@ own status cannot say which (its writer thread may not get the GIL), so the supe
   (a sleeping retry loop that sleeps in the same line is not).
 
 Tracking costs one small read per rank and window, and only runs while the watcher asks
-(someone waits, or nothing has been recorded for a while).
+(someone waits, or nothing has been recorded for a while); stack samples are limited to
+ranks outside every sync point and to ``DUMPS_PER_S`` for the whole job.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.hang import main_thread, user_frame
-from ddpdoctor.analysis.proof import Activity
+from ddpdoctor.analysis.proof import SYNC, Activity
 from ddpdoctor.supervisor import stacks as _stacks
 
 WINDOW_S = 1.0
 MIN_RATE = 0.05  # CPU seconds per second
-STACK_EVERY_S = 2.0
-MAX_DUMPS_PER_LOOK = 4
+STACK_EVERY_S = 2.0  # per rank
+DUMPS_PER_S = 1.0  # all ranks together: a dump costs the supervisor ~0.1 s of CPU
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -77,6 +78,7 @@ class ActivityTracker:
         self._dump = dump
         self._cpu = cpu
         self._tracks: dict[int, _Track] = {}
+        self._next_dump = 0.0
 
     def forget(self) -> None:
         """Stop tracking (nobody waits): the next episode measures afresh."""
@@ -94,17 +96,19 @@ class ActivityTracker:
         """Measure ``ranks`` now; every rank gets an Activity (unmeasured ones: idle unknown).
         ``since``: when each rank last recorded an event, the latest progress known before the
         first measurement."""
-        dumps = 0
         out: dict[int, Activity] = {}
         for rank, st in statuses.items():
             pid = int(st.get("pid") or 0)
             if rank not in ranks or not alive.get(rank, True) or pid <= 0:
                 out[rank] = Activity(alive=alive.get(rank, True))
                 continue
+            tr = self._tracks.get(rank)
+            if tr is not None and tr.pid == pid and now - tr.ref_t < WINDOW_S:
+                out[rank] = self._activity(tr, now)  # mid-window: nothing new to read
+                continue
             cpu = self._cpu(pid)
             if cpu is None and st.get("cpu_s") is not None:
                 cpu = float(st["cpu_s"])
-            tr = self._tracks.get(rank)
             if tr is None or tr.pid != pid:
                 start = min(now, (since or {}).get(rank, now))
                 tr = self._tracks[rank] = _Track(pid, now, cpu, start)
@@ -116,14 +120,16 @@ class ActivityTracker:
                 tr.known = True
                 tr.ref_t, tr.ref_cpu = now, cpu
             idle_cpu = tr.rate is None or tr.rate < MIN_RATE
+            outside = (st.get("phase") or {}).get("name") not in SYNC  # compound phases: CPU only
             needs_frame = want_frame is not None and rank in want_frame and tr.frame is None
             if (
                 self._dump is not None
+                and outside
                 and (idle_cpu or needs_frame)
                 and now - tr.stack_t >= STACK_EVERY_S
-                and dumps < MAX_DUMPS_PER_LOOK
+                and now >= self._next_dump
             ):
-                dumps += 1
+                self._next_dump = now + 1.0 / DUMPS_PER_S
                 tr.stack_t = now
                 dump = self._dump(pid)
                 if dump.get("threads"):
@@ -131,9 +137,12 @@ class ActivityTracker:
                     if tr.stack_sig and sig != tr.stack_sig:
                         tr.moved_t = now
                     tr.stack_sig, tr.frame = sig, frame or tr.frame
-            idle = (now - tr.moved_t) if tr.known else None
-            out[rank] = Activity(True, idle, tr.rate, tr.frame)
+            out[rank] = self._activity(tr, now)
         return out
+
+    @staticmethod
+    def _activity(tr: _Track, now: float) -> Activity:
+        return Activity(True, (now - tr.moved_t) if tr.known else None, tr.rate, tr.frame)
 
 
 def pyspy_sample(pid: int) -> dict[str, Any]:

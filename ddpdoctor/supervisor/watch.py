@@ -14,7 +14,6 @@ It also notes ranks that vanish (killed by a signal) for the ``rank_failure`` fi
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import re
@@ -36,6 +35,8 @@ WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
 WATCH_FILE = "watch.json"
 DEFAULT_FLOOR_S = 30.0
+FRESH_S = 1.0
+LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
 _STATUS = re.compile(r"status-rank(\d+)\.json$")
 
@@ -43,13 +44,20 @@ _STATUS = re.compile(r"status-rank(\d+)\.json$")
 def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
     """The latest status of every rank (a file being replaced is simply read next time)."""
     out: dict[int, dict[str, Any]] = {}
-    for path in glob.glob(os.path.join(str(run_dir), "status-rank*.json")):
-        m = _STATUS.search(path)
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return out
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith("status-rank") and name.endswith(".json")):
+            continue
+        m = _STATUS.search(name)
         if not m:
             continue
         try:
-            with open(path, encoding="utf-8") as fh:
-                status = json.load(fh)
+            with open(entry.path, "rb") as fh:
+                status = json.loads(fh.read())
         except (OSError, ValueError):
             continue
         if isinstance(status, dict):
@@ -167,9 +175,13 @@ class Watcher:
         return adaptive_threshold(statuses, self.floor_s, self.multiple)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        interval = self.poll_s
+        while not self._stop.wait(interval):
             try:
+                t0 = time.perf_counter()
                 self.poll_once(time.time())
+                # Thousands of ranks: look less often rather than take more than ~1/5 of a core.
+                interval = max(self.poll_s, LOOK_SHARE * (time.perf_counter() - t0))
             except Exception as exc:  # the supervisor's own bug must not end supervision quietly
                 self.report(f"ddpdoctor: hang watch failed: {exc!r}")
                 return
@@ -198,7 +210,9 @@ class Watcher:
                     self.errors[rank] = {"seen_wall": now, **st["error"], "others": _snapshot(statuses, rank)}
                     self._write_watch()
                 pid = int(st.get("pid") or 0)
-                alive[rank] = pid_alive(pid) if pid else True
+                # A heartbeat written in the last second is proof of life, and costs no syscall.
+                fresh = now - float(st.get("heartbeat_wall") or 0.0) < FRESH_S and not st.get("exited")
+                alive[rank] = True if fresh or not pid else pid_alive(pid)
                 failing = failing or bool(st.get("error"))
                 if pid and rank not in self.exits and not alive[rank]:
                     self.exits[rank] = {

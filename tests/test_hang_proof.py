@@ -1,0 +1,157 @@
+"""Pure unit tests of the hang proof (proven / stalled / busy) and the activity tracker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddpdoctor.analysis import diagnose
+from ddpdoctor.analysis.proof import CONFIRM_S, Activity, judge
+from ddpdoctor.supervisor.activity import ActivityTracker
+from ddpdoctor.supervisor.waits import WaitNotes
+from ddpdoctor.trace.reader import load_run
+
+NOW = 100.0
+
+
+def st(rank: int, name: str | None = None, op: str = "", seq: int = 7, since: float = 2.0, **kw) -> dict:
+    phase = None
+    if name:
+        phase = {"name": name, "op": op, "seq": seq, "since_s": since, "group": "WORLD", "bytes": 0}
+        phase.update(kw.pop("phase", {}))
+    return {"rank": rank, "pid": 10 + rank, "heartbeat_wall": NOW, "phase": phase, "step": 3, "seq": seq} | kw
+
+
+def busy(idle: float = 0.2, frame: str = "evaluate() train.py:27") -> Activity:
+    return Activity(True, idle, 0.9, frame)
+
+
+def test_ops_that_differ_at_one_sequence_number_are_proven() -> None:
+    v = judge({0: st(0, "sync_buffers", "broadcast"), 1: st(1, "collective", "barrier")}, {}, NOW)
+    assert v.state == "proven" and v.culprits == [0]
+    assert v.proof == "ranks disagree on the op of collective #7: rank(s) 0 broadcast vs rank(s) 1 barrier"
+
+
+def test_sizes_that_differ_are_proven_but_object_ops_are_not() -> None:
+    a = st(0, "collective", "all_reduce", phase={"bytes": 16})
+    b = st(1, "collective", "all_reduce", phase={"bytes": 32})
+    v = judge({0: a, 1: b}, {}, NOW)
+    assert v.state == "proven" and "size of all_reduce #7" in v.proof and "16 bytes" in v.proof
+    a = st(0, "collective", "all_gather_object", phase={"bytes": 16})
+    b = st(1, "collective", "all_gather_object", phase={"bytes": 32})
+    assert judge({0: a, 1: b}, {}, NOW).state == "blocked"
+
+
+def test_ranks_at_different_sequence_numbers_are_proven() -> None:
+    v = judge({0: st(0, "collective", "barrier", seq=10), 1: st(1, "collective", "barrier", seq=11)}, {}, NOW)
+    assert v.state == "proven" and v.culprits == [0] and "different collectives" in v.proof
+
+
+def test_a_passing_overlap_is_not_a_proof() -> None:
+    # Rank 1 already waits in #11 while rank 0 has not yet returned from #10: for a moment only.
+    young = {0: st(0, "collective", "barrier", seq=10, since=0.3), 1: st(1, "collective", "barrier", seq=11)}
+    assert judge(young, {}, NOW).state != "proven"
+    stale = {0: st(0, "collective", "barrier", seq=10) | {"heartbeat_wall": NOW - 5}}
+    stale[1] = st(1, "collective", "barrier", seq=11)
+    assert judge(stale, {}, NOW).state != "proven", "a status 5 s old says nothing about now"
+    assert CONFIRM_S <= 2.0, "the proof must still come within 3 s of the stall"
+
+
+def test_a_rank_that_left_while_others_wait_is_proven_unless_it_joined() -> None:
+    gone = st(1, None, seq=7) | {"exited": True}
+    v = judge({0: st(0, "collective", "all_reduce"), 1: gone}, {}, NOW)
+    assert v.state == "proven" and v.culprits == [1]
+    assert v.proof.startswith("rank 1 exited (after step 3) while rank(s) 0 wait in all_reduce #7")
+    joined = st(1, None, seq=8) | {"exited": True}  # it issued #7 before leaving
+    assert judge({0: st(0, "collective", "all_reduce"), 1: joined}, {}, NOW).state != "proven"
+    died = st(1, "backward", "allreduce", seq=5)
+    v = judge({0: st(0, "collective", "all_reduce"), 1: died}, {1: Activity(alive=False)}, NOW)
+    assert v.state == "proven" and v.proof.startswith("rank 1 died")
+
+
+def test_subgroups_are_judged_apart_and_outsiders_never_block_them() -> None:
+    sub = {"group": "pg1", "group_ranks": [0, 1]}
+    statuses = {
+        0: st(0, "collective", "all_reduce", seq=3, phase=sub),
+        1: st(1, "collective", "all_reduce", seq=3, phase=sub),
+        2: st(2, None, seq=9) | {"exited": True},
+    }
+    assert judge(statuses, {}, NOW, world_size=3).state == "blocked", "rank 2 is no member of pg1"
+    statuses[1] = st(1, "collective", "broadcast", seq=3, phase=sub)
+    v = judge(statuses, {}, NOW, world_size=3)
+    assert v.state == "proven" and "of group pg1" in v.proof
+
+
+def test_ddp_backward_waits_only_when_its_cpu_is_idle() -> None:
+    statuses = {0: st(0, "backward", "allreduce"), 1: st(1, "collective", "barrier")}
+    assert judge(statuses, {0: busy()}, NOW).state == "busy", "computing gradients: progressing"
+    v = judge(statuses, {0: Activity(True, 2.0, 0.0)}, NOW)
+    assert v.state == "proven" and "rank(s) 0 allreduce vs rank(s) 1 barrier" in v.proof
+    fwd = {0: st(0, "forward", "train"), 1: st(1, "collective", "barrier")}
+    assert judge(fwd, {0: Activity(True, 2.0, 0.0)}, NOW).state == "blocked", "forward's op is unknown"
+
+
+def test_waiting_on_a_busy_rank_is_not_a_hang_and_names_where_it_is() -> None:
+    v = judge({0: st(0), 1: st(1, "collective", "barrier", since=40)}, {0: busy()}, NOW)
+    assert v.state == "busy" and v.culprits == [0] and v.waiting == [1] and v.wait_s == 40
+    assert v.proof == "rank(s) 1 wait in barrier #7 for busy rank 0 in evaluate() train.py:27"
+
+
+def test_a_rank_that_does_not_move_is_stalled_and_unmeasured_ranks_say_so() -> None:
+    idle = Activity(True, 31.0, 0.0, "wait() train.py:9")
+    v = judge({0: st(0), 1: st(1, "collective", "barrier", since=31)}, {0: idle}, NOW)
+    assert v.state == "stalled" and v.culprits == [0] and v.idle_s == 31.0
+    assert judge({0: st(0), 1: st(1, "collective", "barrier")}, {}, NOW).state == "unmeasured"
+    assert judge({0: st(0), 1: st(1)}, {0: idle, 1: idle}, NOW).state == "quiet"
+    assert judge({0: st(0), 1: st(1)}, {0: busy(), 1: idle}, NOW).state == "running"
+
+
+def test_a_rank_that_never_reported_blocks_every_proof() -> None:
+    statuses = {0: st(0, "collective", "barrier", seq=10), 1: st(1, "collective", "barrier", seq=11)}
+    assert judge(statuses, {}, NOW, world_size=3).state == "running"
+
+
+def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None:
+    cpu = {10: 0.0, 11: 0.0}
+    stacks = {10: "a", 11: "same"}
+
+    def dump(pid: int) -> dict:
+        frames = [{"file": "/home/u/train.py", "line": 5, "function": stacks[pid]}]
+        return {"method": "py-spy", "threads": [{"name": "MainThread", "frames": frames}]}
+
+    tr = ActivityTracker(dump=dump, cpu=lambda pid: cpu[pid])
+    statuses = {0: st(0), 1: st(1)}
+    alive = {0: True, 1: True}
+    first = tr.look(statuses, 0.0, {0, 1}, alive, since={0: 0.0, 1: 0.0})
+    assert first[0].idle_s is None, "one window must pass before anything is known"
+    for t in (1.0, 2.0, 3.0, 4.0):
+        cpu[10] += 0.0  # rank 0: no CPU, but a new stack each sample (a sleeping poll loop that moves)
+        cpu[11] += 0.001
+        stacks[10] = f"f{t}"
+        acts = tr.look(statuses, t, {0, 1}, alive)
+    assert acts[0].idle_s is not None and acts[0].idle_s <= 2.0, "its stack changed"
+    assert acts[1].idle_s == 4.0 and acts[1].frame == "same() train.py:5", "frozen since its last event"
+    cpu[11] += 0.9
+    assert tr.look(statuses, 5.0, {0, 1}, alive)[1].idle_s == 0.0, "CPU work is progress"
+
+
+def test_wait_notes_live_file_episode_and_the_final_finding(tmp_path: Path) -> None:
+    lines = []
+    notes = WaitNotes(tmp_path)
+    statuses = {0: st(0), 1: st(1, "collective", "barrier", seq=15, since=5)}
+    v = judge(statuses, {0: busy()}, NOW)
+    notes.update(v, NOW, threshold=4.0, report=lines.append)
+    live = json.loads((tmp_path / "waiting.json").read_text())
+    assert live["waiting"] == [1] and live["busy"] == [0] and live["where"]["0"].startswith("evaluate()")
+    assert lines == ["ddpdoctor: not a hang: " + v.proof + " (5 s so far)"]
+    notes.update(judge({0: st(0), 1: st(1)}, {0: busy(), 1: busy()}, NOW + 35), NOW + 35, 4.0, lines.append)
+    assert not (tmp_path / "waiting.json").exists() and notes.episodes[0]["wait_s"] == 40.0
+    header = {"schema": "ddpdoctor.trace/1", "rank": 1, "world_size": 2, "wall_ns": 0, "mono_ns": 0}
+    trace = [["header", header], ["collective", 10, 40_100_000, 3, "barrier", 0, "WORLD", 2, 15, 0]]
+    trace.append(["end", 40_200_000, 0, 3, {"reason": "exit"}])
+    (tmp_path / "trace-rank1.jsonl").write_text("\n".join(json.dumps(x) for x in trace) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps({"exit_code": 0}))
+    (tmp_path / "watch.json").write_text(json.dumps({"waits": notes.episodes}))
+    [f] = [f for f in diagnose(load_run([tmp_path])).findings if f.kind == "rank_only_work"]
+    assert f.summary == "rank(s) 1 idled 40.1 s at barrier #15 while rank(s) 0 ran evaluate() train.py:27"
+    assert f.fix.startswith("Spread evaluation over every rank with a DistributedSampler")
