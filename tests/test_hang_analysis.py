@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +155,8 @@ def test_watcher_ignores_a_healthy_slow_job_and_dead_pids_are_exits(tmp_path: Pa
     assert w.poll_once(now=100.0) is None  # 2.5 s > floor, but < 5 x 1 s
     (tmp_path / "status-rank1.json").write_text(json.dumps(status(1, None) | {"pid": 2**22 + 7}))
     w.poll_once(now=100.0)
+    assert 1 not in w.exits, "a heartbeat written this second is proof of life: no syscall spent"
+    w.poll_once(now=101.5)
     assert 1 in w.exits
 
 
@@ -255,3 +260,50 @@ def test_statuses_left_by_an_earlier_run_in_the_same_dir_are_ignored(tmp_path: P
     (tmp_path / "status-rank0.json").write_text(json.dumps(status(0, "collective", "barrier", since=99.0)))
     w = Watcher(tmp_path, hang_timeout=3, report=lambda t: None, use_pyspy=False)  # heartbeat 100.0: old
     assert w.poll_once(now=200.0) is None and not w.exits and not w.hangs
+
+
+def test_watcher_declares_a_proven_hang_on_its_first_look_whatever_the_threshold(tmp_path: Path) -> None:
+    reports: list[str] = []
+    w = Watcher(tmp_path, report=reports.append, use_pyspy=False, since_wall=0)  # auto: 30 s floor
+    _write_status(tmp_path, 0, name="sync_buffers", op="broadcast", since=1.6, events=5, step=2)
+    _write_status(tmp_path, 1, name="collective", op="barrier", since=1.6, events=5, step=2)
+    summary = w.poll_once(now=100.0)
+    assert summary is not None and summary["verdict"]["state"] == "proven" and summary["threshold_s"] == 30
+    assert reports[0].startswith("ddpdoctor: HANG - proven after 1.6 s: ranks disagree on the op")
+
+
+def _process(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_watcher_tells_a_busy_rank_from_a_stalled_one(tmp_path: Path) -> None:
+    busy, asleep = _process("while True: pass"), _process("import time; time.sleep(60)")
+    try:
+        for name, pid, expect in (("busy", busy.pid, None), ("stalled", asleep.pid, "stalled")):
+            run_dir = tmp_path / name
+            run_dir.mkdir()
+            w = Watcher(run_dir, floor_s=2, report=lambda t: None, use_pyspy=False, since_wall=0)
+            t0 = time.time()
+            while time.time() - t0 < 4.5 and not w.hangs:
+                now = time.time()
+                for r, kw in ((0, {"name": None, "pid": pid}), (1, {"name": "collective", "op": "barrier"})):
+                    status = status_at(r, now, since=now - t0 + 1.0, events=5, step=2, **kw)
+                    (run_dir / f"status-rank{r}.json").write_text(json.dumps(status))
+                w.poll_once(now)
+                time.sleep(0.3)
+            if expect is None:
+                assert not w.hangs, "a rank that burns CPU is busy, not hung"
+                assert w._notes.current is not None and (run_dir / "waiting.json").exists()
+            else:
+                assert w.hangs and w.hangs[0]["verdict"]["state"] == "stalled"
+                assert w.hangs[0]["verdict"]["culprits"] == [0]
+    finally:
+        busy.kill(), asleep.kill()
+        busy.wait(), asleep.wait()
+
+
+def status_at(rank: int, now: float, since: float, **kw) -> dict:
+    kw.setdefault("pid", os.getpid())
+    name = kw.pop("name")
+    op = kw.pop("op", "")
+    return status(rank, name, op=op, since=since, **kw) | {"heartbeat_wall": now}

@@ -128,11 +128,17 @@ class HangDiagnosis:
     groups: list[tuple[list[int], str]] = field(default_factory=list)
     quiet_s: float = 0.0
     threshold_s: float = 0.0
-    proof: str = ""  # set when the statuses prove the hang: no threshold had to pass
+    proof: str = ""  # the statuses prove the hang (no threshold had to pass); "busy: ..." when
+    # the user's --hang-timeout ran out on a rank that still progresses
 
     def text(self, hang_dir: str = "") -> str:
         """The report printed on stderr when the hang is caught."""
-        if self.proof:
+        if self.proof.startswith("busy: "):  # past --hang-timeout, though the rank progresses
+            lines = [
+                f"ddpdoctor: HANG - waited {self.quiet_s:.0f} s (--hang-timeout {self.threshold_s:g} s) "
+                f"for a rank that is busy, not stuck: {self.proof[6:]}"
+            ]
+        elif self.proof:
             lines = [f"ddpdoctor: HANG - proven after {self.quiet_s:.1f} s: {self.proof}"]
         else:
             lines = [
@@ -324,6 +330,15 @@ def _judge(states: dict[int, RankState], world_size: int | None) -> tuple[str, l
     )
 
 
+def _proof_of(verdict: dict[str, Any]) -> str:
+    """The proof line a live verdict printed (see HangDiagnosis.proof), from its summary."""
+    if verdict.get("state") == "proven":
+        return str(verdict.get("proof") or "")
+    if verdict.get("state") == "busy":
+        return f"busy: {verdict.get('proof')}"
+    return ""
+
+
 def hang_finding(summary: dict[str, Any]) -> Finding | None:
     """The `hang` finding from a persisted ``hang-N/summary.json`` (see supervisor/watch.py)."""
     statuses = {int(r): s for r, s in (summary.get("statuses") or {}).items()}
@@ -337,9 +352,7 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
         quiet_s=summary.get("quiet_s"),
         now=summary.get("detected_wall"),
         world_size=summary.get("world_size"),
-        proof=str((summary.get("verdict") or {}).get("proof") or "")
-        if (summary.get("verdict") or {}).get("state") == "proven"
-        else "",
+        proof=_proof_of(summary.get("verdict") or {}),
     )
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")

@@ -44,6 +44,31 @@ def proc_cpu_s(pid: int) -> float | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead: its parent (torchrun) has not reaped it yet
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def zombie_signal(pid: int) -> int | None:
+    """The signal that killed ``pid`` if it is still a zombie (Linux /proc/PID/stat exit_code)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[-1].split()
+        code = int(fields[-1])  # field 52: the status waitpid would report
+    except (OSError, ValueError, IndexError):
+        return None
+    return code & 0x7F or None
+
+
 def describe_frame(dump: dict[str, Any]) -> tuple[tuple[Any, ...], str | None]:
     """(signature of the main thread's stack, 'evaluate() train.py:27' or None)."""
     frames = main_thread(dump.get("threads") or [])

@@ -1,16 +1,18 @@
 """Live supervision inside `ddpdoctor run`: read each rank's status file, catch hangs and deaths.
 
 A thread polls ``status-rank{R}.json`` (written by every rank's trace writer thread, see
-``probes/liveness.py``). A hang is
-  * a rank inside a sync point (collective, barrier, DDP forward's buffer broadcast, backward's
-    gradient all-reduce) for longer than the threshold, or
-  * after the first step, no rank recording anything for longer than the threshold.
+``probes/liveness.py``) and hands each look to the pure ``analysis/proof.judge``, measuring the
+ranks' CPU time and stacks (``activity.py``) only while someone waits or nothing is recorded:
+  * proven (every live rank blocked, and they disagree, or a peer left): a hang at once;
+  * stalled (a rank outside sync points does not move) or blocked in one consistent collective:
+    a hang once the threshold passes;
+  * busy (the rank the others wait for progresses): a live note (``waits.py``), and a hang only
+    past ``--hang-timeout`` when the user set one.
 The default threshold adapts: ``HANG_MULTIPLE`` times the slowest step any rank has seen, never
 below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hang.py),
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
-It also notes ranks that vanish (killed by a signal) for the ``rank_failure`` finding.
+It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +30,7 @@ from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
 from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
-from ddpdoctor.supervisor.activity import ActivityTracker, pyspy_sample
+from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -77,31 +79,6 @@ def sync_wait_s(status: dict[str, Any], now: float) -> float:
     if not phase or phase.get("name") not in SYNC_PHASES:
         return 0.0
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead: its parent (torchrun) has not reaped it yet
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _zombie_signal(pid: int) -> int | None:
-    """The signal that killed ``pid`` if it is still a zombie (Linux /proc/PID/stat exit_code)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            fields = fh.read().rsplit(")", 1)[-1].split()
-        code = int(fields[-1])  # field 52: the status waitpid would report
-    except (OSError, ValueError, IndexError):
-        return None
-    return code & 0x7F or None
 
 
 class Watcher:
@@ -218,7 +195,7 @@ class Watcher:
                     self.exits[rank] = {
                         "pid": pid,
                         "seen_wall": now,
-                        "signal": _zombie_signal(pid),
+                        "signal": zombie_signal(pid),
                         "exited": bool(st.get("exited")),
                         "step": st.get("step"),
                         "last_heartbeat_wall": st.get("heartbeat_wall"),
@@ -301,7 +278,9 @@ class Watcher:
         hang_dir.mkdir(exist_ok=True)
         stacks = _stacks.dump_all(statuses, self.use_pyspy)
         world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
-        proof = verdict.proof if verdict is not None and verdict.state == "proven" else ""
+        proof = ""
+        if verdict is not None and verdict.state in ("proven", "busy"):
+            proof = verdict.proof if verdict.state == "proven" else f"busy: {verdict.proof}"
         diag = analyse(
             statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world, proof=proof
         )
