@@ -84,7 +84,9 @@ def test_subgroups_are_judged_apart_and_outsiders_never_block_them() -> None:
 
 def test_ddp_backward_waits_only_when_its_cpu_is_idle() -> None:
     statuses = {0: st(0, "backward", "allreduce"), 1: st(1, "collective", "barrier")}
-    assert judge(statuses, {0: busy()}, NOW).state == "busy", "computing gradients: progressing"
+    slow_step = judge(statuses, {0: busy()}, NOW)
+    assert slow_step.state == "busy", "computing gradients: progressing"
+    assert not slow_step.rank_only, "a slow training step is a straggler, not rank-only work"
     v = judge(statuses, {0: Activity(True, 2.0, 0.0)}, NOW)
     assert v.state == "proven" and "rank(s) 0 allreduce vs rank(s) 1 barrier" in v.proof
     fwd = {0: st(0, "forward", "train"), 1: st(1, "collective", "barrier")}
@@ -93,7 +95,7 @@ def test_ddp_backward_waits_only_when_its_cpu_is_idle() -> None:
 
 def test_waiting_on_a_busy_rank_is_not_a_hang_and_names_where_it_is() -> None:
     v = judge({0: st(0), 1: st(1, "collective", "barrier", since=40)}, {0: busy()}, NOW)
-    assert v.state == "busy" and v.culprits == [0] and v.waiting == [1] and v.wait_s == 40
+    assert v.state == "busy" and v.culprits == [0] and v.waiting == [1] and v.wait_s == 40 and v.rank_only
     assert v.proof == "rank(s) 1 wait in barrier #7 for busy rank 0 in evaluate() train.py:27"
 
 
@@ -138,6 +140,11 @@ def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None
 def test_wait_notes_live_file_episode_and_the_final_finding(tmp_path: Path) -> None:
     lines = []
     notes = WaitNotes(tmp_path)
+    slow_step = judge(
+        {0: st(0, "backward", "allreduce"), 1: st(1, "collective", "barrier")}, {0: busy()}, NOW
+    )
+    notes.update(slow_step, NOW, threshold=1.0, report=lines.append)
+    assert notes.current is None and not lines, "stragglers are the straggler finding's business"
     statuses = {0: st(0), 1: st(1, "collective", "barrier", seq=15, since=5)}
     v = judge(statuses, {0: busy()}, NOW)
     notes.update(v, NOW, threshold=4.0, report=lines.append)

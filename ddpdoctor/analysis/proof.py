@@ -78,6 +78,7 @@ class Verdict:
     idle_s: float = 0.0  # stalled: how long the culprit has not moved
     where: dict[int, str] = field(default_factory=dict)  # rank -> "barrier #15", "evaluate() ..."
     phases: dict[int, dict[str, Any]] = field(default_factory=dict)  # the waiting ranks' phases
+    rank_only: bool = False  # busy: a culprit works outside every sync point (not a slow step)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,7 +186,8 @@ def judge(
     if waits and moving:
         busy = ", ".join(f"rank {r} in {where[r]}" for r in moving)
         text = f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)} for busy {busy}"
-        return Verdict("busy", text, moving, sorted(waits), wait_s, 0.0, where, waits)
+        alone = any((live[r].get("phase") or {}).get("name") not in SYNC for r in moving)
+        return Verdict("busy", text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
     if not waits and stalled and len(stalled) == len(others):
         idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
         text = f"no rank makes progress: rank(s) {rank_list(stalled)} idle outside any sync point"

@@ -119,8 +119,9 @@ def rank_only_work(run: Run) -> Iterable[Finding]:
             continue
         busy = tuple(ep["busy"])
         where = str((ep.get("where") or {}).get(str(busy[0])) or "user code")
-        groups.setdefault((busy, where), []).append(ep)
-    for (busy, where), eps in sorted(groups.items()):
+        groups.setdefault((busy, where.rsplit(":", 1)[0]), []).append(ep)  # any line of one function
+    for (busy, _), eps in sorted(groups.items()):
+        where = str((eps[0].get("where") or {}).get(str(busy[0])) or "user code")
         waiting = sorted({r for ep in eps for r in ep["waiting"]})
         idle: dict[str, float] = {}
         points: list[str] = []

@@ -1,6 +1,7 @@
 """Live notes of ranks waiting on a busy rank: slow is not hung, but the wait has a cost.
 
-While the proof says "busy" (the ranks in a sync point wait for a rank that progresses),
+While the proof says "busy" (the ranks in a sync point wait for a rank that progresses
+outside every sync point: rank-only work, not a slow training step, which is a straggler),
 ``RUN_DIR/waiting.json`` says who waits on whom, where the busy rank is (its user frame) and
 for how long, rewritten about once a second; it disappears when the wait ends. Each ended
 wait is kept as an episode in ``watch.json`` (``waits``), which the final diagnosis turns into
@@ -34,7 +35,7 @@ class WaitNotes:
 
     def update(self, verdict: Verdict, now: float, threshold: float, report: Callable[[str], None]) -> None:
         """Follow one look's verdict: open, refresh or close the current episode."""
-        if verdict.state == "busy":
+        if verdict.state == "busy" and (verdict.rank_only or self.current is not None):
             cur = self.current
             if cur is None:
                 cur = self.current = {

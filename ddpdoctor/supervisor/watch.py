@@ -13,6 +13,7 @@ below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (a
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
 It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
 """
+
 from __future__ import annotations
 
 import contextlib
