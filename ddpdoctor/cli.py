@@ -63,7 +63,8 @@ def _nvml_options(func: Callable[..., Any]) -> Callable[..., Any]:
     default="auto",
     show_default=True,
     metavar="SECONDS|auto",
-    help="Report a hang when a rank waits in a sync point this long, or no rank progresses. "
+    help="Hangs the ranks' statuses prove are reported at once; a rank that stalls (no CPU, same "
+    "stack) after this long; a wait on a busy rank only past an explicit value. "
     "auto: 5x the slowest step seen, at least 30 s (DDPDOCTOR_HANG_FLOOR_S).",
 )
 @click.option(
