@@ -58,6 +58,7 @@ class _Liveness:
         self.error: dict[str, Any] | None = None
         self.broken = False
         self.exited = False  # set by the exit hook: the rank left on its own (no signal)
+        self.last_seq = -1  # after destroy_process_group the group answers no more: keep the last
         self._group_ranks: dict[int, list[int] | None] = {}
 
     def status(self) -> dict[str, Any]:
@@ -84,7 +85,7 @@ class _Liveness:
             "heartbeat_wall": time.time(),
             "step": c.step,
             "events": c.events,
-            "seq": c.progress_seq(),
+            "seq": self.seq(),
             "phase": phase,
             "max_step_s": round(c.max_step_ns / 1e9, 3),
             "faulthandler": self.stacks_file,
@@ -93,6 +94,12 @@ class _Liveness:
             "cpu_s": round(cpu_s, 3),
             "exited": self.exited,
         }
+
+    def seq(self) -> int:
+        seq = self.c.progress_seq()
+        if seq >= 0:
+            self.last_seq = seq
+        return self.last_seq
 
     def group_ranks(self, pg: Any, name: str) -> list[int] | None:
         """Global ranks of a subgroup (None for WORLD: every rank), looked up once per group."""
