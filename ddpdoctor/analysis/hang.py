@@ -208,7 +208,7 @@ def analyse(
     groups = sorted(((sorted(r), w) for w, r in grouped.items()), key=lambda g: g[0][0])
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)
-    pattern, culprits, explanation, fix = _judge(states, world_size)
+    pattern, culprits, explanation, fix = _judge(states, world_size, busy=proof.startswith("busy: "))
     return HangDiagnosis(pattern, culprits, explanation, fix, states, groups, quiet_s, threshold_s, proof)
 
 
@@ -217,7 +217,9 @@ def _loc(state: RankState) -> str:
     return f" at {os.path.basename(str(u.get('file')))}:{u.get('line')} ({u.get('function')})" if u else ""
 
 
-def _judge(states: dict[int, RankState], world_size: int | None) -> tuple[str, list[int], str, str]:
+def _judge(
+    states: dict[int, RankState], world_size: int | None, busy: bool = False
+) -> tuple[str, list[int], str, str]:
     missing = sorted(set(range(world_size or 0)) - set(states))
     if missing:
         return (
@@ -236,6 +238,8 @@ def _judge(states: dict[int, RankState], world_size: int | None) -> tuple[str, l
         seqs = sorted({s.seq for s in waiting.values()})
         target = f" collective #{seqs[0]}" if len(seqs) == 1 and seqs[0] >= 0 else " the next collective"
         what = "waits for a batch from its DataLoader" if in_data else "is stuck in user code"
+        if busy:  # its CPU time or stack moved: working, for longer than the user allowed
+            what = "is busy in user code"
         lead = (
             f"Rank(s) {rank_list(culprits)} never reached{target}: rank {first.rank} {what}{_loc(first)}"
             + (f", while rank(s) {rank_list(waiting)} wait for it." if waiting else ".")
@@ -247,6 +251,11 @@ def _judge(states: dict[int, RankState], world_size: int | None) -> tuple[str, l
             else "Look at the stack of that rank: an infinite loop, a lock, a blocking read or a "
             "rank-dependent branch keeps it from the collective the others are in."
         )
+        if busy:
+            fix = (
+                "If that work is expected (evaluation, a checkpoint), spread it over every rank or "
+                "raise --hang-timeout; if not, its stack shows the loop that never ends."
+            )
         return ("data_loader" if in_data else "user_code"), culprits, lead, fix
     by_seq: dict[int, list[int]] = {}
     for r, s in waiting.items():
