@@ -18,16 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.proof import Verdict
-from ddpdoctor.rundir import write_atomic
+from ddpdoctor.rundir import RunDir, write_atomic
 
-WAITING_FILE = "waiting.json"
 WAITING_SCHEMA = "ddpdoctor.waiting/1"
 _WRITE_EVERY_S = 1.0
 
 
 class WaitNotes:
     def __init__(self, run_dir: Path, on_change: Callable[[], None] | None = None) -> None:
-        self.path = Path(run_dir) / WAITING_FILE
+        self.path = RunDir(run_dir) / RunDir.WAITING
         self.on_change = on_change or (lambda: None)
         self.episodes: list[dict[str, Any]] = []
         self.current: dict[str, Any] | None = None

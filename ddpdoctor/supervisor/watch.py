@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -29,42 +28,30 @@ from typing import Any
 
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
 from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
-from ddpdoctor.rundir import write_atomic
+from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
-WATCH_FILE = "watch.json"
 DEFAULT_FLOOR_S = 30.0
 FRESH_S = 1.0
 LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
-_STATUS = re.compile(r"status-rank(\d+)\.json$")
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
     """The latest status of every rank (a file being replaced is simply read next time)."""
     out: dict[int, dict[str, Any]] = {}
-    try:
-        entries = list(os.scandir(run_dir))
-    except OSError:
-        return out
-    for entry in entries:
-        name = entry.name
-        if not (name.startswith("status-rank") and name.endswith(".json")):
-            continue
-        m = _STATUS.search(name)
-        if not m:
-            continue
+    for rank, path in RunDir(run_dir).statuses():
         try:
-            with open(entry.path, "rb") as fh:
+            with open(path, "rb") as fh:
                 status = json.loads(fh.read())
         except (OSError, ValueError):
             continue
         if isinstance(status, dict):
-            out[int(m.group(1))] = status
+            out[rank] = status
     return out
 
 
@@ -275,7 +262,7 @@ class Watcher:
         verdict: Verdict | None = None,
     ) -> dict[str, Any]:
         n = len(self.hangs) + 1
-        hang_dir = self.run_dir / f"hang-{n}"
+        hang_dir = RunDir(self.run_dir).hang(n)
         hang_dir.mkdir(exist_ok=True)
         stacks = _stacks.dump_all(statuses, self.use_pyspy)
         world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
@@ -305,7 +292,7 @@ class Watcher:
         for rank, dump in stacks.items():
             raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
             with contextlib.suppress(OSError):
-                (hang_dir / f"stack-rank{rank}.txt").write_text(_render_stack(rank, dump, raw))
+                RunDir(self.run_dir).hang_stack(n, rank).write_text(_render_stack(rank, dump, raw))
         self._save_hang(summary)
         self.hangs.append(summary)
         self.report(text)
@@ -317,12 +304,12 @@ class Watcher:
         return summary
 
     def _save_hang(self, summary: dict[str, Any]) -> None:
-        path = Path(summary["hang_dir"]) / "summary.json"
+        path = Path(summary["hang_dir"]) / RunDir.HANG_SUMMARY
         _write_json(path, summary)
 
     def _write_watch(self) -> None:
         _write_json(
-            self.run_dir / WATCH_FILE,
+            self.run_dir / RunDir.WATCH,
             {
                 "schema": WATCH_SCHEMA,
                 "hang_timeout": self.hang_timeout,
