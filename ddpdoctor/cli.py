@@ -8,6 +8,7 @@ its input cannot be read (or the command line is wrong).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -33,6 +34,8 @@ def main() -> None:
     ddpdoctor diagnose ddpdoctor-runs/<timestamp>
     ddpdoctor report RUN_DIR [RUN_DIR ...] -o report.html
     ddpdoctor export RUN_DIR [RUN_DIR ...] -o trace.json
+    ddpdoctor top RUN_DIR [RUN_DIR ...]                    # a running job, rank by rank
+    ddpdoctor attach PID                                   # a job started without ddpdoctor
     """
 
 
@@ -403,6 +406,32 @@ def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
 
     result = compare_runs(_load((run_dir_a,)), _load((run_dir_b,)))
     click.echo(json.dumps(result, indent=2) if as_json else compare_report.render(result))
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.top/1) per refresh.")
+@click.option("--interval", default=1.0, show_default=True, metavar="SECONDS", help="Refresh period.")
+def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> None:
+    """Watch a job under `ddpdoctor run` live, one row per rank (RUN_DIRS: one per node).
+
+    \b
+    Example:  ddpdoctor top ddpdoctor-runs/<timestamp>            # refreshes every second
+              ddpdoctor top --once node0/run node1/run          # one frame, e.g. in a log
+    Per rank: step, steps/s, the sync point it is in and for how long, its last collective
+    (op and sequence number), how late it reaches the gradient sync (mean over the last
+    steps), GPU use when NVML has it. Then the job (throughput, slowest rank, time since any
+    rank progressed) and what is already clear (a straggler, a hang, a rank that raised).
+    Reads only the ranks' small status files; exits when the run has finished, or on Ctrl-C.
+    """
+    from ddpdoctor.live import top as live_top
+
+    if not interval > 0:
+        raise click.BadParameter("must be positive", param_hint="--interval")
+    dirs = [Path(d) for d in run_dirs]
+    with contextlib.suppress(KeyboardInterrupt):
+        live_top.run(dirs, once=once, as_json=as_json, interval=interval, echo=click.echo)
 
 
 if __name__ == "__main__":
