@@ -434,5 +434,52 @@ def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -
         live_top.run(dirs, once=once, as_json=as_json, interval=interval, echo=click.echo)
 
 
+@main.command()
+@click.argument("pid", type=int)
+@click.option(
+    "--watch",
+    "watch_s",
+    default=3.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Look at the stacks several times over this long to tell stuck (no stack changes) "
+    "from slow; 0 looks once.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory for the stacks and report (default: ./ddpdoctor-runs/<timestamp>).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.attach/1).")
+def attach(pid: int, watch_s: float, out: str | None, as_json: bool) -> None:
+    """Diagnose a running job that was started without ddpdoctor, from its ranks' stacks.
+
+    \b
+    Example:  ddpdoctor attach 12345        # torchrun's pid, an mp.spawn parent's, or a rank's
+    Finds every rank on this node (RANK/LOCAL_RANK/WORLD_SIZE in /proc/<pid>/environ), dumps
+    each one's threads with py-spy, groups ranks that stand at the same place and says who
+    waits for whom, where in your code, the likely cause and the fix - the verdict
+    `ddpdoctor run` gives. Writes a run directory that `diagnose` and `report` read.
+    Needs ptrace rights (same user; CAP_SYS_PTRACE or sudo under kernel.yama.ptrace_scope>=1).
+    Exits 0 when the job progresses, 1 when it is stuck, 2 when it cannot look.
+    """
+    from ddpdoctor.live.attach import AttachError
+    from ddpdoctor.live.attach_run import attach as attach_job
+
+    if watch_s < 0:
+        raise click.BadParameter("must be 0 or more", param_hint="--watch")
+    try:
+        result = attach_job(pid, watch_s, out)
+    except AttachError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the run directory: {exc}") from exc
+    click.echo(json.dumps(result.report, indent=2, default=str) if as_json else result.text)
+    sys.exit(EXIT_FINDINGS if result.state == "stuck" else 0)
+
+
 if __name__ == "__main__":
     main()
