@@ -145,10 +145,15 @@ class RankLooks:
         return (known[-1][1] - known[0][1]) / (known[-1][0] - known[0][0])
 
 
-def look(ranks: list[RankProc], watch_s: float, looks: int = 3) -> dict[int, RankLooks]:
-    """Dump every rank ``looks`` times over ``watch_s`` seconds (once when ``watch_s`` is 0)."""
+LOOK_EVERY_S = 0.5
+
+
+def look(ranks: list[RankProc], watch_s: float, every_s: float = LOOK_EVERY_S) -> dict[int, RankLooks]:
+    """Dump every rank every ``every_s`` over ``watch_s`` seconds (once when ``watch_s`` is 0):
+    a rank that spends most of its step at one line (a sleep, a long kernel launch, a wait for
+    a straggler) still shows another line in one of several looks."""
     out = {r.rank: RankLooks(r) for r in ranks}
-    n = 1 if watch_s <= 0 else max(2, looks)
+    n = 1 if watch_s <= 0 else max(2, int(watch_s / every_s) + 1)
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
         for i in range(n):
