@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.hang import analyse
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
@@ -29,7 +31,6 @@ from ddpdoctor.supervisor.watch import (
     HANG_MULTIPLE,
     adaptive_threshold,
     pid_alive,
-    read_statuses,
     sync_wait_s,
 )
 from ddpdoctor.trace.reader import read_meta
@@ -144,6 +145,32 @@ class Top:
         return out
 
 
+def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's latest status in ``run_dir`` (a file being replaced is read next time); the
+    leanest loop over a thousand files: listdir, one read, one parse each."""
+    out: dict[int, dict[str, Any]] = {}
+    base = str(run_dir)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    loads = json.loads
+    for name in names:
+        if not (name.startswith("status-rank") and name.endswith(".json")):
+            continue
+        rank = name[len("status-rank") : -len(".json")]
+        if not rank.isdigit():
+            continue
+        try:
+            with open(os.path.join(base, name), "rb") as fh:
+                status = loads(fh.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(status, dict):
+            out[int(rank)] = status
+    return out
+
+
 def _in_phase_s(st: dict[str, Any], now: float) -> float:
     phase = st.get("phase") or {}
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(st.get("heartbeat_wall") or now))
@@ -151,26 +178,48 @@ def _in_phase_s(st: dict[str, Any], now: float) -> float:
 
 def _lateness(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per rank over the recent steps every rank published: mean µs it got the last bucket ready
-    after the earliest rank, and the share of those steps on which it was the latest."""
-    waits: dict[int, dict[int, float]] = {}
+    after the earliest rank, and the share of those steps on which it was the latest.
+    Plain lists first, one array at the end: a thousand ranks cost a few milliseconds."""
+    ranks, series = [], []
     for rank, st in statuses.items():
-        pairs = st.get("sync_wait_us") or []
-        waits[rank] = {int(p[0]): float(p[1]) for p in pairs if isinstance(p, list) and len(p) == 2}
-    if len(waits) < 2:
+        pairs = st.get("sync_wait_us")
+        if not isinstance(pairs, list) or not pairs:
+            return {}  # a rank without bucket timings: lateness is unknown for all
+        ranks.append(rank)
+        series.append(pairs)
+    if len(ranks) < 2:
         return {}
-    common = set.intersection(*(set(w) for w in waits.values()))
-    if not common:
+    try:
+        lo = max(int(p[0][0]) for p in series)  # each rank publishes its steps in order
+        hi = min(int(p[-1][0]) for p in series)
+        if hi < lo or hi - lo > 10_000:
+            return {}
+        nan = float("nan")
+        rows = []
+        for pairs in series:
+            first = int(pairs[0][0])
+            if int(pairs[-1][0]) - first == len(pairs) - 1:  # consecutive steps: one slice
+                rows.append([p[1] for p in pairs[lo - first : hi - first + 1]])
+                continue
+            row = [nan] * (hi - lo + 1)
+            for step, wait in pairs:
+                if lo <= step <= hi:
+                    row[step - lo] = wait
+            rows.append(row)
+        waits = np.array(rows, dtype=np.float64)
+    except (TypeError, ValueError, IndexError):
         return {}
-    total = {r: 0.0 for r in waits}
-    latest = {r: 0 for r in waits}
-    for step in common:
-        longest = max(w[step] for w in waits.values())
-        shortest = min(waits, key=lambda r: waits[r][step])
-        latest[shortest] += 1
-        for r, w in waits.items():
-            total[r] += longest - w[step]
-    n = len(common)
-    return {r: {"mean_us": total[r] / n, "latest_share": round(latest[r] / n, 3), "steps": n} for r in waits}
+    waits = waits[:, ~np.isnan(waits).any(axis=0)]  # the steps every rank has
+    n = waits.shape[1]
+    if not n:
+        return {}
+    late = waits.max(axis=0) - waits  # the longest wait is the earliest arrival
+    latest = np.bincount(waits.argmin(axis=0), minlength=len(ranks))
+    mean = late.mean(axis=1)
+    return {
+        rank: {"mean_us": float(mean[i]), "latest_share": round(float(latest[i]) / n, 3), "steps": n}
+        for i, rank in enumerate(ranks)
+    }
 
 
 def _job(

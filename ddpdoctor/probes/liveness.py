@@ -67,6 +67,7 @@ class _Liveness:
         self.seen_events = -1
         self.progress_wall = time.time()  # when the event count last moved
         self.exited = False
+        self._lock = threading.Lock()  # the writer thread and the exit hook both publish
 
     def status(self) -> dict[str, Any]:
         c = self.c
@@ -107,9 +108,10 @@ class _Liveness:
         if self.broken or self.pid != os.getpid():
             return
         try:
-            with open(self.tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(self.status(), separators=(",", ":")))
-            os.replace(self.tmp, self.path)
+            with self._lock:
+                with open(self.tmp, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(self.status(), separators=(",", ":")))
+                os.replace(self.tmp, self.path)
         except Exception as exc:
             self.broken = True
             self.c.fail("status", exc)

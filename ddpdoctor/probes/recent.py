@@ -80,7 +80,7 @@ class RecentSteps:
         return {
             "steps_per_s": rate,
             "last_step_wall": round(wall - (now_ns - starts[-1][1]) / 1e9, 3) if starts else None,
-            "sync_wait_us": [[s, w] for s, w in self.sync],
+            "sync_wait_us": [[s, w] for s, w in list(self.sync)],  # list(): one step, under the GIL
             "last_collective": {"op": last[0], "seq": last[1], "ago_s": round((now_ns - last[2]) / 1e9, 3)}
             if last
             else None,
