@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -207,3 +209,69 @@ def test_top_once_on_a_live_job_and_on_its_finished_run(tmp_path: Path) -> None:
     ]
     text = ddpdoctor("top", "--once", str(run_dir)).stdout
     assert "finished, exit 0" in text and "2/2 ranks, 12 steps" in text
+
+
+SPAWNED_EVAL0 = """
+import sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def worker(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
+    model(torch.randn(4, 8)).sum().backward()
+    if rank == 0:
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 8))  # a buffer broadcast rank 1 never joins
+    dist.barrier()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_attach_to_an_mp_spawn_parent(tmp_path: Path, write_script) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = write_script("spawned.py", SPAWNED_EVAL0)
+    with background([sys.executable, str(script), str(port)], tmp_path) as job:
+        pids = wait_for(lambda: len(rank_pids(job.pid)) == 2 and rank_pids(job.pid), "two spawned ranks")
+        wait_for(lambda: in_function(pids[0], "_sync_buffers"), "rank 0 in the buffer broadcast")
+        result = ddpdoctor("attach", str(job.pid), "--watch", "1", "--out", str(tmp_path / "a"))
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "(ranked in mp.spawn's start order)" in result.stdout
+        assert "rank 0 runs a DDP forward the others never run at spawned.py:13 (worker)" in result.stdout
+        assert "rank 1  in dist.barrier() (collective)  <- worker() spawned.py:14" in result.stdout
+
+
+def test_attach_without_ptrace_rights_says_what_is_missing(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root to run attach as another user (setpriv)")
+    with background(torchrun(2, STEADY, "--steps", "100000", "--step-s", "0.05"), tmp_path) as job:
+        wait_for(lambda: job.printed("training"), "the first step")
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        result = subprocess.run(
+            [
+                *nobody,
+                sys.executable,
+                "-m",
+                "ddpdoctor",
+                "attach",
+                str(job.pid),
+                "--out",
+                str(tmp_path / "a"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=job_env(),
+            cwd="/",
+        )
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.strip().splitlines() == [
+            "ddpdoctor: cannot read the job's processes: the job runs as uid 0 and you are uid 65534 "
+            "without CAP_SYS_PTRACE: run it with sudo (sudo -E env PATH=$PATH ddpdoctor attach ...), "
+            "or give py-spy CAP_SYS_PTRACE"
+        ]

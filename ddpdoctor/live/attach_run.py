@@ -29,7 +29,7 @@ from ddpdoctor.live.attach import (
     pyspy,
     refused,
 )
-from ddpdoctor.live.procs import find_ranks, ptrace_problem, read_proc
+from ddpdoctor.live.procs import all_procs, find_ranks, ptrace_problem, read_proc
 from ddpdoctor.rundir import new_run_dir, write_atomic
 from ddpdoctor.trace import schema
 
@@ -46,10 +46,16 @@ class Attached:
 
 def attach(pid: int, watch_s: float, out: str | None) -> Attached:
     """Find the ranks of ``pid``'s job, look at them, judge, write the run directory."""
+    procs = all_procs()
     try:
-        launcher, ranks = find_ranks(pid)
+        launcher, ranks = find_ranks(pid, procs)
     except LookupError as exc:
         raise AttachError(str(exc)) from None
+    unreadable = [procs[pid]] + [p for p in procs.values() if p.ppid == launcher]
+    for proc in unreadable:
+        if proc.env_error and not any(r.pid == proc.pid for r in ranks):
+            problem = ptrace_problem(proc.uid) or f"/proc/{proc.pid}/environ: {proc.env_error}"
+            raise AttachError(f"cannot read the job's processes: {problem}")
     if not ranks:
         raise AttachError(
             f"no ranks under pid {pid}: give the pid of torchrun (python -m torch.distributed.run), "
