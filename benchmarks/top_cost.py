@@ -7,6 +7,10 @@ refresh a second, CPU seconds per frame is the share of one core. The status fil
 rewritten between frames (as the ranks do), so the page cache is warm but the JSON is new.
 
     PYTHONPATH=. python benchmarks/top_cost.py --ranks 1024 --frames 20
+    PYTHONPATH=. python benchmarks/top_cost.py --ranks 1024 --loop 30   # a real `top` process
+
+``--loop S`` runs `ddpdoctor top` itself for S seconds over files rewritten every second and
+reads its CPU time from /proc: the refresh loop's own budget included.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,11 +67,54 @@ def write_all(run_dir: Path, ranks: int, step: int) -> None:
             fh.write(json.dumps(["gpu", step, 0, -1, {"gpu": g, "util": 80 + g, "mem_used": 1 << 30}]) + "\n")
 
 
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop(ranks: int, seconds: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "run.json").write_text(json.dumps({"status": "running"}))
+        write_all(run_dir, ranks, 100)
+        stop = threading.Event()
+
+        def rewrite() -> None:
+            step = 101
+            while not stop.wait(1.0):
+                write_all(run_dir, ranks, step)
+                step += 1
+
+        writer = threading.Thread(target=rewrite, daemon=True)
+        writer.start()
+        command = [sys.executable, "-m", "ddpdoctor", "top", str(run_dir)]
+        top = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        try:
+            time.sleep(5)  # past the interpreter's start-up
+            c0, t0 = _cpu_s(top.pid), time.monotonic()
+            time.sleep(seconds)
+            c1, t1 = _cpu_s(top.pid), time.monotonic()
+        finally:
+            top.kill()
+            stop.set()
+            writer.join()
+        share = 100 * (c1 - c0) / (t1 - t0)
+        print(
+            f"`ddpdoctor top` over {ranks} ranks: {share:.1f} % of one core over {t1 - t0:.0f} s "
+            f"(load average {os.getloadavg()[0]:.1f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--frames", type=int, default=20)
+    parser.add_argument("--loop", type=float, default=0.0, metavar="SECONDS")
     args = parser.parse_args()
+    if args.loop:
+        loop(args.ranks, args.loop)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         (run_dir / "run.json").write_text(json.dumps({"status": "running"}))
