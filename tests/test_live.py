@@ -226,3 +226,37 @@ def test_what_is_missing_to_ptrace_in_one_line() -> None:
         0, scope=None, caps=0, uid=1000
     )
     assert "until reboot" in ptrace_problem(1000, scope=3, caps=cap, uid=0)
+
+
+def test_a_failing_status_tap_logs_once_and_switches_every_tap_off() -> None:
+    from types import SimpleNamespace
+
+    from ddpdoctor.probes.liveness import guarded_taps
+
+    failures: list[str] = []
+    c = SimpleNamespace(writer=SimpleNamespace(taps={}), fail=lambda probe, exc: failures.append(probe))
+    recent = RecentSteps()
+    c.writer.taps.update(guarded_taps(c, recent.taps()))
+    c.writer.taps[schema.FORWARD]((schema.FORWARD, 0, 1, 0, 1, 1, 0))
+    assert len(recent.starts) == 1 and not failures
+    c.writer.taps[schema.ALLREDUCE]((schema.ALLREDUCE, 0, 1))  # too short: the tap raises
+    assert failures == ["recent"] and c.writer.taps == {}
+
+
+def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp_path: Path) -> None:
+    from ddpdoctor.trace.writer import TraceWriter
+
+    def write(path: Path, tapped: list | None) -> str:
+        writer = TraceWriter(str(path), {"mono_ns": 0, "rank": 0}, flush_interval=60)
+        if tapped is not None:
+            writer.taps[schema.COLLECTIVE] = tapped.append
+            writer.taps[schema.FORWARD] = lambda event: 1 / 0  # a broken tap costs nothing else
+        for i in range(5):
+            writer.put((schema.FORWARD, i * 1000, i * 1000 + 500, i, 1, 1, 0))
+            writer.put((schema.COLLECTIVE, i * 1000, i * 1000 + 9, i, "barrier", 0, "WORLD", 2, i, 0))
+        writer.close()
+        return path.read_text()
+
+    tapped: list = []
+    assert write(tmp_path / "a.jsonl", tapped) == write(tmp_path / "b.jsonl", None)
+    assert [e[8] for e in tapped] == [0, 1, 2, 3, 4]

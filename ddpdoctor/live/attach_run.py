@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.hang import analyse, user_frame
+from ddpdoctor.analysis.hang import analyse, main_thread, user_frame
 from ddpdoctor.live.attach import (
     ATTACH_SCHEMA,
     BUSY_CPU_SHARE,
@@ -86,8 +86,6 @@ def _status(r: RankLooks, unchanged_s: float, now: float) -> dict[str, Any]:
 
 
 def _main(dump: dict[str, Any]) -> list[dict[str, Any]]:
-    from ddpdoctor.analysis.hang import main_thread
-
     return main_thread(dump.get("threads") or [])
 
 

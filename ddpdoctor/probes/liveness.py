@@ -117,6 +117,23 @@ class _Liveness:
             self.c.fail("status", exc)
 
 
+def guarded_taps(c: Any, taps: dict[str, Any]) -> dict[str, Any]:
+    """Taps that, on their first failure, log it once (probe "recent") and all switch off."""
+
+    def guard(fn: Any) -> Any:
+        def tap(event: tuple) -> None:
+            try:
+                fn(event)
+            except Exception as exc:
+                for kind in taps:
+                    c.writer.taps.pop(kind, None)
+                c.fail("recent", exc)
+
+        return tap
+
+    return {kind: guard(fn) for kind, fn in taps.items()}
+
+
 def _last_publish(live: _Liveness) -> None:
     """The rank is exiting normally: publish its final step count and say it ended."""
     if _c.ACTIVE is not live.c:
@@ -180,7 +197,7 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
 
 def install(c: _c.Collector) -> None:
     live = _Liveness(c)
-    c.writer.taps.update(live.recent.taps())
+    c.writer.taps.update(guarded_taps(c, live.recent.taps()))
     c.writer.on_tick = live.publish
     live.publish()
     atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)
