@@ -255,7 +255,7 @@ def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp
             writer.put((schema.FORWARD, i * 1000, i * 1000 + 500, i, 1, 1, 0))
             writer.put((schema.COLLECTIVE, i * 1000, i * 1000 + 9, i, "barrier", 0, "WORLD", 2, i, 0))
         writer.close()
-        return path.read_text()
+        return path.read_text().rsplit("\n", 2)[0]  # without the end record (stamped now)
 
     tapped: list = []
     assert write(tmp_path / "a.jsonl", tapped) == write(tmp_path / "b.jsonl", None)
