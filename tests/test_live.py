@@ -258,5 +258,7 @@ def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp
         return path.read_text().rsplit("\n", 2)[0]  # without the end record (stamped now)
 
     tapped: list = []
-    assert write(tmp_path / "a.jsonl", tapped) == write(tmp_path / "b.jsonl", None)
+    text = write(tmp_path / "a.jsonl", tapped)
+    assert text == write(tmp_path / "b.jsonl", None)
+    assert text.count('"barrier"') == 5 and text.count('["forward"') == 5
     assert [e[8] for e in tapped] == [0, 1, 2, 3, 4]
