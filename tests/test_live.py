@@ -262,3 +262,20 @@ def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp
     assert text == write(tmp_path / "b.jsonl", None)
     assert text.count('"barrier"') == 5 and text.count('["forward"') == 5
     assert [e[8] for e in tapped] == [0, 1, 2, 3, 4]
+
+
+def test_top_shows_the_gpu_each_rank_runs_on(tmp_path: Path) -> None:
+    lines = [
+        ["header", {"schema": schema.GPU_SCHEMA}],
+        ["gpu_procs", 0, 0, -1, {"gpu": 1, "procs": [[4242, 1024]]}],
+        ["gpu", 0, 0, -1, {"gpu": 0, "util": 15}],
+        ["gpu", 0, 0, -1, {"gpu": 1, "util": 93}],
+    ]
+    (tmp_path / "gpu-node7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    on_gpu1 = _status(0, 3, [], host="node7", pid=4242, local_rank=0)  # NVML's process list wins
+    by_local_rank = _status(1, 3, [], host="node7", pid=4243, local_rank=0)
+    elsewhere = _status(2, 3, [], host="node8", pid=4242, local_rank=0)
+    _write(tmp_path, [on_gpu1, by_local_rank, elsewhere])
+    frame = live_top.Top([tmp_path]).snapshot()
+    assert [(r["gpu"] or {}).get("util") for r in frame["ranks"]] == [93.0, 15.0, None]
+    assert "g1 93%" in live_top.render(frame)
