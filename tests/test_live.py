@@ -115,6 +115,11 @@ def test_top_on_several_run_dirs_and_a_finished_one(tmp_path: Path) -> None:
     ]
     assert frame["job"]["finished"] and not [f for f in frame["findings"] if f["kind"] == "hang"]
     assert "4/4 ranks, 100 steps" in live_top.render(frame)
+    for d in (a, b):  # instrumented without `ddpdoctor run`: no run.json, the ranks' exits tell
+        (d / "run.json").unlink()
+    assert live_top.Top([a, b]).snapshot()["job"]["finished"]
+    _write(b, [_status(3, 99, [], exited=False)])
+    assert not live_top.Top([a, b]).snapshot()["job"]["finished"]
 
 
 def test_gpu_tail_reads_only_new_lines_and_keeps_the_process_map(tmp_path: Path) -> None:

@@ -71,6 +71,8 @@ class Top:
             )
         self.gpus.poll(self.run_dirs)
         finished = bool(runs) and all(r["status"] == "finished" for r in runs)
+        # Without run.json (ddpdoctor.instrument()): done when every rank has exited cleanly.
+        finished = finished or (bool(statuses) and all(s.get("exited") for s in statuses.values()))
         lateness = _lateness(statuses)
         ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
         job = _job(statuses, ranks, lateness, now, finished)
