@@ -284,3 +284,17 @@ def test_top_shows_the_gpu_each_rank_runs_on(tmp_path: Path) -> None:
     frame = live_top.Top([tmp_path]).snapshot()
     assert [(r["gpu"] or {}).get("util") for r in frame["ranks"]] == [93.0, 15.0, None]
     assert "g1 93%" in live_top.render(frame)
+
+
+def test_top_uses_the_runs_hang_timeout_and_defers_to_the_watchers_report(tmp_path: Path) -> None:
+    now = time.time()
+    barrier = {"name": "collective", "op": "barrier", "seq": 7, "since_s": 12.0}
+    _write(tmp_path, [_status(r, 5, [], world_size=2, phase=barrier, progress_wall=now - 12) for r in (0, 1)])
+    assert not [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
+    (tmp_path / "watch.json").write_text(json.dumps({"hang_timeout": 10}))
+    [hang] = [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
+    assert hang["pattern"] == "backend_stuck" and "(threshold 10 s)" in hang["text"]
+    (tmp_path / "hang-1").mkdir()
+    (tmp_path / "hang-1" / "summary.json").write_text(json.dumps({"text": "ddpdoctor: HANG - the watcher's"}))
+    kinds = [(f["kind"], f["text"]) for f in live_top.Top([tmp_path]).snapshot(now)["findings"]]
+    assert kinds == [("hang_reported", "ddpdoctor: HANG - the watcher's")]

@@ -73,10 +73,12 @@ def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``, every process below it and their process groups (ddpdoctor run starts
     the job in a group of its own)."""
     procs = all_procs()
-    below = [pid]
-    for p in sorted(procs.values(), key=lambda p: p.pid):
-        if p.ppid in below:
-            below.append(p.pid)
+    below, todo = [pid], [pid]
+    while todo:  # torchrun puts each worker in a session of its own: follow parents, not groups
+        parent = todo.pop()
+        children = [p.pid for p in procs.values() if p.ppid == parent]
+        below += children
+        todo += children
     groups = set()
     for p in below:
         with contextlib.suppress(OSError):

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.hang import analyse
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
+from ddpdoctor.live.render import render
 from ddpdoctor.supervisor.watch import (
     DEFAULT_FLOOR_S,
     HANG_MULTIPLE,
@@ -76,7 +76,9 @@ class Top:
         lateness = _lateness(statuses)
         ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
         job = _job(statuses, ranks, lateness, now, finished)
-        findings = _findings(statuses, ranks, lateness, job, now, self.floor_s, finished)
+        reported = any(run["hangs"] for run in runs)
+        timeout = "reported" if reported else self._hang_timeout()
+        findings = _findings(statuses, ranks, lateness, job, now, self.floor_s, finished, timeout)
         for run in runs:
             for hang in run["hangs"]:
                 findings.append({"kind": "hang_reported", "ranks": [], "text": hang})
@@ -133,6 +135,17 @@ class Top:
         if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
             return "silent"
         return "running"
+
+    def _hang_timeout(self) -> float | None:
+        """`ddpdoctor run --hang-timeout`, when the watcher recorded it (watch.json)."""
+        for run_dir in self.run_dirs:
+            try:
+                value = json.loads((run_dir / "watch.json").read_text(encoding="utf-8")).get("hang_timeout")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value)
+        return None
 
     def _hangs(self, run_dir: Path) -> list[str]:
         """The watcher's hang reports (hang-N/summary.json), read once each."""
@@ -262,6 +275,7 @@ def _findings(
     now: float,
     floor_s: float,
     finished: bool,
+    hang_timeout: float | str | None = None,
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for row in ranks:
@@ -278,7 +292,9 @@ def _findings(
     live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
         return out  # a failing rank explains the others' wait (the watcher says the same)
-    threshold = adaptive_threshold(statuses, floor_s, HANG_MULTIPLE)
+    if hang_timeout == "reported":
+        return out  # the watcher's own report (with stacks) is shown instead
+    threshold = hang_timeout or adaptive_threshold(statuses, floor_s, HANG_MULTIPLE)
     longest = max((sync_wait_s(s, now) for s in live.values()), default=0.0)
     started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
     quiet = job["since_progress_s"] or 0.0
@@ -314,61 +330,6 @@ def _straggler(
         f"{late['steps']} steps, {late['mean_us'] / 1000:.1f} ms late on average: the other ranks wait for it"
     )
     return {"kind": "straggler", "ranks": [rank], "text": text}
-
-
-def render(frame: dict[str, Any]) -> str:
-    """One frame as plain text: no colours or cursor tricks, so it reads the same in a log."""
-    lines = [f"ddpdoctor top  {time.strftime('%H:%M:%S', time.localtime(frame['time']))}"]
-    for run in frame["runs"]:
-        end = f", exit {run['exit_code']}" if run.get("exit_code") is not None else ""
-        lines.append(f"  {run['dir']}: {run['status']}{end}")
-    job = frame["job"]
-    if not frame["ranks"]:
-        lines.append("  no rank has written a status file yet")
-        return "\n".join(lines)
-    rate = f"{job['steps_per_s']:.2f} steps/s" if job["steps_per_s"] is not None else "steps/s unknown"
-    quiet = (
-        ""
-        if job["finished"] or job["since_progress_s"] is None
-        else f", last progress {job['since_progress_s']:.1f} s ago"
-    )
-    seen = f"{job['ranks_seen']}/{job['world_size']}" if job["world_size"] else str(job["ranks_seen"])
-    slow = f", slowest rank {job['slowest_rank']}" if job["slowest_rank"] is not None else ""
-    lo, hi = job["steps_min"], job["steps_max"]
-    lines.append(f"job: {seen} ranks, {lo if lo == hi else f'{lo}-{hi}'} steps, {rate}{slow}{quiet}")
-    head = (
-        f"{'rank':>5} {'host':<12} {'pid':>7} {'state':<8} {'steps':>6} {'steps/s':>8}  {'in':<26} "
-        f"{'for':>7}  {'last collective':<18} {'late/step':>9} {'gpu':>9}"
-    )
-    lines.append(head)
-    for r in frame["ranks"]:
-        lines.append(_row_text(r))
-    if frame["findings"]:
-        lines.append("findings:")
-        for f in frame["findings"]:
-            who = f" [{_ranks(f['ranks'])}]" if f.get("ranks") else ""
-            text = f["text"].replace("\n", "\n    ")
-            lines.append(f"  {f['kind']}{who}: {text}")
-    return "\n".join(lines)
-
-
-def _row_text(r: dict[str, Any]) -> str:
-    where = f"{r['phase']} {r['op'] or ''}".strip() if r["phase"] else "-"
-    since = f"{r['phase_s']:.1f}s" if r["phase_s"] is not None else ""
-    last = f"{r['last_op']} #{r['last_seq']}" if r["last_op"] else "-"
-    rate = f"{r['steps_per_s']:.2f}" if r["steps_per_s"] is not None else "-"
-    late = f"{r['late_ms']:.1f}ms" if r["late_ms"] is not None else "-"
-    gpu = r["gpu"]
-    gtext = f"g{gpu['gpu']} {gpu['util']:.0f}%" if gpu else "-"
-    host = str(r["host"] or "?")[:12]
-    return (
-        f"{r['rank']:>5} {host:<12} {r['pid'] or 0:>7} {r['state']:<8} {r['steps']:>6} {rate:>8}  "
-        f"{where[:26]:<26} {since:>7}  {last[:18]:<18} {late:>9} {gtext:>9}"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return "rank " + rank_list(ranks)
 
 
 def run(
