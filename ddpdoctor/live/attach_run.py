@@ -30,7 +30,7 @@ from ddpdoctor.live.attach import (
     refused,
 )
 from ddpdoctor.live.procs import all_procs, find_ranks, ptrace_problem, read_proc
-from ddpdoctor.rundir import new_run_dir, write_atomic
+from ddpdoctor.rundir import RunDir, new_run_dir, write_atomic
 from ddpdoctor.trace import schema
 
 HANG_SCHEMA = "ddpdoctor.hang/1"  # the watcher's summary format (supervisor/watch.py)
@@ -249,7 +249,8 @@ def _write_run_dir(
         "attached": True,
         "started_ns": time.time_ns(),
     }
-    write_atomic(run_dir / "run.json", json.dumps(meta, indent=2))
+    layout = RunDir(run_dir)
+    write_atomic(layout / RunDir.RUN_META, json.dumps(meta, indent=2))
     for r, lk in looks.items():
         header = {
             "schema": schema.SCHEMA,
@@ -264,16 +265,16 @@ def _write_run_dir(
             "restart": 0,
             "attached": True,
         }
-        write_atomic(run_dir / schema.trace_filename(r), json.dumps([schema.HEADER, header]) + "\n")
-        write_atomic(run_dir / f"stack-rank{r}.txt", _stack_text(r, lk))
+        write_atomic(layout.trace(r), json.dumps([schema.HEADER, header]) + "\n")
+        write_atomic(layout.stacks(r), _stack_text(r, lk))
     write_atomic(run_dir / "attach.json", json.dumps(report, indent=1, default=str))
     write_atomic(run_dir / "attach.txt", report["text"] + "\n")
     if state != "stuck":
         return
-    hang_dir = run_dir / "hang-1"
+    hang_dir = layout.hang(1)
     hang_dir.mkdir(exist_ok=True)
     for r, lk in looks.items():
-        write_atomic(hang_dir / f"stack-rank{r}.txt", _stack_text(r, lk))
+        write_atomic(layout.hang_stack(1, r), _stack_text(r, lk))
     summary = {
         "schema": HANG_SCHEMA,
         "n": 1,
@@ -289,4 +290,4 @@ def _write_run_dir(
         "reported_wall": now,
         "recovered": False,
     }
-    write_atomic(hang_dir / "summary.json", json.dumps(summary, indent=1, default=str))
+    write_atomic(hang_dir / RunDir.HANG_SUMMARY, json.dumps(summary, indent=1, default=str))

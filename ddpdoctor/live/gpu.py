@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
 FIRST_LOOK_BYTES = 256 * 1024
@@ -80,7 +81,7 @@ class GpuTails:
 
     def poll(self, run_dirs: list[Path]) -> None:
         for run_dir in run_dirs:
-            for path in run_dir.glob(schema.GPU_GLOB):
+            for path in RunDir(run_dir).gpu_files():
                 self.tails.setdefault(path, GpuTail(path))
         for tail in self.tails.values():
             tail.poll()

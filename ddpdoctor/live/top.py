@@ -26,6 +26,7 @@ from ddpdoctor.analysis.hang import analyse
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.render import render
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.watch import (
     DEFAULT_FLOOR_S,
     HANG_MULTIPLE,
@@ -140,7 +141,7 @@ class Top:
         """`ddpdoctor run --hang-timeout`, when the watcher recorded it (watch.json)."""
         for run_dir in self.run_dirs:
             try:
-                value = json.loads((run_dir / "watch.json").read_text(encoding="utf-8")).get("hang_timeout")
+                value = json.loads((run_dir / RunDir.WATCH).read_text(encoding="utf-8")).get("hang_timeout")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(value, (int, float)) and value > 0:
@@ -150,7 +151,7 @@ class Top:
     def _hangs(self, run_dir: Path) -> list[str]:
         """The watcher's hang reports (hang-N/summary.json), read once each."""
         out = []
-        for path in sorted(run_dir.glob("hang-*/summary.json"), key=lambda p: len(str(p))):
+        for path in RunDir(run_dir).hang_summaries():
             if path not in self._hang_text:
                 try:
                     text = str(json.loads(path.read_text(encoding="utf-8")).get("text") or "")
@@ -162,28 +163,18 @@ class Top:
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's latest status in ``run_dir`` (a file being replaced is read next time); the
-    leanest loop over a thousand files: listdir, one read, one parse each."""
+    """Every rank's latest status in ``run_dir`` (a file being replaced is read next time): one
+    read and one parse per file, the floor of a refresh's cost."""
     out: dict[int, dict[str, Any]] = {}
-    base = str(run_dir)
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return out
     loads = json.loads
-    for name in names:
-        if not (name.startswith("status-rank") and name.endswith(".json")):
-            continue
-        rank = name[len("status-rank") : -len(".json")]
-        if not rank.isdigit():
-            continue
+    for rank, path in RunDir(run_dir).statuses():
         try:
-            with open(os.path.join(base, name), "rb") as fh:
+            with open(path, "rb") as fh:
                 status = loads(fh.read())
         except (OSError, ValueError):
             continue
         if isinstance(status, dict):
-            out[int(rank)] = status
+            out[rank] = status
     return out
 
 
