@@ -18,19 +18,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.hang import main_thread
 from ddpdoctor.live.procs import RankProc
+from ddpdoctor.supervisor.stacks import pyspy_path
 
 ATTACH_SCHEMA = "ddpdoctor.attach/1"
+NO_PYSPY = "py-spy not found (pip install py-spy; DDPDOCTOR_PYSPY names another), or DDPDOCTOR_PYSPY=off"
 PYSPY_TIMEOUT_S = 10.0
 NATIVE_TIMEOUT_S = 20.0
 BUSY_CPU_SHARE = 0.5  # of one core between looks: the rank is computing, not waiting
@@ -51,16 +50,15 @@ class AttachError(Exception):
     """Attach cannot start (no such process, no ranks, no ptrace rights): one line for the user."""
 
 
-def find_pyspy() -> str | None:
-    beside = Path(sys.executable).parent / "py-spy"
-    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
-
-
 def pyspy(pid: int, native: bool = False) -> dict[str, Any]:
     """One dump in stacks.py's shape, plus each thread's ``active`` flag; native frames as text."""
-    exe = find_pyspy()
+    exe = pyspy_path()
     if exe is None:
-        return {"method": None, "threads": [], "error": "py-spy not found (pip install py-spy)"}
+        return {
+            "method": None,
+            "threads": [],
+            "error": "py-spy not found (pip install py-spy), or DDPDOCTOR_PYSPY=off",
+        }
     args = [exe, "dump", "--pid", str(pid)] + (["--native"] if native else ["--json"])
     try:
         proc = subprocess.run(

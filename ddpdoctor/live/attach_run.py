@@ -22,6 +22,7 @@ from ddpdoctor.analysis.hang import analyse, main_thread, user_frame
 from ddpdoctor.live.attach import (
     ATTACH_SCHEMA,
     BUSY_CPU_SHARE,
+    NO_PYSPY,
     AttachError,
     RankLooks,
     look,
@@ -31,6 +32,7 @@ from ddpdoctor.live.attach import (
 )
 from ddpdoctor.live.procs import all_procs, find_ranks, ptrace_problem, read_proc
 from ddpdoctor.rundir import RunDir, new_run_dir, write_atomic
+from ddpdoctor.supervisor.stacks import pyspy_path
 from ddpdoctor.trace import schema
 
 HANG_SCHEMA = "ddpdoctor.hang/1"  # the watcher's summary format (supervisor/watch.py)
@@ -61,6 +63,8 @@ def attach(pid: int, watch_s: float, out: str | None) -> Attached:
             f"no ranks under pid {pid}: give the pid of torchrun (python -m torch.distributed.run), "
             "of an mp.spawn parent, or of any rank"
         )
+    if pyspy_path() is None:
+        raise AttachError(f"cannot read the ranks' stacks: {NO_PYSPY}")
     uids = {p.uid for p in filter(None, (read_proc(r.pid) for r in ranks))}
     for uid in sorted(uids):
         problem = ptrace_problem(uid)
