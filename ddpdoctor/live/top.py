@@ -4,7 +4,7 @@ Each rank's trace writer thread rewrites ``status-rank{R}.json`` four times a se
 current sync point, last collective, recent rate, its wait at the last gradient bucket of its
 last steps; see probes/liveness.py and probes/recent.py). `top` reads only those small files,
 the tail of the node's GPU samples and run.json, so it costs the job nothing and stays cheap at
-a thousand ranks (docs/top.md has the measurement). Findings are the ones the status data
+a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
 already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
 analysis/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
 the recent steps, a rank that raised or vanished.
