@@ -16,17 +16,20 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from ddpdoctor.probes.recent import RecentSteps
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
@@ -52,7 +55,14 @@ class _Liveness:
         self.stacks_file = _register_faulthandler(collector)
         self.error: dict[str, Any] | None = None
         self.broken = False
-        self.exited = False  # set by the exit hook: the rank left on its own (no signal)
+        self.host = socket.gethostname()
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        self.local_rank = int(local_rank) if local_rank.isdigit() else None
+        self.recent = RecentSteps()
+        self.seen_events = -1
+        self.progress_wall = time.time()  # when the event count last moved
+        self.exited = False
+        self._lock = threading.Lock()  # the writer thread and the exit hook both publish
         self.last_seq = -1  # after destroy_process_group the group answers no more: keep the last
         self._group_ranks: dict[int, list[int] | None] = {}
 
@@ -72,12 +82,19 @@ class _Liveness:
             elif name == "backward":  # its sequence number is the default group's
                 phase.update(group="WORLD", group_size=self.world_size)
         cpu_s = time.process_time()  # the supervisor reads /proc; this serves where it cannot
+        wall = time.time()
+        if c.events != self.seen_events:
+            self.seen_events, self.progress_wall = c.events, wall
         return {
             "schema": STATUS_SCHEMA,
             "rank": c.rank,
             "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "host": self.host,
             "pid": self.pid,
-            "heartbeat_wall": time.time(),
+            "heartbeat_wall": wall,
+            "progress_wall": self.progress_wall,
+            "exited": self.exited,
             "step": c.step,
             "events": c.events,
             "seq": self.seq(),
@@ -87,7 +104,7 @@ class _Liveness:
             "ptracer": self.ptracer,
             "error": self.error,
             "cpu_s": round(cpu_s, 3),
-            "exited": self.exited,
+            **self.recent.status(now),
         }
 
     def seq(self) -> int:
@@ -115,12 +132,41 @@ class _Liveness:
         if self.broken or self.pid != os.getpid():
             return
         try:
-            with open(self.tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(self.status(), separators=(",", ":")))
-            os.replace(self.tmp, self.path)
+            with self._lock:
+                with open(self.tmp, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(self.status(), separators=(",", ":")))
+                os.replace(self.tmp, self.path)
         except Exception as exc:
             self.broken = True
             self.c.fail("status", exc)
+
+
+def guarded_taps(c: Any, taps: dict[str, Any]) -> dict[str, Any]:
+    """Taps that, on their first failure, log it once (probe "recent") and all switch off."""
+
+    def guard(fn: Any) -> Any:
+        def tap(event: tuple) -> None:
+            try:
+                fn(event)
+            except Exception as exc:
+                for kind in taps:
+                    c.writer.taps.pop(kind, None)
+                c.fail("recent", exc)
+
+        return tap
+
+    return {kind: guard(fn) for kind, fn in taps.items()}
+
+
+def _last_publish(live: _Liveness) -> None:
+    """The rank is exiting normally: publish its final step count and say it ended."""
+    if not live.c.live:
+        return
+    with contextlib.suppress(Exception):
+        live.c.writer.flush()
+    live.recent.finish()
+    live.exited = True
+    live.publish()
 
 
 def _allow_ptrace() -> bool:
@@ -175,17 +221,10 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
 
 def install(c: Collector) -> None:
     live = _Liveness(c)
+    c.writer.taps.update(guarded_taps(c, live.recent.taps()))
     c.writer.on_tick = live.publish
     live.publish()
-
-    def at_exit() -> None:
-        # The last word: the rank left by itself, with its final sequence number; peers still
-        # waiting in a collective it never issued can then be proven hung at once.
-        if c.live:
-            live.exited = True
-            live.publish()
-
-    atexit.register(at_exit)  # registered after the collector's close: runs before it
+    atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)
     previous = sys.excepthook
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
