@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import gpu
+from ddpdoctor.analysis import causes, frameworks, gpu
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.gradsync import bucket_stats
 from ddpdoctor.analysis.phases import rank_phases, step_times
@@ -26,6 +26,7 @@ class Diagnosis:
     buckets: list[dict[str, Any]] = field(default_factory=list)  # gradient sync per bucket
     findings: list[Finding] = field(default_factory=list)
     gpus: gpu.GpuView | None = None  # the supervisor's NVML samples, when a node took any
+    framework: str | None = None  # "lightning", "accelerate", or None for plain DDP
 
     @property
     def has_errors(self) -> bool:
@@ -42,6 +43,10 @@ def diagnose(run: Run) -> Diagnosis:
         if len(st):
             p50, p95 = np.percentile(st, [50, 95])
             step_time_s[rank] = {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}
+    framework = frameworks.detect(run)
+    findings = fold_consequences(gpu.join_stragglers(run, find_all(run)))
+    causes.annotate(run, findings)
+    frameworks.adapt(findings, framework)
     return Diagnosis(
         run=run,
         phases=phases,
@@ -50,9 +55,31 @@ def diagnose(run: Run) -> Diagnosis:
         batch_size=batch_sizes(run),
         ddp=ddp_config(run),
         buckets=bucket_stats(run),
-        findings=gpu.join_stragglers(run, find_all(run)),
+        findings=findings,
         gpus=gpu.gpu_view(run),
+        framework=framework,
     )
+
+
+# Findings that report a symptom (a rank's error, the live hang verdict) rather than a cause.
+_SYMPTOMS = ("rank_failure", "hang", "missing_ranks")
+
+
+def fold_consequences(findings: list[Finding]) -> list[Finding]:
+    """When the ledgers name a cause at error level, the other ranks' failures and the hang
+    it led to are its consequences: keep them in its evidence, not beside it as causes."""
+    from ddpdoctor.analysis.causes import CAUSE_KINDS
+
+    causes = [f for f in findings if f.kind in CAUSE_KINDS and f.severity == "error"]
+    if not causes:
+        return findings
+    kept = []
+    for f in findings:
+        if f.kind in _SYMPTOMS:
+            causes[0].details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
+        else:
+            kept.append(f)
+    return kept
 
 
 def training_loader(trace: Any) -> dict[str, Any] | None:

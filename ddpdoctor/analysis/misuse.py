@@ -139,6 +139,19 @@ def training_loaders(trace: RankTrace) -> dict[int, int]:
     return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
+def reads_everything(info: dict[str, Any]) -> bool:
+    """Judged by effect: does one rank's pass cover the whole dataset (no sharding)? From the
+    batches the loader gives this rank and its per-process batch size, whatever sampler, batch
+    sampler or framework produced them; by the sampler's class only when those are unknown."""
+    batches, size, total = info.get("batches"), info.get("batch_size"), info.get("dataset_len")
+    if isinstance(batches, int) and isinstance(size, int) and isinstance(total, int) and total > 0:
+        return batches * size >= total - (size - 1 if info.get("drop_last") else 0)
+    return info.get("sampler") in ("RandomSampler", "SequentialSampler") and info.get("batch_sampler") in (
+        "BatchSampler",
+        None,
+    )
+
+
 @detector
 def sampler_misuse(run: Run) -> Iterable[Finding]:
     if run.world_size < 2:
@@ -153,7 +166,7 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 passes[info.get("sampler_id", info.get("id"))].append(info)
         for infos in passes.values():
             info = infos[-1]
-            if info.get("sampler") in ("RandomSampler", "SequentialSampler"):
+            if reads_everything(info):
                 missing[rank] = info
             elif "DistributedSampler" in str(info.get("sampler")) and info.get("shuffle"):
                 epochs = {i.get("epoch") for i in infos}
@@ -171,6 +184,8 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             fix="Pass sampler=DistributedSampler(dataset) to the DataLoader (and drop shuffle=True "
             "there), then call sampler.set_epoch(epoch) at the start of every epoch.",
             details={
+                "place": info.get("site"),
+                "batches_per_rank": info.get("batches"),
                 "sampler": info["sampler"],
                 "dataset_len": info.get("dataset_len"),
                 "batch_size": info.get("batch_size"),
@@ -186,7 +201,12 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             f"the shuffling DistributedSampler stayed at epoch {info.get('epoch')} for all "
             f"{info['passes']} passes over the data: every epoch replays the same order",
             fix="Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
-            details={"epoch": info.get("epoch"), "passes": info["passes"], "ranks": sorted(no_epoch)},
+            details={
+                "epoch": info.get("epoch"),
+                "passes": info["passes"],
+                "ranks": sorted(no_epoch),
+                "place": info.get("site"),
+            },
         )
 
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -121,6 +122,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if not nbytes:
                     nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
                 is_async = 1 if kwargs.get("async_op") or op in ("isend", "irecv") else 0
+                where = callsite.site(c)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
@@ -132,7 +134,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             finally:
                 c.in_collective = False
                 c.progress = prev
-                c.emit(schema.COLLECTIVE, t0, _now(), op, nbytes, gname, gsize, seq, is_async)
+                c.emit(schema.COLLECTIVE, t0, _now(), op, nbytes, gname, gsize, seq, is_async, where)
 
         return collective
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.patching import patch
@@ -135,6 +136,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 if state is not None and not state.timer_registered and not state.builtin_hook:
                     _register_timer(self, state, None, None)
             seq = group_info(self.process_group, c)[3]
+            where = callsite.site(c)
         except Exception as exc:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
@@ -152,7 +154,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             c.progress = prev
-            c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
+            c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq, where)
 
     return forward_
 
@@ -220,7 +222,9 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
             return sync(self, *args, **kwargs)
         seq = group_info(self.process_group, c)[3]
         t0 = _now()
-        prev, c.progress = c.progress, ("sync_buffers", "broadcast", seq, t0)
+        # The mode tells a hang's diagnosis an evaluation through the wrapper from a training step.
+        op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
+        prev, c.progress = c.progress, ("sync_buffers", op, seq, t0)
         try:
             return sync(self, *args, **kwargs)
         finally:

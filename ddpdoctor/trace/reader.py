@@ -319,11 +319,11 @@ def read_trace(path: Path) -> RankTrace:
 # Kinds the bulk parser handles: their fields after ``step``, "i" an integer, "s" a string.
 _FAST_KINDS: dict[str, str] = {
     schema.DATA_WAIT: "i",
-    schema.FORWARD: "iii",  # grad mode, module.training, seq
+    schema.FORWARD: "iiii",  # grad mode, module.training, seq, call site
     schema.SYNC_BUFFERS: "i",
     schema.BACKWARD: "",
     schema.ALLREDUCE: "iii",
-    schema.COLLECTIVE: "sisiii",
+    schema.COLLECTIVE: "sisiiii",
     schema.OPTIMIZER: "s",
     schema.GRAPH_SCAN: "",
 }
