@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import StepGrid, first_per_step, training_forwards
+from ddpdoctor.analysis.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -77,7 +77,7 @@ def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, 
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
     parts = {  # waits before step k, and the optimizer step that ends k-1, carry label k-1
         "data_wait": grid.put(waits.step + 1, waits.dur, np.add)[0],
-        "optimizer": grid.put(opt.step + 1, opt.dur, np.add)[0],
+        "optimizer": grid.put(opt.step + 1, exclusive_durations(trace, schema.OPTIMIZER), np.add)[0],
         "forward": fdur,
         "backward": np.maximum(0.0, ready - start),
     }
