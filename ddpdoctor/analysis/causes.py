@@ -132,6 +132,8 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
     if root is None:
         return None
     others = [ledgers[r] for r in div.others]
+    if others and all(o.ending.how == "clean_exit" for o in others) and root.ending.how == "clean_exit":
+        return None  # every rank finished on its own (a Join context): unequal, but no harm
     ending = root.ending
     evidence = _evidence(ledgers, ledgers)
     details: dict[str, Any] = {"root_rank": root.rank, "ranks": evidence, "ending": ending.describe()}

@@ -36,9 +36,13 @@ def period_of(steps: np.ndarray) -> int | None:
     """The regular gap between late steps (every k steps), or None when they are not regular."""
     if len(steps) < MIN_REPEATS:
         return None
-    gaps = Counter(np.diff(np.sort(steps)).tolist())
-    k, n = gaps.most_common(1)[0]
-    return int(k) if k >= 2 and n >= REGULAR * (len(steps) - 1) else None
+    steps = np.sort(steps)
+    k = int(Counter(np.diff(steps).tolist()).most_common(1)[0][0])
+    if k < 2:
+        return None
+    # Most late steps fall on one residue mod k (one late step off by one does not break it).
+    on_beat = Counter((steps % k).tolist()).most_common(1)[0][1]
+    return k if on_beat >= REGULAR * len(steps) else None
 
 
 def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
