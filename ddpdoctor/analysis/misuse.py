@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -276,7 +276,7 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
             fwd, coll = trace.kind(schema.FORWARD), trace.kind(schema.COLLECTIVE)
             inside = _inside(coll, fwd)
             if inside.any():
-                kind = "collectives inside forward (e.g. SyncBatchNorm)"
+                kind = _forward_collective_source(trace, coll, inside)
                 per_step.append(float(coll.dur[inside].sum()) / steps)
         step_s.append(step_times(trace))
     all_steps = np.concatenate(step_s) if step_s else np.zeros(0)
@@ -285,6 +285,7 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
     cost_ms, step_ms = float(np.median(per_step)) / 1e3, float(np.median(all_steps)) * 1e3
     if cost_ms < 0.05 * step_ms or cost_ms < 0.2:
         return
+    own = "your code" in kind
     yield Finding(
         "forward_sync_cost",
         "info",
@@ -292,11 +293,29 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
         f"every forward is a sync point: the {kind} takes {cost_ms:.1f} ms per step "
         f"({100 * cost_ms / step_ms:.0f}% of a {step_ms:.1f} ms step), and a slow rank makes the "
         "others wait there",
-        fix="If buffers need no syncing (they are identical, or BatchNorm statistics may differ per "
+        fix="Sync metrics less often (once per epoch, or log without a per-step all_reduce)."
+        if own
+        else "If buffers need no syncing (they are identical, or BatchNorm statistics may differ per "
         "rank), pass broadcast_buffers=False; use SyncBatchNorm only where small per-rank batches "
         "need it.",
         details={"kind": kind, "ms_per_step": round(cost_ms, 3), "step_ms": round(step_ms, 3)},
     )
+
+
+def _forward_collective_source(trace: Any, coll: Any, inside: np.ndarray) -> str:
+    """What issues the collectives inside forward, judged by op and call site: SyncBatchNorm
+    all-gathers its statistics; an all_reduce or broadcast from the user's line (a metric, a
+    framework's logging such as Lightning's self.log(sync_dist=True)) is the user's own."""
+    ops = [str(f[0]) for f, keep in zip(coll.fields, inside.tolist(), strict=True) if keep]
+    top = Counter(ops).most_common(1)[0][0]
+    if top.startswith("all_gather"):
+        return "collectives inside forward (SyncBatchNorm's statistics all-gather)"
+    sites = {int(i["id"]): f"{i.get('file', '?').rsplit('/', 1)[-1]}:{i.get('line')}" for _, _, i in
+             trace.meta.get(schema.SITE, []) if isinstance(i.get("id"), int)}  # fmt: skip
+    ids = [f[6] for f, keep in zip(coll.fields, inside.tolist(), strict=True) if keep and len(f) > 6]
+    where = sites.get(Counter(ids).most_common(1)[0][0], "") if ids else ""
+    at = f" at {where}" if where else ""
+    return f"collectives your code issues inside forward ({top}{at}: a metric or logging sync)"
 
 
 def _inside(inner: Any, outer: Any) -> np.ndarray:
