@@ -11,7 +11,6 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.ledger import (
     BUFFERS,
@@ -35,7 +34,6 @@ CAUSE_KINDS = (
     "collective_mismatch",
     "rank_only_eval",
     "rank_only_forward",
-    "rank_killed",
     "rank_never_started",
 )
 _ENDED = ("clean_exit", "signal", "vanished")
@@ -143,19 +141,8 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
     at = f" at {root.place}" if root.place else ""
     if ending.how == "exception" and not ending.consequence:
         return None  # its own exception: rank_failure names it, with the traceback
-    if ending.how in ("signal", "vanished"):
-        sig = ending.signal
-        how = f"killed by {sig}" if sig else "killed by a signal (no exception, no clean exit)"
-        fix = frameworks.advice("rank_killed_" + (sig or "unknown"))
-        return Finding(
-            "rank_killed",
-            "error",
-            [root.rank],
-            f"rank {root.rank} was {how} after step {root.last_step}{at}; {where_others}: their errors "
-            "are consequences",
-            fix=fix,
-            details={**details, "signal": sig},
-        )
+    if ending.how in ("signal", "vanished", "never_started"):
+        return None  # killed outright: rank_failure names the rank, the signal and its fix
     if _ran_out(root, others):
         return Finding(
             "uneven_inputs",

@@ -61,24 +61,32 @@ def diagnose(run: Run) -> Diagnosis:
     )
 
 
-# Findings that report a symptom (a rank's error, the live hang verdict) rather than a cause.
-_SYMPTOMS = ("rank_failure", "hang", "missing_ranks")
+# Findings that report a symptom (another rank's error, the live hang verdict), not a cause.
+_FOLDED = ("rank_failure",)
+_LABELLED = ("hang",)
 
 
 def fold_consequences(findings: list[Finding]) -> list[Finding]:
-    """When the ledgers name a cause at error level, the other ranks' failures and the hang
-    it led to are its consequences: keep them in its evidence, not beside it as causes."""
+    """When the ledgers name a cause at error level, the other ranks' failures are its
+    consequences: kept in its evidence, not beside it as causes. The live hang verdict stays
+    (it is what ``run`` printed) and says which cause it is a consequence of."""
     from ddpdoctor.analysis.causes import CAUSE_KINDS
 
     causes = [f for f in findings if f.kind in CAUSE_KINDS and f.severity == "error"]
     if not causes:
         return findings
+    cause = causes[0]
+    root = cause.details.get("root_rank")
+    label = f"{cause.kind}" + (f" on rank {root}" if root is not None else "")
     kept = []
     for f in findings:
-        if f.kind in _SYMPTOMS:
-            causes[0].details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
-        else:
-            kept.append(f)
+        if f.kind in _FOLDED:
+            cause.details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
+            continue
+        if f.kind in _LABELLED:
+            f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
+            f.summary = f"(a consequence of {label}) {f.summary}"
+        kept.append(f)
     return kept
 
 

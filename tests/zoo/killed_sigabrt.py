@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-EXPECT = {"kind": "rank_killed", "rank": 1, "fix": "SIGABRT", "options": ["--hang-timeout", "6", "--on-hang", "kill"]}
+EXPECT = {"kind": "rank_failure", "rank": 1, "fix": "SIGABRT", "options": ["--hang-timeout", "6", "--on-hang", "kill"]}
 
 
 def main() -> None:
