@@ -57,7 +57,7 @@ def test_missing_distributed_sampler(tmp_path: Path) -> None:
     assert f["kind"] == "missing_distributed_sampler" and f["ranks"] == [0, 1]
     assert f["details"]["sampler"] == "RandomSampler" and f["details"]["dataset_len"] == 96
     # Judged by effect: each rank's pass gives 12 batches of 8, the whole 96-sample dataset.
-    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:45"
+    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:46"
 
 
 def test_missing_set_epoch(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_missing_set_epoch(tmp_path: Path) -> None:
     assert code == 0
     (f,) = serious(found)
     assert f["kind"] == "missing_set_epoch"
-    assert f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1], "place": "misuse.py:45"}
+    assert f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1], "place": "misuse.py:46"}
 
 
 @pytest.mark.parametrize(("kind", "phase"), [("data", "data_wait"), ("forward", "forward")])
