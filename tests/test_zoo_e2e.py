@@ -77,8 +77,8 @@ def test_zoo_case(name: str, tmp_path: Path) -> None:
     assert right, f"{name}: {why} (found: {got})"
     if case.expect is None:
         assert code == 0
-    if "--on-hang" in (case.expect or {}).get("options", []) and diag["run"]["exit_code"] == 124:
-        assert code == 124  # ddpdoctor's exit code and the summary's agree
+    if code == 124:  # `--on-hang kill` stopped it: the summary says the same code
+        assert diag["run"]["exit_code"] == 124
 
 
 def test_diagnose_json_prints_an_error_object_when_nothing_can_be_read(tmp_path: Path) -> None:

@@ -72,6 +72,8 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     (it is what ``run`` printed) and says which cause it is a consequence of."""
     from ddpdoctor.analysis.causes import CAUSE_KINDS
 
+    periodic = {r for f in findings if f.kind == "periodic_rank_work" for r in f.ranks}
+    findings = [f for f in findings if not (f.kind == "straggler_occasional" and set(f.ranks) <= periodic)]
     causes = [f for f in findings if f.kind in CAUSE_KINDS and f.severity == "error"]
     if not causes:
         return findings
