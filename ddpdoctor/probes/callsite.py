@@ -32,6 +32,7 @@ _MAX_DEPTH = 64
 
 _skip: tuple[str, ...] = ()
 _sites: dict[tuple[Any, int], int] = {}
+_is_user: dict[Any, bool] = {}  # code object -> is it the user's (a path check, once)
 _owner: list[Any] = [None]  # the collector the interned ids were declared to
 
 
@@ -62,7 +63,11 @@ def site(collector: Any, depth: int = 2) -> int:
             if frame is None:
                 return NO_SITE
             code = frame.f_code
-            if not code.co_filename.startswith(_skip) and not code.co_filename.startswith("<"):
+            mine = _is_user.get(code)
+            if mine is None:
+                name = code.co_filename
+                mine = _is_user[code] = not name.startswith(_skip) and not name.startswith("<")
+            if mine:
                 key = (code, frame.f_lineno)
                 sid = _sites.get(key)
                 if sid is None:
