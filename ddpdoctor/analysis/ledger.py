@@ -38,7 +38,7 @@ _CONSEQUENCE_TEXT = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Point:
     """One sync point a rank issued (or was inside when the job was stopped)."""
 
@@ -289,7 +289,7 @@ def build(run: Run) -> dict[int, Ledger]:
 
 # Points kept per kind, from the end: a divergence that broke the job is near its end, and a
 # long job's every bucket all-reduce would make the ledger as slow to build as the trace is big.
-TAIL = 4096
+TAIL = 128
 
 
 def _tail(events: Any) -> Any:
