@@ -119,6 +119,13 @@ def sync_table(run: Run) -> SyncTable | None:
     return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us)
 
 
+def cached_sync_table(run: Run) -> SyncTable | None:
+    """``sync_table(run)``, computed once per run: the finding and the report's heatmap share it."""
+    if "sync_table" not in run.derived:
+        run.derived["sync_table"] = sync_table(run)
+    return run.derived["sync_table"]
+
+
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
     """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
     excess = {}
@@ -160,7 +167,7 @@ def _standout(typical: np.ndarray) -> np.ndarray:
 
 @detector
 def stragglers(run: Run) -> Iterable[Finding]:
-    table = sync_table(run)
+    table = cached_sync_table(run)
     if table is None or not table.step_us:
         return
     threshold = max(LATE_FRACTION * table.step_us, LATE_FLOOR_US)
@@ -222,14 +229,16 @@ def stragglers(run: Run) -> Iterable[Finding]:
             # Severity by cost, not by how few steps it hits: the others wait every time.
             cost = excess_ms * n_late / max(step_ms * len(table.steps), 1e-9)
             details["cost_share"] = round(cost, 4)
+            # A stall (half a step or more each time), not jitter, that costs the job 5 %.
+            costly = cost >= COST_WARNING and excess_ms >= 0.5 * step_ms
             yield Finding(
                 "straggler_occasional",
-                "warning" if cost >= COST_WARNING else "info",
+                "warning" if costly else "info",
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
                 f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}: "
                 f"{100 * cost:.0f} % of the job's time",
-                fix=("" if cost >= COST_WARNING else "Occasional noise unless those steps matter; ")
+                fix=("" if costly else "Occasional noise unless those steps matter; ")
                 + _FIX[phase],
                 details=details,
             )

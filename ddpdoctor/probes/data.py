@@ -1,4 +1,4 @@
-"""DataLoader waits, DataLoader passes (sampler, epoch, batch size) and optimizer steps."""
+"""DataLoader waits and DataLoader passes (sampler, epoch, batch size)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.schema import LivePhase
 
 PROBE = "data"
 _now = time.monotonic_ns
@@ -16,16 +17,10 @@ _LOADER_ID = "_ddpdoctor_loader"
 
 
 def install() -> None:
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
     from torch.utils.data import dataloader
 
     patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
     patch(dataloader.DataLoader, "__iter__", _wrap_iter)
-    register_optimizer_step_pre_hook(_optimizer_pre)
-    register_optimizer_step_post_hook(_optimizer_post)
 
 
 def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -33,14 +28,8 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return next_(self)
-        t0 = _now()
-        prev, c.progress = c.progress, ("data", "next", -1, t0)
-        try:
-            batch = next_(self)
-        finally:
-            c.progress = prev
-        c.emit(schema.DATA_WAIT, t0, _now(), getattr(self, _LOADER_ID, 0))
-        return batch
+        with c.sync_point(LivePhase.DATA, "next", -1, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0)):
+            return next_(self)
 
     return __next__
 
@@ -111,17 +100,3 @@ def _caller() -> str:
 
 
 _NOT_USER = ("site-packages", "dist-packages", "/ddpdoctor/probes/", "<frozen", "/torch/")
-
-
-def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-    c = _c.ACTIVE
-    if c is not None:
-        c.optimizer_t0 = _now()
-
-
-def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-    c = _c.ACTIVE
-    if c is None or PROBE in c.disabled or not c.optimizer_t0:
-        return
-    t0, c.optimizer_t0 = c.optimizer_t0, 0
-    c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)

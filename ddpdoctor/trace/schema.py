@@ -89,14 +89,26 @@ end             {reason, samples}
 ==============  ===============================================================================
 
 Readers must ignore kinds they do not know, so later versions can add records.
+
+Every kind is declared once, below, as an ``EventKind`` (its fields, how the bulk parser reads
+it, its docs) and, if it is drawn, with one or more ``Phase`` entries (label, lane, colour, and
+which of its events belong to the phase). The reader, the phase statistics, the HTML timeline
+and the Perfetto export all iterate these declarations; ``declare`` adds a kind at run time.
 """
 
 from __future__ import annotations
 
-SCHEMA = "ddpdoctor.trace/1"
-TRACE_GLOB = "trace-rank*.jsonl"
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-# Event kinds, as written by the probes.
+SCHEMA = "ddpdoctor.trace/1"
+GPU_SCHEMA = "ddpdoctor.gpu/1"
+BARRIER_OP = "barrier"
+
+# Record kinds. Spans (``[kind, ts, dur, step, *fields]``) and metadata (``[kind, ts, 0, step,
+# {...}]``) are declared with their fields in ``KINDS`` below; these names are for code.
 DDP_INIT = "ddp_init"
 FORWARD = "forward"
 SYNC_BUFFERS = "sync_buffers"
@@ -107,7 +119,6 @@ DATA_WAIT = "data_wait"
 OPTIMIZER = "optimizer"
 GRAPH_SCAN = "graph_scan"
 
-# Metadata kinds.
 HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
@@ -123,17 +134,137 @@ CLOCK = "clock"
 RANK_ERROR = "rank_error"
 SITE = "site"
 
-BARRIER_OP = "barrier"
-
 # The supervisor's GPU samples (gpu-<host>.jsonl).
-GPU_SCHEMA = "ddpdoctor.gpu/1"
-GPU_GLOB = "gpu-*.jsonl"
 GPU = "gpu"
 GPU_PROCS = "gpu_procs"
 
 
-def trace_filename(rank: int, restart: int = 0) -> str:
-    """The file a rank writes; one per elastic restart attempt so attempts never interleave."""
-    if restart:
-        return f"trace-rank{rank}-attempt{restart}.jsonl"
-    return f"trace-rank{rank}.jsonl"
+class Lane(enum.IntEnum):
+    """Where a phase is drawn: the rank's compute row, or its communication lane beneath."""
+
+    COMPUTE = 0
+    COMM = 1
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One span kind: ``[kind, ts_us, dur_us, step, *fields]``.
+
+    ``spec`` gives the bulk parser one letter per field ("i" integer, "s" short string); a
+    kind without one is always read by the careful (json) path. ``title`` names one event in
+    the timeline and the export from its fields (a format string over ``fields``' names, or a
+    function of the field dict)."""
+
+    name: str
+    fields: tuple[str, ...] = ()
+    spec: str | None = None
+    title: str | Callable[[Mapping[str, Any]], str] = ""
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and len(self.spec) != len(self.fields):
+            raise ValueError(f"{self.name}: spec {self.spec!r} does not match fields {self.fields}")
+
+    def args(self, fields: tuple) -> dict[str, Any]:
+        """The named fields of one event (extra or missing ones are left out)."""
+        return dict(zip(self.fields, fields, strict=False))
+
+    def describe(self, fields: tuple) -> str:
+        """This event's name on the timeline."""
+        args = self.args(fields)
+        try:
+            if callable(self.title):
+                return self.title(args)
+            return self.title.format_map(args) if self.title else self.name
+        except (KeyError, IndexError, ValueError):
+            return self.name
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A named share of a rank's time, drawn and tabulated: the events of ``kind`` (those whose
+    field ``where[0]`` equals ``where[1]`` when ``where`` is set, or differs when ``negate``)."""
+
+    name: str
+    kind: str
+    label: str
+    lane: Lane = Lane.COMPUTE
+    colour: str = "#9e9e9e"
+    where: tuple[int, Any] | None = None
+    negate: bool = False
+    per_step: bool = True  # happens every step (DDP init does not): compared across runs
+
+
+def _forward_title(args: Mapping[str, Any]) -> str:
+    return "forward" if args.get("grad", 1) == 1 else "forward (no grad)"
+
+
+KINDS: dict[str, EventKind] = {}
+PHASES: dict[str, Phase] = {}  # in drawing order: later phases draw over earlier ones
+META_KINDS = frozenset(
+    (HEADER, BUCKET, LOADER, COMM_HOOK, UNUSED, DDP_ERROR, SAVE, LOAD, PROBE_ERROR, DROPPED, END, CLOCK)
+    + (RANK_ERROR,)
+)
+
+
+def declare(kind: EventKind, *phases: Phase) -> EventKind:
+    """Add a span kind (and the phases it feeds) to the vocabulary every consumer iterates."""
+    if kind.name in META_KINDS:
+        raise ValueError(f"{kind.name} is a metadata kind")
+    KINDS[kind.name] = kind
+    for phase in phases:
+        if phase.kind != kind.name:
+            raise ValueError(f"phase {phase.name} reads {phase.kind}, not {kind.name}")
+        PHASES[phase.name] = phase
+    return kind
+
+
+declare(
+    EventKind(DDP_INIT, ("info",), title="DDP init"),
+    Phase("ddp_init", DDP_INIT, "DDP init", per_step=False),
+)
+declare(
+    EventKind(DATA_WAIT, ("loader",), "i", "data wait"),
+    Phase("data_wait", DATA_WAIT, "data wait", colour="#f2b134"),
+)
+declare(
+    EventKind(FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
+    Phase("forward", FORWARD, "forward", colour="#4e79a7"),
+)
+declare(EventKind(BACKWARD, (), "", "backward"), Phase("backward", BACKWARD, "backward", colour="#59a14f"))
+declare(
+    EventKind(OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
+    Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
+)
+declare(
+    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site"), "sisiiii", "{op}"),
+    Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
+    Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
+)
+declare(
+    EventKind(SYNC_BUFFERS, ("seq",), "i", "buffer broadcast"),
+    Phase("sync_buffers", SYNC_BUFFERS, "buffer broadcast", Lane.COMM, "#76b7b2"),
+)
+declare(
+    EventKind(ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    Phase("allreduce", ALLREDUCE, "bucket all-reduce", Lane.COMM, "#edc948"),
+)
+declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
+
+
+class LivePhase(str, enum.Enum):
+    """Where a live rank is, as its status file says (``phase.name``): set by the probes around
+    each sync point and read by the supervisor's hang watch."""
+
+    FORWARD = "forward"
+    SYNC_BUFFERS = "sync_buffers"
+    BACKWARD = "backward"
+    COLLECTIVE = "collective"
+    DATA = "data"
+
+    @property
+    def waits_for_peers(self) -> bool:
+        """A rank here can be blocked by another rank (a DataLoader wait cannot)."""
+        return self is not LivePhase.DATA
+
+
+SYNC_LIVE_PHASES = frozenset(p.value for p in LivePhase if p.waits_for_peers)
