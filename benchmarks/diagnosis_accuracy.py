@@ -119,6 +119,7 @@ def diagnose_json(run_dir: Path, env: dict[str, str]) -> tuple[dict[str, Any] | 
     """`ddpdoctor diagnose --json RUN_DIR`: (the object, or None and why)."""
     diag = subprocess.run(
         [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(run_dir)],
+        cwd=CODE[0],  # `python -m` looks in the working directory first
         capture_output=True,
         text=True,
         timeout=180,
