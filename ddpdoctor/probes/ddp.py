@@ -17,7 +17,6 @@ from typing import Any
 from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.collectives import group_info
-from ddpdoctor.probes.collector import SyncPoint
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.schema import LivePhase
@@ -150,15 +149,15 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
-        sync = SyncPoint(c, (LivePhase.FORWARD, "train" if grad else "eval", seq, t0), schema.FORWARD,
-                         (int(grad), int(self.training), seq, where))
-        with sync:
-            try:
-                return forward(self, *inputs, **kwargs)
-            except RuntimeError as exc:
-                if state is not None and _UNFINISHED_REDUCTION in str(exc):
-                    _record_ddp_error(c, state, str(exc))
-                raise
+        prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0)
+        try:
+            return forward(self, *inputs, **kwargs)
+        except RuntimeError as exc:
+            if state is not None and _UNFINISHED_REDUCTION in str(exc):
+                _record_ddp_error(c, state, str(exc))
+            raise
+        finally:
+            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq, where)
 
     return forward_
 
@@ -229,8 +228,11 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         seq = group_info(self.process_group, c)[3]
         # The mode tells a hang's diagnosis an evaluation through the wrapper from a training step.
         op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
-        with c.sync_point(LivePhase.SYNC_BUFFERS, op, seq, schema.SYNC_BUFFERS, seq):
+        prev = c.enter(LivePhase.SYNC_BUFFERS, op, seq)
+        try:
             return sync(self, *args, **kwargs)
+        finally:
+            c.leave(prev, schema.SYNC_BUFFERS, seq)
 
     return _sync_buffers
 
@@ -241,8 +243,11 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or not c.awaiting_backward or PROBE in c.disabled:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
-        with c.sync_point(LivePhase.BACKWARD, "allreduce", c.progress_seq(), schema.BACKWARD):
+        prev = c.enter(LivePhase.BACKWARD, "allreduce", c.progress_seq())
+        try:
             result = backward(*args, **kwargs)
+        finally:
+            c.leave(prev, schema.BACKWARD)
         try:
             check_unused(c)
         except Exception as exc:
