@@ -102,8 +102,9 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
         if f.kind in _LABELLED:
             f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
             f.summary = f"(a consequence of {label}) {f.summary}"
-        kept.append(f)
-    return kept
+        if f is not cause:
+            kept.append(f)
+    return [cause, *kept]  # the cause first: it is what to fix
 
 
 def training_loader(trace: Any) -> dict[str, Any] | None:
