@@ -201,8 +201,9 @@ def _write_report(diag: object, path: Path) -> str:
     return str(path)
 
 
-def _load(run_dirs: tuple[str, ...]) -> Any:
-    """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read."""
+def _load(run_dirs: tuple[str, ...], as_json: bool = False) -> Any:
+    """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read (as a JSON error
+    object on stdout too when the caller scripts against JSON)."""
     from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.trace.reader import TraceError, load_run
 
@@ -210,6 +211,10 @@ def _load(run_dirs: tuple[str, ...]) -> Any:
         return diagnose_run(load_run(run_dirs))
     except TraceError as exc:
         click.echo(f"ddpdoctor: {exc}", err=True)
+        if as_json:
+            from ddpdoctor.reports import json_report
+
+            click.echo(json.dumps(json_report.error(str(exc), run_dirs), indent=2))
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -223,7 +228,7 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     """
     from ddpdoctor.reports import json_report, terminal
 
-    diag = _load(run_dirs)
+    diag = _load(run_dirs, as_json)
     if as_json:
         click.echo(json_report.render(diag))
     else:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.patching import patch
@@ -139,6 +140,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 if state is not None and not state.timer_registered and not state.builtin_hook:
                     _register_timer(self, state, None, None)
             pg, gname, gsize, seq = group_info(self.process_group, c)
+            where = callsite.site(c)
         except Exception as exc:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
@@ -155,7 +157,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 _record_ddp_error(c, state, str(exc))
             raise
         finally:
-            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq)
+            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq, where)
 
     return forward_
 
@@ -224,7 +226,9 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or PROBE in c.disabled:
             return sync(self, *args, **kwargs)
         pg, gname, gsize, seq = group_info(self.process_group, c)
-        prev = c.enter(LivePhase.SYNC_BUFFERS, "broadcast", seq, group=(gname, gsize, -1, pg))
+        # The mode tells a hang's diagnosis an evaluation through the wrapper from a training step.
+        op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
+        prev = c.enter(LivePhase.SYNC_BUFFERS, op, seq, group=(gname, gsize, -1, pg))
         try:
             return sync(self, *args, **kwargs)
         finally:
