@@ -91,8 +91,18 @@ def dying_words(text: str, lines: int = WORDS) -> list[str]:
     return [ln for ln in kept if ln.strip()][-lines:]
 
 
-def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
-    """(header, ended cleanly, first main-thread rank_error) of one trace file."""
+def _last_event_wall(data: bytes, header: dict[str, Any]) -> float | None:
+    """Wall time of the trace's last event: a rank that vanished died right after it."""
+    for line in reversed(data.rstrip(b"\n").split(b"\n")[-4:]):
+        with contextlib.suppress(ValueError, IndexError, TypeError, KeyError):
+            record = json.loads(line)
+            if record[0] not in (schema.HEADER, schema.DROPPED, schema.END):
+                return (header["wall_ns"] / 1e3 + record[1] + record[2]) / 1e6
+    return None
+
+
+def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | None, float | None]:
+    """(header, ended cleanly, first main-thread rank_error, last event's wall time) of a trace."""
     with open(path, "rb") as fh:
         data = fh.read()
     header = json.loads(data[: data.find(b"\n")])[1]
@@ -108,7 +118,7 @@ def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | Non
             if info.get("thread") == "MainThread":
                 error = info
                 break
-    return header, clean, error
+    return header, clean, error, _last_event_wall(data, header)
 
 
 def _watch_exits(run_dir: Path) -> dict[str, Any]:
@@ -167,7 +177,7 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
     ends: dict[str, Any] = {}
     for path in sorted(run_dir.glob(schema.TRACE_GLOB)):
         try:
-            header, clean, error = _trace_facts(path)
+            header, clean, error, last_wall = _trace_facts(path)
         except (OSError, ValueError, IndexError):
             continue
         rank = int(header["rank"])
@@ -176,7 +186,7 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
         if end["how"] is None:  # vanished without a word: only SIGKILL does that
             sig = seen.get("signal")
             name = signal.Signals(sig).name if sig in signal.valid_signals() else "SIGKILL"
-            end.update(how="signal", signal=name, at_wall=seen.get("seen_wall") or _mtime(path))
+            end.update(how="signal", signal=name, at_wall=last_wall or seen.get("seen_wall") or _mtime(path))
             end["inferred"] = seen.get("signal") is None
         ends[str(rank)] = end
     _sources(ends)

@@ -1,10 +1,11 @@
-"""A DDP job whose rank 1 dies at step ``--die-at`` in the way ``--mode`` names.
+"""A DDP job whose rank 1 dies (rank 0 in mode abort) at step ``--die-at`` in the way ``--mode`` names.
 
 Every step prints "step RANK N" on stdout after its backward, so a test can compare what ran
 with what the trace holds.
 
-abort    each step all-reduces a metrics tensor; at the dying step rank 1's has another size:
-         gloo throws gloo::EnforceNotMet in C++ and a rank ends in std::terminate (SIGABRT)
+abort    each step all-reduces a metrics tensor; at the dying step rank 1's is larger: rank 0
+         receives more than it expects, gloo throws gloo::EnforceNotMet on its I/O thread and
+         rank 0 ends in std::terminate (SIGABRT); rank 1 then fails with "connection reset"
 segv     rank 1 reads address 0 through ctypes (SIGSEGV)
 sigkill  rank 1 sends itself SIGKILL
 sigterm  rank 1 sends itself SIGTERM (no handler: the default action)
@@ -16,6 +17,7 @@ import argparse
 import ctypes
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(args.steps):
         if rank == 1 and step == args.die_at and args.mode != "abort":
+            os.write(2, f"rank 1 dying by {args.mode} at step {step}\n".encode())
             die(args.mode, step)
         loss = model(torch.randn(4, 8)).sum()
         loss.backward()
@@ -63,9 +66,6 @@ def main() -> None:
         dist.all_reduce(torch.ones(size))
         say(f"step {rank} {step}")
         if args.step_s:
-            torch.randn(64, 64).sum()  # keep the rank busy in user code, not asleep only
-            import time
-
             time.sleep(args.step_s)
     dist.destroy_process_group()
 
