@@ -9,10 +9,14 @@ last stderr lines must be quoted. The job itself must die exactly as it would wi
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, diagnose_json, read_lines, run_doctor, torchrun
+from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, torchrun
 
 from ddpdoctor.trace import schema
 
@@ -127,3 +131,46 @@ def test_no_room_for_the_ring_records_as_before(tmp_path: Path) -> None:
     assert "rank 1: no crash-safe ring" in (run_dir / "probe-errors.log").read_text()
     forwards = [r[3] for r in read_lines(run_dir / "trace-rank1.jsonl") if r[0] == schema.FORWARD]
     assert forwards == list(range(12))
+
+
+TTY_JOB = """
+import os
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+os.write(2, f"tty{dist.get_rank()}={os.isatty(2)} a\\tb\\r\\nc\\n".encode())
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_in_pty(cwd: Path, command: list[str]) -> bytes:
+    """Run ``command`` with a terminal on stdin/stdout/stderr; everything the terminal showed."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(command, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, env=job_env())
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    proc.wait(timeout=120)
+    os.close(master)
+    return shown
+
+
+def test_a_terminal_sees_the_same_bytes_and_the_job_still_sees_a_tty(tmp_path: Path, write_script) -> None:
+    script = write_script("tty_job.py", TTY_JOB)
+    plain = run_in_pty(tmp_path, torchrun(2, script))
+    doctor = run_in_pty(
+        tmp_path, [sys.executable, "-m", "ddpdoctor", "run", "--out", "run", "--", *torchrun(2, script)]
+    )
+    for rank in (0, 1):
+        line = f"tty{rank}=True a\tb\r\r\nc\r\n".encode()  # the outer terminal's own \n -> \r\n only
+        assert line in plain, plain
+        assert line in doctor, doctor
+        assert f"tty{rank}=True a\tb" in (tmp_path / "run" / f"stderr-rank{rank}.txt").read_text()
