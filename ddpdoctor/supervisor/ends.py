@@ -176,6 +176,8 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
     exits = _watch_exits(run_dir)
     ends: dict[str, Any] = {}
     for path in sorted(run_dir.glob(schema.TRACE_GLOB)):
+        if not path.is_file():
+            continue  # a trace that is a device or a dangling link (tests: /dev/full) holds nothing
         try:
             header, clean, error, last_wall = _trace_facts(path)
         except (OSError, ValueError, IndexError):
