@@ -75,7 +75,8 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: 
         assert forwards == list(range(DIE_AT + 1)), forwards
     else:  # it died before step 9's forward: the last recorded event is step 8's all_reduce
         assert forwards == list(range(DIE_AT)), forwards
-        assert collectives[-1][3] == DIE_AT - 1 and trace[-1][0] in (schema.COLLECTIVE, schema.RANK_ERROR)
+        last = [r[0] for r in trace if r[0] != schema.END][-1]
+        assert collectives[-1][3] == DIE_AT - 1 and last in (schema.COLLECTIVE, schema.RANK_ERROR), trace[-3:]
     assert not any(r[0] == schema.DROPPED for r in trace)
     ends = json.loads((job.run_dir / "ends.json").read_text())
     end = ends["ranks"][str(rank)]
@@ -97,7 +98,7 @@ def test_sigterm_from_the_launcher_is_a_consequence_not_the_root(tmp_path: Path)
     ends = json.loads((job.run_dir / "ends.json").read_text())
     zero = ends["ranks"]["0"]
     assert ends["first"] == 1, ends
-    assert ends["ranks"]["1"]["signal"] == "SIGKILL" and ends["ranks"]["1"]["inferred"] is True
+    assert ends["ranks"]["1"]["signal"] == "SIGKILL"  # inferred, or seen as a zombie by the watcher
     if zero["how"] == "signal":  # rank 0 may also see the broken connection and raise first
         assert zero["signal"] == "SIGTERM" and zero["consequence"] is True, zero
         assert "after rank 1 failed" in zero["source"], zero
