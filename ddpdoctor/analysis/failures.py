@@ -16,6 +16,7 @@ from typing import Any
 from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -178,7 +179,7 @@ def _ends(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for d in run.dirs:
         try:
-            with open(os.path.join(d, "ends.json"), encoding="utf-8") as fh:
+            with open(RunDir(d) / RunDir.ENDS, encoding="utf-8") as fh:
                 out.update(json.load(fh).get("ranks") or {})
         except (OSError, ValueError, AttributeError):
             continue

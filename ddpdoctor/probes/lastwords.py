@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.rundir import RunDir
 
 TEE_ENV = "DDPDOCTOR_TEE"  # "0": leave the rank's stderr as it is
 _TEE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_tee.py")
@@ -39,12 +40,8 @@ _files: list[Any] = []  # kept open for faulthandler's C handlers
 
 
 def filename(kind: str, rank: int) -> str:
-    """``fatal``/``sigterm``/``stderr`` (.txt), ``exit`` (.json), ``stderr-open`` (marker)."""
-    if kind == "exit":
-        return f"exit-rank{rank}.json"
-    if kind == "stderr-open":
-        return f"stderr-rank{rank}.open"
-    return f"{kind}-rank{rank}.txt"
+    """The name of one of a rank's end files (the layout lives in ``RunDir.last_words``)."""
+    return RunDir("").last_words(kind, rank).name
 
 
 def install(c: _c.Collector) -> None:

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.probes.lastwords import filename
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.ring import complete_trace
 
-ENDS_FILE = "ends.json"
+ENDS_FILE = RunDir.ENDS
 ENDS_SCHEMA = "ddpdoctor.ends/1"
 WORDS = 12  # dying words kept per rank: the last non-empty lines of its stderr
 _FATAL = {
@@ -52,7 +53,7 @@ def settle(run_dir: Path, wait_s: float = 5.0) -> dict[str, Any]:
     deadline = time.monotonic() + wait_s
     while any(run_dir.glob("stderr-rank*.open")) and time.monotonic() < deadline:
         time.sleep(0.05)  # the tees write their last bytes once every holder of the pipe exits
-    for trace in sorted(run_dir.glob(schema.TRACE_GLOB)):
+    for trace in RunDir(run_dir).all_traces():
         try:
             done = complete_trace(str(trace))
         except Exception as exc:
@@ -123,7 +124,7 @@ def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | Non
 
 def _watch_exits(run_dir: Path) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):
-        return json.loads((run_dir / "watch.json").read_text()).get("rank_exits") or {}
+        return json.loads((run_dir / RunDir.WATCH).read_text()).get("rank_exits") or {}
     return {}
 
 
@@ -165,9 +166,7 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         end.update(how="os_exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
         end["source"] = "os._exit() in the rank"
     elif clean:
-        end.update(
-            how="exit", at_wall=_mtime(run_dir / schema.trace_filename(rank, header.get("restart", 0)))
-        )
+        end.update(how="exit", at_wall=_mtime(RunDir(run_dir).trace(rank, header.get("restart", 0))))
     return end
 
 
@@ -175,9 +174,7 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
     """How every rank of this run dir ended, and which failure came first."""
     exits = _watch_exits(run_dir)
     ends: dict[str, Any] = {}
-    for path in sorted(run_dir.glob(schema.TRACE_GLOB)):
-        if not path.is_file():
-            continue  # a trace that is a device or a dangling link (tests: /dev/full) holds nothing
+    for path in RunDir(run_dir).traces().values():  # the newest attempt, regular files only
         try:
             header, clean, error, last_wall = _trace_facts(path)
         except (OSError, ValueError, IndexError):

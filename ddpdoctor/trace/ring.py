@@ -52,7 +52,8 @@ _MAX_PARTS = 64  # longer records (a huge bucket layout) are left to the JSON tr
 _ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
 
 
-def ring_path(trace_path: str) -> str:
+def ring_path(trace_path: str | os.PathLike[str]) -> str:
+    trace_path = os.fspath(trace_path)
     base = trace_path[: -len(".jsonl")] if trace_path.endswith(".jsonl") else trace_path
     return base + ".ring"
 
@@ -152,12 +153,13 @@ def _event_lines(data: bytes) -> int:
     return lines - other - (1 if data.startswith(b'["' + schema.HEADER.encode()) else 0)
 
 
-def complete_trace(trace_path: str) -> dict[str, int] | None:
+def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
     """Append to ``trace_path`` the events its ring holds and it lacks; remove the ring.
 
     Returns ``{"recovered": n, "lost": m}`` (m: events the ring had already overwritten), or
     None when there is no ring or the trace ended cleanly. Safe to run twice.
     """
+    trace_path = os.fspath(trace_path)
     rpath = ring_path(trace_path)
     if not os.path.isfile(rpath):
         return None
