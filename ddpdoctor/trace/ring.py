@@ -50,6 +50,7 @@ DEFAULT_SLOTS = 32768  # 4 MiB: ~16 s of a job recording 2000 events a second
 SLOTS_ENV = "DDPDOCTOR_RING_SLOTS"
 _MAX_PARTS = 64  # longer records (a huge bucket layout) are left to the JSON trace alone
 _ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_dumps = marshal.dumps
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -65,7 +66,8 @@ class Ring:
         if slots is None:
             slots = int(os.environ.get(SLOTS_ENV, str(DEFAULT_SLOTS)))
         self.path = path
-        self.slots = max(4, slots)
+        self.slots = 1 << max(2, slots.bit_length() - 1)  # a power of two: a mask, not a modulo
+        self._mask = self.slots - 1
         self.pid = os.getpid()
         size = HEADER_BYTES + self.slots * SLOT
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -85,14 +87,14 @@ class Ring:
     def put(self, event: tuple) -> None:
         """Copy one event into the ring (about a microsecond); raises only if the ring broke."""
         try:
-            data = marshal.dumps(event)
+            data = _dumps(event, 2)  # version 2: no reference tracking, a third faster than 4
         except ValueError:  # an object marshal cannot encode: keep what the JSON line would say
-            data = marshal.dumps(json.loads(_ENCODE(event)))
+            data = _dumps(json.loads(_ENCODE(event)), 2)
         seq = self._next()
         n = len(data)
         mm = self._mm
         if n <= _PAYLOAD:
-            off = HEADER_BYTES + (self._slot() % self.slots) * SLOT
+            off = HEADER_BYTES + (self._slot() & self._mask) * SLOT
             mm[off + 16 : off + 16 + n] = data
             _SLOT_HEAD.pack_into(mm, off, seq, n, 0, 1)
             return
@@ -100,7 +102,7 @@ class Ring:
         if parts > _MAX_PARTS:
             return
         for part in range(parts):  # a rare long record: its parts in any slots, numbered
-            off = HEADER_BYTES + (self._slot() % self.slots) * SLOT
+            off = HEADER_BYTES + (self._slot() & self._mask) * SLOT
             chunk = data[part * _PAYLOAD : (part + 1) * _PAYLOAD]
             mm[off + 16 : off + 16 + len(chunk)] = chunk
             _SLOT_HEAD.pack_into(mm, off, seq, n, part, parts)
