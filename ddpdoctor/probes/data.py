@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 
@@ -86,6 +87,9 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     c = _c.ACTIVE
     if c is not None:
         c.optimizer_t0 = _now()
+        timer = _ct.ACTIVE
+        if timer is not None:
+            timer.optimizer_span = timer.begin(_ct.DEV_OPTIMIZER, c.step, (type(optimizer).__name__,))
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -94,3 +98,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     t0, c.optimizer_t0 = c.optimizer_t0, 0
     c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)
+    timer = _ct.ACTIVE
+    if timer is not None and timer.optimizer_span is not None:
+        span, timer.optimizer_span = timer.optimizer_span, None
+        timer.finish(span)

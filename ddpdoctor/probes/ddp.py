@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -68,6 +69,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             state = _ModelState(self)
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
+            _ct.start(c, self.module)  # device spans when the model is on CUDA
         except Exception as exc:
             c.fail(PROBE, exc)
 
@@ -144,6 +146,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
         prev, c.progress = c.progress, ("forward", "train" if grad else "eval", seq, t0)
+        timer = _ct.ACTIVE
+        span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq)) if timer else None
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
@@ -153,6 +157,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             c.progress = prev
             c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
 
     return forward_
 
@@ -238,11 +244,15 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         c.awaiting_backward = False
         t0 = _now()
         prev, c.progress = c.progress, ("backward", "allreduce", c.progress_seq(), t0)
+        timer = _ct.ACTIVE
+        span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:
             result = backward(*args, **kwargs)
         finally:
             c.progress = prev
             c.emit(schema.BACKWARD, t0, _now())
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
         try:
             check_unused(c)
         except Exception as exc:
@@ -341,6 +351,8 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
         index = bucket.index()
         nbytes = bucket.buffer().nbytes
         seq = group_info(model.group, c)[3]
+        timer = _ct.ACTIVE  # gradients are ready on the compute stream now
+        span = timer.begin(_ct.DEV_ALLREDUCE, c.step, (index, nbytes, seq)) if timer else None
         if model.layout.get(index) != nbytes:
             model.layout[index] = nbytes
             names = [model.names.get(p.data_ptr(), "?") for p in bucket.parameters()]
@@ -360,6 +372,8 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
 
     def reduced(done: Any) -> Any:
         value = done.value()
+        if span is not None:  # the current stream here waits for the collective
+            timer.finish(span)  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             c.emit(schema.ALLREDUCE, t0, _now(), index, nbytes, seq)
         return value[0] if unwrap else value
