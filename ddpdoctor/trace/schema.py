@@ -120,7 +120,12 @@ DEV_BACKWARD = "dev_backward"
 DEV_OPTIMIZER = "dev_optimizer"
 DEV_ALLREDUCE = "dev_allreduce"
 # A CPU span kind -> the same span timed on the device.
-DEVICE_KINDS = {FORWARD: DEV_FORWARD, BACKWARD: DEV_BACKWARD, OPTIMIZER: DEV_OPTIMIZER, ALLREDUCE: DEV_ALLREDUCE}
+DEVICE_KINDS = {
+    FORWARD: DEV_FORWARD,
+    BACKWARD: DEV_BACKWARD,
+    OPTIMIZER: DEV_OPTIMIZER,
+    ALLREDUCE: DEV_ALLREDUCE,
+}
 
 # Metadata kinds.
 HEADER = "header"
