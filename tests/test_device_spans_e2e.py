@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+from conftest import JOBS, run_doctor, torchrun
+from test_export import check_structure
+from test_reports import doctor
 
+from ddpdoctor.reports import chrome
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import load_run
-from tests.conftest import JOBS, run_doctor, torchrun
 
 
 def test_fake_gpu_job_records_a_device_span_for_every_cpu_span(tmp_path: Path) -> None:
@@ -36,7 +40,28 @@ def test_fake_gpu_job_records_a_device_span_for_every_cpu_span(tmp_path: Path) -
         # The last bucket is ready on the device after the step's backward work ran there.
         ends = dict(zip(dbwd.step.tolist(), dbwd.end.tolist(), strict=True))
         assert all(e <= ends[s] + 300 for s, e in zip(dar.step.tolist(), dar.end.tolist(), strict=True))
-        assert not (run_dir_errors := (job.run_dir / "probe-errors.log")).exists(), run_dir_errors.read_text()
+    assert not (job.run_dir / "probe-errors.log").exists()
+    # The report draws the device lanes; the Perfetto export has a gpu thread per rank.
+    page = (job.run_dir / "report.html").read_text()
+    assert "backward (GPU)" in page and "bucket all-reduce (GPU)" in page
+    out = tmp_path / "trace.json"
+    assert doctor("export", str(job.run_dir), "-o", str(out)).returncode == 0
+    trace = json.loads(out.read_text())
+    host = run.ranks[0].host
+    by_thread = check_structure(trace, [0, 1], {0: host, 1: host})
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    for rank, t in run.ranks.items():
+        assert threads[(rank, chrome.DEVICE_TID)] == "gpu"
+        on_gpu = [
+            e
+            for (pid, tid), evs in by_thread.items()
+            if pid == rank and tid >= chrome.DEVICE_TID
+            for e in evs
+        ]
+        assert len(on_gpu) == sum(len(t.kind(k)) for k in schema.DEVICE_KINDS.values())
+        assert {e["cat"] for e in on_gpu} == set(schema.DEVICE_KINDS.values())
 
 
 def test_cpu_job_has_no_device_spans(tmp_path: Path) -> None:
@@ -46,3 +71,4 @@ def test_cpu_job_has_no_device_spans(tmp_path: Path) -> None:
     for trace in run.ranks.values():
         assert len(trace.kind(schema.FORWARD)) > 0
         assert not [k for k in trace.events if k.startswith("dev_")]
+    assert "(GPU)" not in (job.run_dir / "report.html").read_text()

@@ -1,7 +1,8 @@
 """Chrome trace JSON (``ddpdoctor export``) for ui.perfetto.dev and chrome://tracing.
 
-One process per rank, named ``rank N (host)``; its events go on a compute thread and its
-bucket all-reduces and buffer broadcasts on a comm thread. Complete events ("X") must nest on
+One process per rank, named ``rank N (host)``; its events go on a compute thread, its
+bucket all-reduces and buffer broadcasts on a comm thread, and its device spans (CUDA events,
+when the model was on a GPU) on a gpu thread. Complete events ("X") must nest on
 a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
 nesting moves to the next thread of its kind ("comm 2", ...) instead. Timestamps are µs on the
 run's common time base (every rank aligned to rank 0's clock). GPU metrics, when the trace
@@ -35,12 +36,15 @@ COMPUTE_KINDS = (
     schema.COLLECTIVE,
 )
 COMM_KINDS = (schema.ALLREDUCE, schema.SYNC_BUFFERS)
-COMPUTE_TID, COMM_TID = 1, 100  # extra lanes count up from these
+DEVICE_KINDS = tuple(schema.DEVICE_KINDS.values())  # CUDA-event spans: a "gpu" thread
+COMPUTE_TID, COMM_TID, DEVICE_TID = 1, 100, 200  # extra lanes count up from these
+_CPU_TWIN = {dev: cpu for cpu, dev in schema.DEVICE_KINDS.items()}
 
 
 def _args(kind: str, step: int, fields: tuple, buckets: dict[int, list[str]]) -> tuple[str, dict]:
     """(event name, args) from a record's fields."""
     args: dict[str, Any] = {"step": step}
+    kind = _CPU_TWIN.get(kind, kind)  # a device span is named as its CPU twin
     name = kind
     if kind == schema.ALLREDUCE and len(fields) >= 2:
         name = f"allreduce bucket {fields[0]}"
@@ -98,7 +102,8 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
         )
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}})
         buckets = _bucket_params(trace)
-        for kinds, base, label in ((COMPUTE_KINDS, COMPUTE_TID, "compute"), (COMM_KINDS, COMM_TID, "comm")):
+        lanes = ((COMPUTE_KINDS, COMPUTE_TID, "compute"), (COMM_KINDS, COMM_TID, "comm"))
+        for kinds, base, label in (*lanes, (DEVICE_KINDS, DEVICE_TID, "gpu")):
             events: list[tuple[int, int, str, dict]] = []
             for kind in kinds:
                 ev = trace.kind(kind)

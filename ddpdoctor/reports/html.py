@@ -33,6 +33,7 @@ import numpy as np
 
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.analysis.device import clock as device_clock
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.phases import StepGrid, training_forwards
 from ddpdoctor.rundir import write_atomic
@@ -45,7 +46,8 @@ SLOWEST_BUTTONS = 8
 MAX_BUCKET_TRACES = 64
 MAX_HEATMAP_CELLS = 400_000  # about 3 MB of numbers in the page
 
-# (label, lane, colour): lane 0 is the rank's compute row, lane 1 its communication lane.
+# (label, lane, colour): lane 0 is the rank's compute row, lane 1 its communication lane,
+# lanes 2 and 3 the same on the device's clock (CUDA events; only when the model was on a GPU).
 PHASE_STYLE: dict[str, tuple[str, int, str]] = {
     "ddp_init": ("DDP init", 0, "#9e9e9e"),
     "data_wait": ("data wait", 0, "#f2b134"),
@@ -56,8 +58,13 @@ PHASE_STYLE: dict[str, tuple[str, int, str]] = {
     "collective": ("collective", 0, "#ff9da7"),
     "sync_buffers": ("buffer broadcast", 1, "#76b7b2"),
     "allreduce": ("bucket all-reduce", 1, "#edc948"),
+    schema.DEV_FORWARD: ("forward (GPU)", 2, "#2b4a6b"),
+    schema.DEV_BACKWARD: ("backward (GPU)", 2, "#35652f"),
+    schema.DEV_OPTIMIZER: ("optimizer (GPU)", 2, "#6b4a63"),
+    schema.DEV_ALLREDUCE: ("bucket all-reduce (GPU)", 3, "#a38a2f"),
 }
 COMM_LANE_OFFSET = 0.4
+LANE_OFFSETS = (0.0, COMM_LANE_OFFSET, 0.6, 0.75)
 
 
 def esc(value: Any) -> str:
@@ -91,7 +98,7 @@ def phase_events(trace: RankTrace, phase: str) -> tuple[Events, np.ndarray, np.n
         nbytes = np.maximum(coll.ints(1, default=0), 0)[keep]
         return coll.select(keep), np.full(int(keep.sum()), -1, np.int64), nbytes
     ev = trace.kind(phase)
-    if phase == schema.ALLREDUCE and len(ev):
+    if phase in (schema.ALLREDUCE, schema.DEV_ALLREDUCE) and len(ev):
         return ev, ev.ints(0, default=-1), ev.ints(1, default=0)
     return ev, np.full(len(ev), -1, np.int64), np.zeros(len(ev), np.int64)
 
@@ -247,7 +254,7 @@ def _line_trace(
     x = np.empty(3 * n)
     x[0::3], x[1::3], x[2::3] = seg.start[mask], seg.end[mask], np.nan
     y = np.empty(3 * n, dtype=np.float32)
-    row = seg.row[mask] + (COMM_LANE_OFFSET if lane else 0.0)
+    row = seg.row[mask] + LANE_OFFSETS[lane]
     y[0::3], y[1::3], y[2::3] = row, row, np.nan
     dur_ms = (seg.end[mask] - seg.start[mask]) * 1e3
     cols = [seg.step[mask], dur_ms] + ([seg.nbytes[mask] / 2**20] if with_bytes else [])
@@ -723,6 +730,7 @@ def timeline_section(diag: Diagnosis, tb: TimeBase, max_segments: int) -> str:
             f"event of {total:,} would make the page slow; the heatmap and table cover every step"
         )
     lo, hi = (min(spans), max(spans)) if spans else (0, 0)
+    gpu = "; darker lanes below hold the same spans timed on the GPU" if device_clock(run) == "device" else ""
     span_json = json.dumps({str(k): [round(a, 6), round(b, 6)] for k, (a, b) in spans.items()})
     controls = (
         '<form id="stepform" class="controls">zoom to steps '
@@ -734,7 +742,7 @@ def timeline_section(diag: Diagnosis, tb: TimeBase, max_segments: int) -> str:
     return (
         '<section id="timeline-section"><h2>Timeline</h2>'
         f"<p class=hint>One row per rank; the thin lane under each row holds its bucket all-reduces "
-        f"and buffer broadcasts, so their overlap with backward shows. Showing {esc(scope)}. "
+        f"and buffer broadcasts, so their overlap with backward shows{gpu}. Showing {esc(scope)}. "
         "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters.</p>"
         f"{controls}{_figure_html(fig, 'timeline')}<script>{js}</script></section>"
     )
