@@ -27,6 +27,7 @@ import traceback
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import flight_recorder
 from ddpdoctor.trace import schema
 
 STATUS_SCHEMA = "ddpdoctor.status/1"
@@ -173,3 +174,4 @@ def install(c: _c.Collector) -> None:
         previous_thread_hook(args)
 
     threading.excepthook = thread_excepthook
+    flight_recorder.install(c)  # dumps the collectives' state when the supervisor asks

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor.analysis import flight
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
 from ddpdoctor.rundir import write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
@@ -230,7 +231,7 @@ class Watcher:
         stacks = _stacks.dump_all(statuses, self.use_pyspy)
         world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
         diag = analyse(statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world)
-        text = diag.text(str(hang_dir))
+        text = diag.text(str(hang_dir)) + flight.on_hang(self.run_dir, hang_dir, statuses)
         summary = {
             "schema": HANG_SCHEMA,
             "n": n,
