@@ -9,7 +9,7 @@ import pytest
 from ddpdoctor.probes import cuda_timing
 from ddpdoctor.probes.cuda_timing import DeviceTimer
 from ddpdoctor.trace import schema
-from tests.fake_cuda import FakeCuda, FakeStream
+from tests.fake_cuda import FakeCuda, FakeEvent, FakeStream
 
 MS = 1_000_000
 
@@ -141,3 +141,44 @@ def test_cpu_models_start_no_timer() -> None:
     import torch
 
     assert cuda_timing.device_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_nothing_is_recorded_or_queried_during_a_cuda_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda, out = FakeCuda(), []
+    timer = DeviceTimer(out.append, "cuda:0", cuda, poll_s=60)
+    before = timer.begin(schema.DEV_FORWARD, 0, (1, 1, 0))
+    monkeypatch.setattr(cuda_timing, "CAPTURING", 1)
+    records = cuda.records
+    assert timer.begin(schema.DEV_BACKWARD, 0) is None
+    timer.finish(before)  # a span cut by the capture
+    assert cuda.records == records
+    queried = []
+    monkeypatch.setattr(FakeEvent, "query", lambda self: queried.append(self) or True)
+    assert timer.poll() == 0 and queried == []
+    monkeypatch.undo()
+    wait_for(cuda.default.query)
+    timer.stop()
+    assert out == [] and before.start in timer.free  # its event came back to the pool
+
+
+def test_graph_captures_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_timing, "CAPTURING", 0)
+    seen = []
+    begin = cuda_timing.counting_begin(lambda graph: seen.append(cuda_timing.CAPTURING))
+    end = cuda_timing.counting_end(lambda graph: seen.append(cuda_timing.CAPTURING))
+    begin(None)
+    end(None)
+    assert seen == [1, 1] and cuda_timing.CAPTURING == 0
+
+    def fails(graph):
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError):
+        cuda_timing.counting_begin(fails)(None)
+    assert cuda_timing.CAPTURING == 0
+    cuda_timing._watch_captures()  # patches torch.cuda.CUDAGraph, which exists without a GPU too
+    from torch.cuda.graphs import CUDAGraph
+
+    from ddpdoctor.probes.patching import original
+
+    assert original(CUDAGraph.capture_begin) is not CUDAGraph.capture_begin

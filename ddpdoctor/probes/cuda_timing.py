@@ -38,6 +38,10 @@ POLL_S = 0.005
 WINDOW_NS = 30 * 10**9  # offset bounds older than this are forgotten (clock drift)
 
 ACTIVE: DeviceTimer | None = None  # set while a CUDA DDP model is being timed in this rank
+# CUDA graph captures in progress (any thread). While one runs nothing is recorded or queried:
+# an event recorded into a capture would join the graph, and in the default "global" capture
+# mode a query from another thread invalidates the user's capture.
+CAPTURING = 0
 
 
 class _Span:
@@ -105,6 +109,8 @@ class DeviceTimer:
             self._fail(exc)
 
     def _begin(self, kind: str, step: int, fields: tuple) -> _Span | None:
+        if CAPTURING:
+            return None
         ev = self._take()
         if ev is None:
             return None
@@ -116,6 +122,11 @@ class DeviceTimer:
         return _Span(kind, ev, t, step, fields)
 
     def _finish(self, span: _Span) -> None:
+        if CAPTURING:  # the start is outside the capture: give its event back unread later
+            self.dropped += 1
+            self.pending.append(_Span("", span.start, span.t_start, -1, ()))
+            self.pending[-1].end, self.pending[-1].t_end = span.start, span.t_start
+            return
         ev = self._take()
         if ev is None or len(self.pending) >= MAX_PENDING:
             self.dropped += 1
@@ -154,6 +165,8 @@ class DeviceTimer:
 
     def poll(self) -> int:
         """Anchor on idle streams, resolve completed spans and emit them; returns spans emitted."""
+        if CAPTURING:
+            return 0
         if not self.ref_done:
             if not self.ref.query():
                 return 0
@@ -170,6 +183,9 @@ class DeviceTimer:
             if not (span.end.query() and span.start.query()):
                 break  # spans complete about in order: wait for the head
             self.pending.popleft()
+            if not span.kind:  # a span cut by a graph capture: only its event comes back
+                self._recycle(span.start)
+                continue
             s = self.ref.elapsed_time(span.start) * 1e6  # ms -> ns on the device clock
             e = self.ref.elapsed_time(span.end) * 1e6
             self._bound(span.t_start, s)
@@ -265,9 +281,44 @@ def start(collector: Any, module: Any) -> DeviceTimer | None:
         collector.fail(PROBE, exc)
         return None
     ACTIVE = timer
+    _watch_captures()
     atexit.register(timer.stop)  # runs before the collector's close (registered earlier)
     os.register_at_fork(after_in_child=_forget_in_child)
     return timer
+
+
+def _watch_captures() -> None:
+    """Count CUDA graph captures (``torch.cuda.CUDAGraph.capture_begin``/``capture_end``)."""
+    from torch.cuda.graphs import CUDAGraph
+
+    from ddpdoctor.probes.patching import patch
+
+    patch(CUDAGraph, "capture_begin", counting_begin)
+    patch(CUDAGraph, "capture_end", counting_end)
+
+
+def counting_begin(capture_begin: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global CAPTURING
+        CAPTURING += 1
+        try:
+            return capture_begin(self, *args, **kwargs)
+        except BaseException:
+            CAPTURING -= 1
+            raise
+
+    return wrapped
+
+
+def counting_end(capture_end: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global CAPTURING
+        try:
+            return capture_end(self, *args, **kwargs)
+        finally:
+            CAPTURING = max(0, CAPTURING - 1)
+
+    return wrapped
 
 
 def _forget_in_child() -> None:
