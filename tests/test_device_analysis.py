@@ -64,3 +64,31 @@ def test_partial_device_spans_are_not_mixed_in() -> None:
     run = with_device(cpu, simulate_run(world=2, steps=20, seed=5))
     run.ranks[1].events.pop(schema.DEV_ALLREDUCE)
     assert device_timed(run) is run and clock(run) == "cpu"
+
+
+def test_device_records_read_like_their_cpu_twins(tmp_path) -> None:
+    """Version 2 lines of the dev_* kinds go through the bulk parser; version 1 files read as before."""
+    import json
+
+    from ddpdoctor.trace.reader import read_trace
+
+    lines = [
+        ["header", {"schema": "ddpdoctor.trace/2", "rank": 0, "world_size": 1, "wall_ns": 0, "mono_ns": 0}],
+        ["forward", 0, 10, 0, 1, 1, 3],
+        ["dev_forward", 5, 20, 0, 1, 1, 3],
+        ["dev_backward", 30, 40, 0],
+        ["dev_bucket", 50, 7, 0, 2, 4096, 4],
+        ["dev_optimizer", 80, 3, 0, "AdamW"],
+    ]
+    path = tmp_path / "trace-rank0.jsonl"
+    path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+    t = read_trace(path)
+    assert t.skipped_lines == 0 and not t.meta
+    assert list(t.kind(schema.DEV_FORWARD).fields) == [(1, 1, 3)]
+    assert t.kind(schema.DEV_BACKWARD).dur.tolist() == [40]
+    ar = t.kind(schema.DEV_ALLREDUCE)
+    assert (ar.ts.tolist(), list(ar.fields)) == ([50], [(2, 4096, 4)])
+    assert list(t.kind(schema.DEV_OPTIMIZER).fields) == [("AdamW",)]
+    lines[0][1]["schema"] = "ddpdoctor.trace/1"
+    path.write_text("".join(json.dumps(line[:1] + line[1:]) + "\n" for line in lines[:2]))
+    assert read_trace(path).steps == 1

@@ -326,6 +326,9 @@ _FAST_KINDS: dict[str, str] = {
     schema.COLLECTIVE: "sisiii",
     schema.OPTIMIZER: "s",
     schema.GRAPH_SCAN: "",
+    schema.DEV_FORWARD: "iii",  # device spans: the fields of their CPU twins
+    schema.DEV_BACKWARD: "",
+    schema.DEV_ALLREDUCE: "iii",  # (dev_optimizer: its line prefix is over 16 bytes; one a step)
 }
 _I64 = 2**63
 _MAX_DIGITS = 16  # two 8-byte chunks; longer integers (never written) go through json
@@ -533,6 +536,7 @@ _EVENT_KINDS = frozenset(
         schema.DATA_WAIT,
         schema.OPTIMIZER,
         schema.GRAPH_SCAN,
+        *schema.DEVICE_KINDS.values(),
     }
 )
 

@@ -36,7 +36,7 @@ dev_forward     as ``forward``, timed on the device: CUDA events on the current 
                 forward's entry and exit (only when the model's parameters are on CUDA)
 dev_backward    as ``backward``, on the device
 dev_optimizer   as ``optimizer``, on the device
-dev_allreduce   as ``allreduce``, on the device: ts when the bucket's gradients were ready on
+dev_bucket      as ``allreduce``, on the device: ts when the bucket's gradients were ready on
                 the compute stream, dur until the reduction completed on the stream that
                 waits for the collective
 ==============  ===============================================================================
@@ -118,7 +118,7 @@ GRAPH_SCAN = "graph_scan"
 DEV_FORWARD = "dev_forward"
 DEV_BACKWARD = "dev_backward"
 DEV_OPTIMIZER = "dev_optimizer"
-DEV_ALLREDUCE = "dev_allreduce"
+DEV_ALLREDUCE = "dev_bucket"
 # A CPU span kind -> the same span timed on the device.
 DEVICE_KINDS = {
     FORWARD: DEV_FORWARD,
