@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddpdoctor import reports
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.reports import html
 from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.synthetic import SyntheticJob, write_run
 
@@ -49,7 +49,7 @@ def main() -> None:
     t1 = time.perf_counter()
     diag = diagnose(run)
     t2 = time.perf_counter()
-    report = html.write(diag, out / "report.html")
+    report = reports.write(diag, out / "report.html")
     t3 = time.perf_counter()
     result = {
         "ranks": args.ranks,
@@ -66,9 +66,8 @@ def main() -> None:
     }
     if args.export:
         t4 = time.perf_counter()
-        from ddpdoctor.reports import chrome
 
-        trace = chrome.write(diag, out / "trace.json")
+        trace = reports.write(diag, out / "trace.json")
         result["export_s"] = round(time.perf_counter() - t4, 2)
         result["export_MB"] = round(os.path.getsize(trace) / 1e6, 1)
     print(json.dumps(result, indent=1))

@@ -10,3 +10,22 @@ FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (default 0
 BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events held in memory before dropping (default 100000)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
+PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)
+
+
+def number(name: str, default: float, *, integer: bool = False) -> float:
+    """A positive number from the environment (``default`` when unset), or a ValueError whose
+    message is one line that names the variable and says what it must be."""
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = -1
+    if not value > 0 or value != value or value == float("inf"):
+        kind = "a positive whole number" if integer else "a positive number of seconds"
+        raise ValueError(f"{name}={raw!r}: must be {kind}")
+    return value

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 import ddpdoctor
+from ddpdoctor.rundir import RunDir
 
 EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
@@ -32,7 +33,7 @@ def main() -> None:
     ddpdoctor run -- torchrun --nproc_per_node 4 train.py   # no change to train.py
     ddpdoctor diagnose ddpdoctor-runs/<timestamp>
     ddpdoctor report RUN_DIR [RUN_DIR ...] -o report.html
-    ddpdoctor export RUN_DIR [RUN_DIR ...] -o trace.json
+    ddpdoctor report RUN_DIR [RUN_DIR ...] -o trace.json   (Perfetto)
     """
 
 
@@ -105,7 +106,6 @@ def _nvml_interval(interval: float, off: bool) -> float | None:
 
 
 def _watch_options(hang_timeout: str, on_hang: str) -> object:
-    import os
 
     from ddpdoctor import _env
     from ddpdoctor.supervisor.launch import WatchOptions
@@ -118,8 +118,13 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
             raise click.BadParameter("a number of seconds, or auto", param_hint="--hang-timeout") from None
         if timeout <= 0:
             raise click.BadParameter("must be positive", param_hint="--hang-timeout")
-    floor = os.environ.get(_env.HANG_FLOOR)
-    return WatchOptions(timeout, on_hang, float(floor) if floor else None)
+    try:  # the ranks' settings too: a bad value stops here, in one line, not in every rank
+        floor = _env.number(_env.HANG_FLOOR, 0.0) or None
+        _env.number(_env.FLUSH_INTERVAL, 0.25)
+        _env.number(_env.BUFFER_EVENTS, 100000, integer=True)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return WatchOptions(timeout, on_hang, floor)
 
 
 def _run_and_summarise(
@@ -151,17 +156,16 @@ def _startup_text(run_dir: Path) -> str:
     try:
         from ddpdoctor.probes import startup
 
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        meta = json.loads((run_dir / RunDir.RUN_META).read_text(encoding="utf-8"))
         started = int(meta.get("started_ns") or 0)
         errors = [e for e in startup.read(run_dir) if int(e.get("wall_ns") or 0) >= started]
-        if not errors or any(run_dir.glob("trace-rank*.jsonl")):
+        if not errors or RunDir(run_dir).traces():
             return ""
         return f"ddpdoctor: startup failed: {errors[0]['line']}\n  run dir: {run_dir}"
     except Exception:
         return ""
 
 
-REPORT_NAME = "report.html"
 
 
 def _summary_text(run_dir: Path) -> str:
@@ -173,7 +177,7 @@ def _summary_text(run_dir: Path) -> str:
 
     try:
         diag = diagnose(load_run([run_dir]))
-        report = _write_report(diag, run_dir / REPORT_NAME)
+        report = _write_report(diag, RunDir(run_dir).path / RunDir.REPORT)
         text = terminal.render(diag, report=report)
     except TraceError as exc:
         text = f"ddpdoctor: nothing recorded ({exc}); did the job call init_process_group?"
@@ -184,10 +188,10 @@ def _summary_text(run_dir: Path) -> str:
 
 def _write_report(diag: object, path: Path) -> str:
     """Write the HTML report; returns its path, or why there is none (never raises)."""
-    from ddpdoctor.reports import html
+    from ddpdoctor import reports
 
     try:
-        html.write(diag, path)  # type: ignore[arg-type]
+        reports.write(diag, path, "html")
     except Exception as exc:  # a report failure is reported, never fatal
         return f"not written ({exc!r})"
     return str(path)
@@ -205,14 +209,6 @@ def _load(run_dirs: tuple[str, ...]) -> Any:
         sys.exit(EXIT_BAD_INPUT)
 
 
-def _write_output(writer: Callable[[Any, Path], Path], diag: Any, path: Path) -> None:
-    try:
-        writer(diag, path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
-    click.echo(f"ddpdoctor: wrote {path}")
-
-
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.diagnosis/1).")
@@ -225,54 +221,76 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
 
     diag = _load(run_dirs)
     if as_json:
-        click.echo(json.dumps(json_report.render(diag), indent=2))
+        click.echo(json_report.render(diag))
     else:
-        existing = Path(run_dirs[0]) / REPORT_NAME
+        existing = Path(run_dirs[0]) / RunDir.REPORT
         click.echo(terminal.render(diag, report=str(existing) if existing.is_file() else None))
     sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
 
 
+_FORMATS = ("html", "perfetto", "json")
+
+
+def _report_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--json", "as_json", is_flag=True, help="Say what was written, as JSON.")(func)
+    func = click.option(
+        "--format",
+        "-f",
+        "fmt",
+        type=click.Choice(_FORMATS),
+        default=None,
+        help="html: the self-contained report; perfetto: a Chrome/Perfetto trace; json: the "
+        "diagnosis (as diagnose --json). Default: from the file suffix (.html, .json), else html.",
+    )(func)
+    func = click.option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="File to write (default: report.html, trace.json or diagnosis.json in the first RUN_DIR).",
+    )(func)
+    return click.argument("run_dirs", nargs=-1, required=True, type=click.Path())(func)
+
+
+def _report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_json: bool) -> None:
+    from ddpdoctor import reports
+
+    fmt = fmt or (reports.format_of(output) if output else None) or "html"
+    if output and reports.format_of(output) not in (None, fmt) and fmt != "json":
+        raise click.BadParameter(f"{output} names another format than {fmt}", param_hint="--output")
+    path = Path(output or Path(run_dirs[0]) / reports.FORMATS[fmt][2])
+    diag = _load(run_dirs)
+    try:
+        reports.write(diag, path, fmt)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+    if as_json:
+        click.echo(json.dumps({"schema": "ddpdoctor.report/1", "format": fmt, "path": str(path)}))
+    else:
+        click.echo(f"ddpdoctor: wrote {path}")
+
+
 @main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help=f"HTML file to write (default: {REPORT_NAME} in the first RUN_DIR).",
-)
-def report(run_dirs: tuple[str, ...], output: str | None) -> None:
-    """Write the HTML report of RUN_DIRS (one per node) to one self-contained file.
+@_report_options
+def report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_json: bool) -> None:
+    """Write the report of RUN_DIRS (one per node) to one file.
 
     \b
-    Example:  ddpdoctor report node0/run node1/run -o report.html
-    The file embeds plotly.js and opens offline. Exits 2 on unreadable input.
+    Examples:
+      ddpdoctor report node0/run node1/run -o report.html   # self-contained HTML, opens offline
+      ddpdoctor report run -o trace.json                     # for ui.perfetto.dev
+      ddpdoctor report run -f json -o diagnosis.json
+    The Perfetto trace has one process per rank, a compute and a comm thread each, every rank
+    on rank 0's clock. Exits 2 on unreadable input.
     """
-    from ddpdoctor.reports import html
-
-    _write_output(html.write, _load(run_dirs), Path(output or Path(run_dirs[0]) / REPORT_NAME))
+    _report(run_dirs, output, fmt, as_json)
 
 
-@main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="JSON file to write (default: trace.json in the first RUN_DIR).",
-)
-def export(run_dirs: tuple[str, ...], output: str | None) -> None:
-    """Export RUN_DIRS as one Chrome trace JSON for ui.perfetto.dev or chrome://tracing.
-
-    \b
-    Example:  ddpdoctor export node0/run node1/run -o trace.json
-    One process per rank, a compute and a comm thread each, every rank on rank 0's clock.
-    Exits 2 on unreadable input.
-    """
-    from ddpdoctor.reports import chrome
-
-    _write_output(chrome.write, _load(run_dirs), Path(output or Path(run_dirs[0]) / "trace.json"))
+@main.command(hidden=True)
+@_report_options
+def export(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_json: bool) -> None:
+    """Alias of `report --format perfetto` (kept for scripts that call it)."""
+    _report(run_dirs, output, fmt or "perfetto", as_json)
 
 
 @main.command()

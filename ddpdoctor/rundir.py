@@ -1,14 +1,98 @@
-"""Where a run's files go: one directory per run, never world-writable."""
+"""Where a run's files go: one directory per run, never world-writable, and every file's name.
+
+``RunDir`` is the one place that spells the run directory's layout; probes, the supervisor,
+the reader and the commands all ask it for paths instead of writing names themselves.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PARENT = "ddpdoctor-runs"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of one run directory (one per node of a job)."""
+
+    path: Path
+
+    RUN_META = "run.json"  # the supervisor: command, hosts, exit code (launch.py)
+    WATCH = "watch.json"  # the supervisor's hang watch: hangs, rank exits and errors (watch.py)
+    ERROR_LOG = "probe-errors.log"  # probes that switched themselves off, and why
+    REPORT = "report.html"
+    EXPORT = "trace.json"  # Perfetto / Chrome trace
+    HANG_SUMMARY = "summary.json"  # inside each hang-N/
+
+    _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.jsonl$")
+    _STATUS = re.compile(r"^status-rank(\d+)\.json$")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @staticmethod
+    def trace_name(rank: int, restart: int = 0) -> str:
+        """One trace per rank and elastic restart attempt, so attempts never interleave."""
+        return f"trace-rank{rank}-attempt{restart}.jsonl" if restart else f"trace-rank{rank}.jsonl"
+
+    def trace(self, rank: int, restart: int = 0) -> Path:
+        return self.path / self.trace_name(rank, restart)
+
+    def status(self, rank: int) -> Path:
+        """Rewritten by the rank's writer thread after every flush (probes/liveness.py)."""
+        return self.path / f"status-rank{rank}.json"
+
+    def stacks(self, rank: int) -> Path:
+        """The rank's faulthandler dump on SIGUSR1 (a stack without ptrace)."""
+        return self.path / f"stacks-rank{rank}.txt"
+
+    def gpu(self, host: str) -> Path:
+        """One node's NVML samples; the host name reduced to characters safe in a file name."""
+        return self.path / f"gpu-{re.sub(r'[^A-Za-z0-9._-]', '_', host) or 'host'}.jsonl"
+
+    def hang(self, n: int) -> Path:
+        """The n-th hang's directory: summary.json and stack-rank{R}.txt."""
+        return self.path / f"hang-{n}"
+
+    def hang_stack(self, n: int, rank: int) -> Path:
+        return self.hang(n) / f"stack-rank{rank}.txt"
+
+    def traces(self) -> dict[int, Path]:
+        """The newest attempt's trace of each rank (regular files only: a trace name pointing
+        at a device such as /dev/full or a FIFO would never end)."""
+        best: dict[int, tuple[int, Path]] = {}
+        for path in self.path.glob("trace-rank*.jsonl"):
+            match = self._TRACE.match(path.name)
+            if not match or not path.is_file():
+                continue
+            rank, attempt = int(match.group(1)), int(match.group(2) or 0)
+            if rank not in best or attempt > best[rank][0]:
+                best[rank] = (attempt, path)
+        return {rank: path for rank, (_, path) in sorted(best.items())}
+
+    def statuses(self) -> Iterator[tuple[int, Path]]:
+        for path in self.path.glob("status-rank*.json"):
+            match = self._STATUS.match(path.name)
+            if match:
+                yield int(match.group(1)), path
+
+    def gpu_files(self) -> list[Path]:
+        return sorted(self.path.glob("gpu-*.jsonl"))
+
+    def hang_summaries(self) -> list[Path]:
+        """hang-1/summary.json, hang-2/..., in order (hang-10 after hang-9)."""
+        found = self.path.glob(f"hang-*/{self.HANG_SUMMARY}")
+        return sorted(found, key=lambda p: (len(p.parent.name), p.parent.name))
 
 
 def new_run_dir(out: str | os.PathLike[str] | None) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_reports import _xss_diag
 
-from ddpdoctor.reports import html
+from ddpdoctor import reports
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and not os.environ.get("CI"):
@@ -84,7 +84,7 @@ def probe(report: Path) -> dict:
 
 
 def test_report_renders_without_errors_and_no_markup_runs(tmp_path: Path) -> None:
-    report = html.write(_xss_diag(tmp_path / "runs"), tmp_path / "report.html")
+    report = reports.write(_xss_diag(tmp_path / "runs"), tmp_path / "report.html")
     result = probe(report)
     assert result["problems"] == []
     assert result["imgs"] == 0, "job-supplied <img> became an element"

@@ -25,7 +25,7 @@ def with_device(cpu: Run, device: Run) -> Run:
         for kind, dev in schema.DEVICE_KINDS.items():
             events[dev] = device.ranks[rank].kind(kind)
         ranks[rank] = replace(trace, events=events)
-    return replace(cpu, ranks=ranks)
+    return replace(cpu, ranks=ranks, derived={})
 
 
 def stragglers(run: Run) -> list:

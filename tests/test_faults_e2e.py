@@ -205,7 +205,6 @@ def test_py_spy_refused_falls_back_to_faulthandler(tmp_path: Path) -> None:
     fake.mkdir()
     (fake / "py-spy").write_text("#!/bin/sh\necho 'Error: Permission Denied' >&2\nexit 1\n")
     (fake / "py-spy").chmod(0o755)
-    path = f"{fake}{os.pathsep}{os.environ['PATH']}"
     job = run_doctor(
         tmp_path,
         torchrun(2, JOBS / "faulty_train.py", "--mode", "eval0"),
@@ -213,7 +212,7 @@ def test_py_spy_refused_falls_back_to_faulthandler(tmp_path: Path) -> None:
         "3",
         "--on-hang",
         "kill",
-        PATH=path,
+        DDPDOCTOR_PYSPY=str(fake / "py-spy"),
     )
     assert job.returncode == 124, job.stderr
     summary = json.loads((job.run_dir / "hang-1" / "summary.json").read_text())

@@ -12,7 +12,7 @@ from test_device_analysis import DELAY_MS, with_device
 
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import Events
+from ddpdoctor.trace.columns import Events
 from ddpdoctor.trace.simulate import Slowdown, simulate_run
 from tests.conftest import REPO
 
@@ -50,9 +50,8 @@ def test_bucket_check() -> None:
     trace = run.ranks[1]
     ar = trace.kind(schema.DEV_ALLREDUCE)
     zero = Events(ar.ts, np.where(ar.step == 3, 0, ar.dur), ar.step, list(ar.fields))
-    broken = replace(
-        run, ranks={**run.ranks, 1: replace(trace, events={**trace.events, schema.DEV_ALLREDUCE: zero})}
-    )
+    events = {**trace.events, schema.DEV_ALLREDUCE: zero}
+    broken = replace(run, ranks={**run.ranks, 1: replace(trace, events=events)}, derived={})
     assert "zero length" in gpu_check.check_buckets(broken)
 
 

@@ -74,9 +74,9 @@ def test_rank_that_skips_a_barrier(tmp_path: Path) -> None:
 
 
 def test_rank_stuck_in_user_code_without_py_spy_uses_faulthandler(tmp_path: Path) -> None:
-    # No py-spy on PATH: the stacks must come from the ranks' own faulthandler (SIGUSR1).
+    # No py-spy: the stacks must come from the ranks' own faulthandler (SIGUSR1).
     job = run_doctor(
-        tmp_path, torchrun(2, FAULTY, "--mode", "userloop"), *KILL, timeout=120, PATH="/usr/bin:/bin"
+        tmp_path, torchrun(2, FAULTY, "--mode", "userloop"), *KILL, timeout=120, DDPDOCTOR_PYSPY="off"
     )
     assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
     assert "rank 1 is stuck in user code at faulty_train.py" in job.stderr

@@ -1,4 +1,4 @@
-"""Issue 5's findings from real torchrun jobs: each mistake found, healthy jobs left alone."""
+"""DDP misuse found in real torchrun jobs: each mistake found, healthy jobs left alone."""
 
 from __future__ import annotations
 
@@ -48,6 +48,22 @@ def test_find_unused_parameters_on_a_fully_used_model(tmp_path: Path) -> None:
     (f,) = serious(found)
     assert f["kind"] == "find_unused_parameters_unneeded" and f["details"]["steps"] == 12
     assert f["details"]["graph_walk_ms"] > 0
+
+
+def test_two_models_header_and_findings_name_the_same_model(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "misuse.py", "two_models"))
+    assert job.returncode == 0, job.stderr
+    header = [line.strip() for line in job.stderr.splitlines() if line.strip().startswith("DDP: ")]
+    assert len(header) == 2
+    assert header[0].startswith("DDP: Net (DDP model #0)")
+    assert header[0].endswith("find_unused_parameters=False")
+    assert header[1].startswith("DDP: Linear (DDP model #1)")
+    assert header[1].endswith("find_unused_parameters=True")
+    diag = diagnose_json(job.run_dir)
+    assert [m["module"] for m in diag["run"]["ddp_models"]] == ["Net", "Linear"]
+    (f,) = serious(diag["findings"])
+    assert f["kind"] == "find_unused_parameters_unneeded" and f["details"]["models"] == [1]
+    assert f["summary"].startswith("Linear (DDP model #1): find_unused_parameters=True")
 
 
 def test_missing_distributed_sampler(tmp_path: Path) -> None:

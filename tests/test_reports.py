@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from conftest import JOBS, job_env, run_doctor, torchrun
 
+from ddpdoctor import reports
 from ddpdoctor.analysis import Finding, diagnose
+from ddpdoctor.analysis.views import LATENESS_AT_LAST_BUCKET
 from ddpdoctor.reports import html, terminal
-from ddpdoctor.trace.merge import time_base
+from ddpdoctor.reports.timeline import choose_steps
 from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.synthetic import SyntheticJob, write_run
 
@@ -85,12 +87,16 @@ def test_large_run_keeps_slowest_steps_and_every_step_in_heatmap(tmp_path: Path)
     diag = diagnose(load_run(write_run(job, tmp_path)))
     text = html.render(diag, max_segments=2_000)
     assert re.search(r"Showing \d+ of 300 steps", text)
-    ranks, steps, z, _ = html.lateness_matrix(diag, time_base(diag.run))
-    assert steps == list(range(300)) and z.shape == (16, 300)
-    assert int(np.argmax(np.nanmean(z, axis=1))) == 5  # the straggler is the latest row
-    assert np.nanmin(z) == 0
-    spans = html.step_spans(diag, time_base(diag.run))
-    chosen = html.choose_steps(spans, per_step=100, budget=2_000)
+    late = diag.lateness
+    assert late is not None and late.definition == LATENESS_AT_LAST_BUCKET
+    assert late.steps == list(range(1, 300)) and late.ms.shape == (16, 299)  # step 0 has no sync before
+    assert int(np.argmax(np.nanmean(late.ms, axis=1))) == 5  # the straggler is the latest row
+    assert np.nanmin(late.ms) == 0
+    # The heatmap's latest rank and the straggler finding's are one rank, by one definition.
+    (finding,) = [f for f in diag.findings if f.kind == "straggler"]
+    assert finding.ranks == [5] and max(late.mean_ms(), key=late.mean_ms().get) == 5
+    spans = diag.step_spans
+    chosen = choose_steps(spans, per_step=100, budget=2_000)
     slowest = max(spans, key=lambda s: spans[s][1] - spans[s][0])
     assert chosen is not None and len(chosen) <= 20 and slowest in chosen
 
@@ -99,7 +105,7 @@ def test_report_at_scale_stays_within_its_size_budget(tmp_path: Path) -> None:
     """A quarter of the benchmark's size (32 ranks x 500 steps) stays a page a browser opens.
     How long it takes is measured by benchmarks/report_scale.py and scale.py, not here."""
     dirs = write_run(SyntheticJob(ranks=32, steps=500, straggler=3), tmp_path)
-    path = html.write(diagnose(load_run(dirs)), tmp_path / "r.html")
+    path = reports.write(diagnose(load_run(dirs)), tmp_path / "r.html")
     assert path.stat().st_size < 10_000_000
 
 
@@ -119,7 +125,7 @@ def test_report_failure_never_changes_the_summary_or_exit(tmp_path: Path, monkey
     def broken(*a, **k):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(html, "write", broken)
+    monkeypatch.setattr(html, "render", broken)
     text = cli._summary_text(run_dir)
     assert "report: not written (RuntimeError('disk on fire'))" in text
     assert "rank(s) on 1 host(s)" in text

@@ -12,10 +12,15 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.diagnosis import Diagnosis
-from ddpdoctor.analysis.phases import PHASES, step_times
+from ddpdoctor.analysis.phases import step_times
+from ddpdoctor.trace import schema
 
 SCHEMA = "ddpdoctor.compare/1"
-STEP_PHASES = tuple(p for p in PHASES if p != "ddp_init")  # once per run, not per step
+
+
+def step_phases() -> list[str]:
+    """The phases that happen every step (DDP init happens once per run)."""
+    return [name for name, p in schema.PHASES.items() if p.per_step]
 
 
 def _ratio(b: float | None, a: float | None) -> float | None:
@@ -41,7 +46,7 @@ def step_distribution(diag: Diagnosis) -> dict[str, Any]:
 def phase_per_step(diag: Diagnosis) -> dict[str, float]:
     """Each phase's seconds per training step, averaged over ranks."""
     out: dict[str, float] = {}
-    for phase in STEP_PHASES:
+    for phase in step_phases():
         per_rank = [
             stats[phase]["total_s"] / diag.steps[rank]
             for rank, stats in diag.phases.items()
@@ -76,7 +81,7 @@ def compare(a: Diagnosis, b: Diagnosis) -> dict[str, Any]:
     """The comparison; ratios are B over A (above 1: B is larger)."""
     sa, sb = summary(a), summary(b)
     phases = {}
-    for phase in STEP_PHASES:
+    for phase in step_phases():
         va, vb = sa["phases_per_step_s"].get(phase), sb["phases_per_step_s"].get(phase)
         if va is None and vb is None:
             continue

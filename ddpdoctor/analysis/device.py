@@ -14,7 +14,7 @@ from dataclasses import replace
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
-_CACHE = "_device_timed"
+_CACHE = "device_timed"
 
 
 def has_device_spans(run: Run) -> bool:
@@ -25,10 +25,10 @@ def has_device_spans(run: Run) -> bool:
 
 
 def device_timed(run: Run) -> Run:
-    """``run`` with device spans in place of CPU spans, or ``run`` itself without them."""
-    cached = run.__dict__.get(_CACHE)
-    if cached is not None:
-        return cached
+    """``run`` with device spans in place of CPU spans, or ``run`` itself without them
+    (cached in ``run.derived``; the view has its own, empty, ``derived``)."""
+    if _CACHE in run.derived:
+        return run.derived[_CACHE]
     view = run
     if has_device_spans(run):
         ranks = {}
@@ -38,9 +38,9 @@ def device_timed(run: Run) -> Run:
                 if dev in events:
                     events[cpu] = events[dev]
             ranks[rank] = replace(trace, events=events)
-        view = replace(run, ranks=ranks)
-        view.__dict__[_CACHE] = view
-    run.__dict__[_CACHE] = view
+        view = replace(run, ranks=ranks, derived={})
+        view.derived[_CACHE] = view
+    run.derived[_CACHE] = view
     return view
 
 

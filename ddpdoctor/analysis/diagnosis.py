@@ -7,11 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import gpu
+from ddpdoctor.analysis import gpu, gpu_findings, views
 from ddpdoctor.analysis.findings import Finding, find_all
-from ddpdoctor.analysis.gradsync import bucket_stats
+from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
+from ddpdoctor.analysis.models import ddp_models
 from ddpdoctor.analysis.phases import rank_phases, step_times
+from ddpdoctor.analysis.views import Lateness
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run
 
 
@@ -22,10 +25,15 @@ class Diagnosis:
     steps: dict[int, int]
     step_time_s: dict[int, dict[str, float]]
     batch_size: dict[str, int | None]
-    ddp: dict[str, Any]
+    ddp: dict[str, Any]  # the first DDP model's constructor record
     buckets: list[dict[str, Any]] = field(default_factory=list)  # gradient sync per bucket
     findings: list[Finding] = field(default_factory=list)
     gpus: gpu.GpuView | None = None  # the supervisor's NVML samples, when a node took any
+    ddp_models: list[dict[str, Any]] = field(default_factory=list)  # every DDP model, in order
+    time_base: TimeBase | None = None  # every rank on rank 0's clock
+    step_spans: dict[int, tuple[float, float]] = field(default_factory=dict)  # s on the common base
+    lateness: Lateness | None = None  # at the gradient sync, rank x step
+    bucket_layout: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> params, bytes
 
     @property
     def has_errors(self) -> bool:
@@ -36,6 +44,7 @@ def diagnose(run: Run) -> Diagnosis:
     """Statistics and findings for a run (pure: reads only the Run)."""
     phases = {rank: rank_phases(t) for rank, t in sorted(run.ranks.items())}
     steps = {rank: t.steps for rank, t in sorted(run.ranks.items())}
+    tb = time_base(run)
     step_time_s: dict[int, dict[str, float]] = {}
     for rank, trace in sorted(run.ranks.items()):
         st = step_times(trace)
@@ -49,8 +58,13 @@ def diagnose(run: Run) -> Diagnosis:
         step_time_s=step_time_s,
         batch_size=batch_sizes(run),
         ddp=ddp_config(run),
+        ddp_models=ddp_models(run),
+        time_base=tb,
+        step_spans=views.step_spans(run, tb),
+        lateness=views.lateness(run, tb),
+        bucket_layout=bucket_layout(run),
         buckets=bucket_stats(run),
-        findings=gpu.join_stragglers(run, find_all(run)),
+        findings=gpu_findings.join_stragglers(run, find_all(run)),
         gpus=gpu.gpu_view(run),
     )
 
@@ -89,8 +103,5 @@ def batch_sizes(run: Run) -> dict[str, int | None]:
 
 def ddp_config(run: Run) -> dict[str, Any]:
     """The first DDP model's constructor record, as rank 0 (or the lowest rank) saw it."""
-    for _, trace in sorted(run.ranks.items()):
-        init = trace.kind(schema.DDP_INIT)
-        if len(init) and init.fields[0]:
-            return dict(init.fields[0][0])
-    return {}
+    models = ddp_models(run)
+    return models[0] if models else {}

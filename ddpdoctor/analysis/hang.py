@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding, rank_list
+from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
-# Phases in which a rank waits for the others (see probes: collector.progress).
-SYNC_PHASES = frozenset({"collective", "sync_buffers", "forward", "backward"})
+# Phases in which a rank waits for the others (see probes: Collector.sync_point).
+SYNC_PHASES = SYNC_LIVE_PHASES
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")
 
@@ -70,7 +71,7 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
         return f"DistributedDataParallel.forward ({op} mode, {num})"
     if name == "backward":
         return f"backward -> DDP gradient all-reduce ({num})"
-    if name == "data":
+    if name == LivePhase.DATA:
         return "DataLoader.__next__ (waiting for a batch)"
     if op == "barrier":
         return f"dist.barrier() ({num})"
@@ -218,7 +219,7 @@ def _judge(states: dict[int, RankState], world_size: int | None) -> tuple[str, l
     if outside:
         culprits = sorted(outside)
         first = outside[culprits[0]]
-        in_data = all((s.phase or {}).get("name") == "data" for s in outside.values())
+        in_data = all((s.phase or {}).get("name") == LivePhase.DATA for s in outside.values())
         seqs = sorted({s.seq for s in waiting.values()})
         target = f" collective #{seqs[0]}" if len(seqs) == 1 and seqs[0] >= 0 else " the next collective"
         what = "waits for a batch from its DataLoader" if in_data else "is stuck in user code"

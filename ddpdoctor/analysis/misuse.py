@@ -1,4 +1,4 @@
-"""DDP misuse the seed articles warn about: unused parameters, samplers, set_epoch."""
+"""DDP misuse: unused parameters, samplers that do not shard, a missing set_epoch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.models import ddp_models, label, model_of
 from ddpdoctor.analysis.phases import step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -20,22 +21,9 @@ _FIX_UNUSED = (
 )
 
 
-def _param_names(trace: RankTrace) -> list[str]:
-    init = trace.kind(schema.DDP_INIT)
-    return list(init.fields[-1][0].get("param_names", [])) if len(init) else []
-
-
 def _steps_text(steps: list[int], limit: int = 8) -> str:
     shown = ", ".join(str(s) for s in steps[:limit])
     return shown + (f" (+{len(steps) - limit} more)" if len(steps) > limit else "")
-
-
-def ddp_options(run: Run) -> dict[str, Any]:
-    for _, trace in sorted(run.ranks.items()):
-        init = trace.kind(schema.DDP_INIT)
-        if len(init):
-            return dict(init.fields[-1][0].get("options", {}))
-    return {}
 
 
 @detector
@@ -45,8 +33,8 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     scope = "local"
     errors: dict[int, list[str]] = {}
     for rank, trace in sorted(run.ranks.items()):
-        names = _param_names(trace)
         for _, step, info in trace.meta.get(schema.UNUSED, []):
+            names = list(model_of(trace, info).get("param_names", []))
             scope = info.get("scope", scope)
             for i in info.get("params", []):
                 name = names[i] if 0 <= i < len(names) else f"#{i}"
@@ -98,7 +86,9 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
 
 @detector
 def find_unused_parameters_unneeded(run: Run) -> Iterable[Finding]:
-    if not ddp_options(run).get("find_unused_parameters"):
+    models = ddp_models(run)
+    searching = [m for m in models if m.get("options", {}).get("find_unused_parameters")]
+    if not searching:
         return
     if any(t.meta.get(schema.UNUSED) for t in run.ranks.values()):
         return
@@ -116,11 +106,17 @@ def find_unused_parameters_unneeded(run: Run) -> Iterable[Finding]:
         "find_unused_parameters_unneeded",
         "warning",
         sorted(run.ranks),
+        f"{', '.join(label(m, models) for m in searching)}: "
         f"find_unused_parameters=True, but every parameter got a gradient in all {steps} steps on "
         f"every rank: DDP walks the autograd graph after each forward for nothing{cost}",
         fix="Construct DistributedDataParallel without find_unused_parameters (or with "
         "static_graph=True if the graph never changes).",
-        details={"steps": steps, "graph_walk_ms": round(scan_ms, 3), "step_ms": round(step_ms, 3)},
+        details={
+            "steps": steps,
+            "graph_walk_ms": round(scan_ms, 3),
+            "step_ms": round(step_ms, 3),
+            "models": [m.get("index", 0) for m in searching],
+        },
     )
 
 

@@ -9,31 +9,23 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import Events, RankTrace
+from ddpdoctor.trace.columns import Events
+from ddpdoctor.trace.reader import RankTrace
 
-# Phase name in reports -> how to select its events from a rank's trace.
-PHASES = (
-    "ddp_init",
-    "forward",
-    "sync_buffers",
-    "backward",
-    "allreduce",
-    "barrier",
-    "collective",
-    "data_wait",
-    "optimizer",
-)
+
+def phase_events(trace: RankTrace, phase: str) -> Events:
+    """One phase's events on one rank (a phase may be a subset of its kind: barriers)."""
+    p = schema.PHASES[phase]
+    ev = trace.kind(p.kind)
+    if p.where is None or not len(ev):
+        return ev
+    hit = ev.equals(p.where[0], p.where[1])
+    return ev.select(~hit if p.negate else hit)
 
 
 def phase_durations(trace: RankTrace, phase: str) -> np.ndarray:
     """Durations (µs) of one phase's events on one rank."""
-    if phase in ("barrier", "collective"):
-        coll = trace.kind(schema.COLLECTIVE)
-        if not len(coll):
-            return coll.dur
-        is_barrier = coll.equals(0, schema.BARRIER_OP)
-        return coll.dur[is_barrier if phase == "barrier" else ~is_barrier]
-    return trace.kind(phase).dur
+    return phase_events(trace, phase).dur
 
 
 def stats(durations_us: np.ndarray) -> dict[str, Any]:
@@ -70,7 +62,7 @@ def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
 def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
     """Every phase that happened on this rank, with its statistics."""
     out: dict[str, dict[str, Any]] = {}
-    for phase in PHASES:
+    for phase in schema.PHASES:
         d = phase_durations(trace, phase)
         if len(d):
             out[phase] = stats(d)

@@ -120,6 +120,13 @@ def sync_table(run: Run) -> SyncTable | None:
     return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us)
 
 
+def cached_sync_table(run: Run) -> SyncTable | None:
+    """``sync_table(run)``, computed once per run: the finding and the report's heatmap share it."""
+    if "sync_table" not in run.derived:
+        run.derived["sync_table"] = sync_table(run)
+    return run.derived["sync_table"]
+
+
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
     """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
     excess = {}
@@ -161,7 +168,7 @@ def _standout(typical: np.ndarray) -> np.ndarray:
 
 @detector
 def stragglers(run: Run) -> Iterable[Finding]:
-    table = sync_table(run)
+    table = cached_sync_table(run)
     if table is None or not table.step_us:
         return
     threshold = max(LATE_FRACTION * table.step_us, LATE_FLOOR_US)

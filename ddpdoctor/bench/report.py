@@ -1,7 +1,7 @@
 """Bench output: an 80-column terminal table, a self-contained HTML page and the JSON object.
 
 Every string that came from the user (the model path, run dirs, findings) is escaped with
-``reports.html.esc`` before it reaches the page or a plotly label.
+``reports.markup.esc`` before it reaches the page or a plotly label.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def to_json(result: dict[str, Any]) -> str:
 def _figures(result: dict[str, Any]) -> list[tuple[str, Any]]:
     import plotly.graph_objects as go
 
-    from ddpdoctor.reports.html import esc
+    from ddpdoctor.reports.markup import esc
 
     modes = {k: v for k, v in result["modes"].items() if v.get("ok")}
     names = [esc(_LABEL.get(k, k)) for k in modes]
@@ -179,7 +179,7 @@ def render_html(result: dict[str, Any]) -> str:
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
 
-    from ddpdoctor.reports.html import esc
+    from ddpdoctor.reports.markup import esc
 
     cfg = result["config"]
     shown = {k: (", ".join(map(str, v)) or "-") if isinstance(v, list) else v for k, v in cfg.items()}

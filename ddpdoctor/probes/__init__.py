@@ -39,9 +39,9 @@ def _patch_torch() -> None:
 
     if not torch.distributed.is_available():
         return
-    from ddpdoctor.probes import checkpoint, collectives, data, ddp
+    from ddpdoctor.probes import checkpoint, collectives, data, ddp, optimizer
 
-    for module in (collectives, ddp, data, checkpoint):
+    for module in (collectives, ddp, data, optimizer, checkpoint):
         try:
             module.install()
         except Exception as exc:  # a torch whose internals moved: lose the probe, not the job

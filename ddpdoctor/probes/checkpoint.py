@@ -1,4 +1,4 @@
-"""Checkpoints: ``torch.save`` and ``torch.load`` calls, for the seed articles' checkpoint traps
+"""Checkpoints: ``torch.save`` and ``torch.load`` calls, for the classic checkpoint traps
 (every rank writing the same file, loading without map_location, the ``module.`` prefix)."""
 
 from __future__ import annotations

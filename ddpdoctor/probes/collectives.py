@@ -13,6 +13,7 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.schema import LivePhase
 
 # Ops called from Python; DDP's own gradient all-reduce runs in C++ and is timed by the comm hook.
 COLLECTIVE_OPS = (
@@ -110,7 +111,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
-            if c is None or c.in_collective or PROBE in c.disabled or _compiling():
+            if c is None or c.in_collective() or PROBE in c.disabled or _compiling():
                 return orig(*args, **kwargs)
             try:
                 group = kwargs.get("group")
@@ -124,15 +125,9 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            c.in_collective = True
-            t0 = _now()
-            prev, c.progress = c.progress, ("collective", op, seq, t0)
-            try:
+            fields = (op, nbytes, gname, gsize, seq, is_async)
+            with c.sync_point(LivePhase.COLLECTIVE, op, seq, schema.COLLECTIVE, *fields):
                 return orig(*args, **kwargs)
-            finally:
-                c.in_collective = False
-                c.progress = prev
-                c.emit(schema.COLLECTIVE, t0, _now(), op, nbytes, gname, gsize, seq, is_async)
 
         return collective
 

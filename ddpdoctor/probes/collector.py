@@ -18,10 +18,14 @@ import traceback
 from typing import Any
 
 from ddpdoctor import _env
+from ddpdoctor.probes import liveness
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.schema import LivePhase
 from ddpdoctor.trace.writer import TraceWriter
 
-ERROR_LOG = "probe-errors.log"
+_now = time.monotonic_ns
+Progress = tuple[LivePhase, str, int, int]  # phase, op, sequence number at entry, t0 (monotonic ns)
 
 ACTIVE: Collector | None = None
 _activation_lock = threading.Lock()
@@ -36,24 +40,42 @@ class Collector:
         self.default_pg = default_pg
         self.step = -1
         self.awaiting_backward = False  # a grad-mode DDP forward has not had its backward yet
-        self.in_collective = False  # suppresses nested records (all_gather_object -> all_gather)
         self.optimizer_t0 = 0
+        self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
+        self.ddp_models = 0  # DistributedDataParallel instances constructed so far
         self.step_model: Any = None  # the DDP model state whose forward opened this step
         self.disabled: set[str] = set()
         # Live progress, published by the writer thread as status-rank{R}.json (liveness.py):
         # (phase, op, seq at entry, t0 monotonic ns) of the sync point the rank is inside, or None.
-        self.progress: tuple[str, str, int, int] | None = None
+        self.progress: Progress | None = None
+        self.pid = os.getpid()
+        self.closed = False
         self.events = 0  # events recorded so far: a counter the supervisor watches move
         self.last_step_ns = 0  # entry of the last training forward
         self.max_step_ns = 0  # the slowest step seen (forward entry to next forward entry)
         self.writer = TraceWriter(
-            os.path.join(run_dir, schema.trace_filename(self.rank, header.get("restart", 0))),
+            RunDir(run_dir).trace(self.rank, header.get("restart", 0)),
             header,
-            capacity=int(os.environ.get(_env.BUFFER_EVENTS, "100000")),
-            flush_interval=float(os.environ.get(_env.FLUSH_INTERVAL, "0.25")),
+            capacity=int(_env.number(_env.BUFFER_EVENTS, 100000, integer=True)),
+            flush_interval=_env.number(_env.FLUSH_INTERVAL, 0.25),
             on_error=self._writer_failed,
         )
         self.put = self.writer.put
+
+    @property
+    def live(self) -> bool:
+        """Still recording in this process (not closed, not a forked child's inherited copy)."""
+        return not self.closed and self.pid == os.getpid()
+
+    def sync_point(self, phase: LivePhase, op: str, seq: int, kind: str, *fields: Any) -> SyncPoint:
+        """``with c.sync_point(...):`` around a call where the rank may wait for its peers: the
+        status file shows it inside (phase, op, seq) meanwhile, and the span is recorded after."""
+        return SyncPoint(self, (phase, op, seq, _now()), kind, fields)
+
+    def in_collective(self) -> bool:
+        """Inside a recorded collective or a bucket's comm hook: collectives called there
+        (all_gather_object -> all_gather, a hook's all_reduce) are part of it, not the user's."""
+        return self.in_bucket_hook or (self.progress is not None and self.progress[0] is LivePhase.COLLECTIVE)
 
     def emit(self, kind: str, t0: int, t1: int, *fields: Any) -> None:
         """Record one event (monotonic ns) at the current step."""
@@ -89,12 +111,33 @@ class Collector:
         _warn_once(f"ddpdoctor: rank {self.rank} stopped recording ({exc}); training continues")
 
     def close(self, reason: str = "exit") -> None:
+        self.closed = True
         self.writer.close(reason)
+
+
+class SyncPoint:
+    """One sync point being waited in (see ``Collector.sync_point``)."""
+
+    __slots__ = ("c", "prev", "progress", "kind", "fields")
+
+    def __init__(self, c: Collector, progress: Progress, kind: str, fields: tuple) -> None:
+        self.c, self.progress, self.kind, self.fields = c, progress, kind, fields
+        self.prev = c.progress
+
+    def __enter__(self) -> SyncPoint:
+        self.c.progress = self.progress
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        c = self.c
+        c.progress = self.prev
+        if exc_type is not StopIteration:  # an iterator that ended delivered nothing to wait for
+            c.emit(self.kind, self.progress[3], _now(), *self.fields)
 
 
 def _log_error(run_dir: str, text: str) -> None:
     try:
-        with open(os.path.join(run_dir, ERROR_LOG), "a", encoding="utf-8") as fh:
+        with open(os.path.join(run_dir, RunDir.ERROR_LOG), "a", encoding="utf-8") as fh:
             fh.write(text.rstrip() + "\n")
     except OSError:
         pass
@@ -137,8 +180,6 @@ def activate(dist: Any) -> Collector | None:
             return None
         _install_exit_handlers(ACTIVE)
         try:
-            from ddpdoctor.probes import liveness
-
             liveness.install(ACTIVE)
         except Exception as exc:
             ACTIVE.fail("liveness", exc)

@@ -1,4 +1,4 @@
-"""DataLoader waits, DataLoader passes (sampler, epoch, batch size) and optimizer steps."""
+"""DataLoader waits and DataLoader passes (sampler, epoch, batch size)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
-from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.schema import LivePhase
 
 PROBE = "data"
 _now = time.monotonic_ns
@@ -17,16 +17,10 @@ _LOADER_ID = "_ddpdoctor_loader"
 
 
 def install() -> None:
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
     from torch.utils.data import dataloader
 
     patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
     patch(dataloader.DataLoader, "__iter__", _wrap_iter)
-    register_optimizer_step_pre_hook(_optimizer_pre)
-    register_optimizer_step_post_hook(_optimizer_post)
 
 
 def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -34,14 +28,8 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return next_(self)
-        t0 = _now()
-        prev, c.progress = c.progress, ("data", "next", -1, t0)
-        try:
-            batch = next_(self)
-        finally:
-            c.progress = prev
-        c.emit(schema.DATA_WAIT, t0, _now(), getattr(self, _LOADER_ID, 0))
-        return batch
+        with c.sync_point(LivePhase.DATA, "next", -1, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0)):
+            return next_(self)
 
     return __next__
 
@@ -82,23 +70,3 @@ def describe_loader(loader: Any) -> dict[str, Any]:
         "batch_sampler": type(loader.batch_sampler).__name__ if loader.batch_sampler else None,
     }
 
-
-def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-    c = _c.ACTIVE
-    if c is not None:
-        c.optimizer_t0 = _now()
-        timer = _ct.ACTIVE
-        if timer is not None:
-            timer.optimizer_span = timer.begin(_ct.DEV_OPTIMIZER, c.step, (type(optimizer).__name__,))
-
-
-def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-    c = _c.ACTIVE
-    if c is None or PROBE in c.disabled or not c.optimizer_t0:
-        return
-    t0, c.optimizer_t0 = c.optimizer_t0, 0
-    c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)
-    timer = _ct.ACTIVE
-    if timer is not None and timer.optimizer_span is not None:
-        span, timer.optimizer_span = timer.optimizer_span, None
-        timer.finish(span)

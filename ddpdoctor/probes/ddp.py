@@ -17,8 +17,10 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
+from ddpdoctor.probes.collector import SyncPoint
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.schema import LivePhase
 
 PROBE = "ddp"
 _now = time.monotonic_ns
@@ -41,6 +43,7 @@ class _ModelState:
         self.timer_registered = False
         self.builtin_hook = False  # a C++ builtin hook: cannot be timed from Python
         self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
+        self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
 
 
 def install() -> None:
@@ -67,6 +70,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         t1 = _now()
         try:
             state = _ModelState(self)
+            state.index, c.ddp_models = c.ddp_models, c.ddp_models + 1
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
             _ct.start(c, self.module)  # device spans when the model is on CUDA
@@ -105,6 +109,7 @@ def _describe(ddp: Any, seq: int, state: _ModelState) -> dict[str, Any]:
         "param_bytes": sum(p.nbytes for p in params),
         "buckets": buckets,
         "seq": seq,
+        "index": state.index,
         "param_names": state.param_names,
         "options": {
             "find_unused_parameters": bool(ddp.find_unused_parameters),
@@ -145,20 +150,20 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
-        prev, c.progress = c.progress, ("forward", "train" if grad else "eval", seq, t0)
+        sync = SyncPoint(c, (LivePhase.FORWARD, "train" if grad else "eval", seq, t0), schema.FORWARD,
+                         (int(grad), int(self.training), seq))
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq)) if timer else None
-        try:
-            return forward(self, *inputs, **kwargs)
-        except RuntimeError as exc:
-            if state is not None and _UNFINISHED_REDUCTION in str(exc):
-                _record_ddp_error(c, state, str(exc))
-            raise
-        finally:
-            c.progress = prev
-            c.emit(schema.FORWARD, t0, _now(), int(grad), int(self.training), seq)
-            if span is not None:
-                timer.finish(span)  # type: ignore[union-attr]
+        with sync:
+            try:
+                return forward(self, *inputs, **kwargs)
+            except RuntimeError as exc:
+                if state is not None and _UNFINISHED_REDUCTION in str(exc):
+                    _record_ddp_error(c, state, str(exc))
+                raise
+            finally:
+                if span is not None:
+                    timer.finish(span)  # type: ignore[union-attr]
 
     return forward_
 
@@ -212,11 +217,13 @@ def check_unused(c: _c.Collector) -> None:
         short = (counts < state.world).nonzero().flatten().tolist()
         if short:
             used = [int(counts[i]) for i in short]
-            c.meta(schema.UNUSED, {"params": short, "used_on_ranks": used, "scope": "global"})
+            info = {"params": short, "used_on_ranks": used, "scope": "global", "model": state.index}
+            c.meta(schema.UNUSED, info)
     else:
         missing = [i for i, p in enumerate(state.params) if p.grad is None]
         if missing:
-            c.meta(schema.UNUSED, {"params": missing, "used_on_ranks": None, "scope": "local"})
+            info = {"params": missing, "used_on_ranks": None, "scope": "local", "model": state.index}
+            c.meta(schema.UNUSED, info)
 
 
 def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,13 +232,8 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or PROBE in c.disabled:
             return sync(self, *args, **kwargs)
         seq = group_info(self.process_group, c)[3]
-        t0 = _now()
-        prev, c.progress = c.progress, ("sync_buffers", "broadcast", seq, t0)
-        try:
+        with c.sync_point(LivePhase.SYNC_BUFFERS, "broadcast", seq, schema.SYNC_BUFFERS, seq):
             return sync(self, *args, **kwargs)
-        finally:
-            c.progress = prev
-            c.emit(schema.SYNC_BUFFERS, t0, _now(), seq)
 
     return _sync_buffers
 
@@ -242,17 +244,14 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or not c.awaiting_backward or PROBE in c.disabled:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
-        t0 = _now()
-        prev, c.progress = c.progress, ("backward", "allreduce", c.progress_seq(), t0)
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
-        try:
-            result = backward(*args, **kwargs)
-        finally:
-            c.progress = prev
-            c.emit(schema.BACKWARD, t0, _now())
-            if span is not None:
-                timer.finish(span)  # type: ignore[union-attr]
+        with c.sync_point(LivePhase.BACKWARD, "allreduce", c.progress_seq(), schema.BACKWARD):
+            try:
+                result = backward(*args, **kwargs)
+            finally:
+                if span is not None:
+                    timer.finish(span)  # type: ignore[union-attr]
         try:
             check_unused(c)
         except Exception as exc:
@@ -360,14 +359,14 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
     except Exception as exc:
         c.fail(PROBE, exc)
         return inner(inner_state, bucket)
-    c.in_collective = True  # a user hook's own dist.all_reduce is part of this bucket event
+    c.in_bucket_hook = True  # a user hook's own dist.all_reduce is part of this bucket event
     try:
         if inner is _default_hook:  # one Python callback per bucket, not two: each costs a GIL trip
             fut = _default_allreduce(inner_state, bucket).get_future()
         else:
             fut = inner(inner_state, bucket)
     finally:
-        c.in_collective = False
+        c.in_bucket_hook = False
     unwrap = inner is _default_hook
 
     def reduced(done: Any) -> Any:

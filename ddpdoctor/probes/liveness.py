@@ -24,30 +24,25 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import flight_recorder
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
+
+if TYPE_CHECKING:  # the collector imports this module, never the other way at run time
+    from ddpdoctor.probes.collector import Collector
 
 STATUS_SCHEMA = "ddpdoctor.status/1"
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
 
 
-def status_filename(rank: int) -> str:
-    return f"status-rank{rank}.json"
-
-
-def stacks_filename(rank: int) -> str:
-    return f"stacks-rank{rank}.txt"
-
-
 class _Liveness:
-    def __init__(self, collector: _c.Collector) -> None:
+    def __init__(self, collector: Collector) -> None:
         self.c = collector
-        self.path = os.path.join(collector.run_dir, status_filename(collector.rank))
-        self.tmp = os.path.join(collector.run_dir, f".{status_filename(collector.rank)}.tmp")
+        path = RunDir(collector.run_dir).status(collector.rank)
+        self.path, self.tmp = str(path), str(path.with_name(f".{path.name}.tmp"))
         self.pid = os.getpid()
         try:
             self.world_size: int | None = int(collector.default_pg.size())
@@ -110,14 +105,14 @@ def _allow_ptrace() -> bool:
 _stacks_fh: Any = None  # kept open for faulthandler's C handler
 
 
-def _register_faulthandler(c: _c.Collector) -> str | None:
+def _register_faulthandler(c: Collector) -> str | None:
     global _stacks_fh
     sigusr1 = getattr(signal, "SIGUSR1", None)
     if sigusr1 is None or threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(sigusr1) not in (signal.SIG_DFL, None):
         return None  # the job uses SIGUSR1 itself: never steal it
-    path = os.path.join(c.run_dir, stacks_filename(c.rank))
+    path = str(RunDir(c.run_dir).stacks(c.rank))
     try:
         _stacks_fh = open(path, "a", encoding="utf-8")  # noqa: SIM115  (lives as long as the rank)
         faulthandler.register(sigusr1, file=_stacks_fh, all_threads=True, chain=False)
@@ -147,7 +142,7 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
     live.publish()
 
 
-def install(c: _c.Collector) -> None:
+def install(c: Collector) -> None:
     live = _Liveness(c)
     c.writer.on_tick = live.publish
     live.publish()
@@ -155,7 +150,7 @@ def install(c: _c.Collector) -> None:
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if _c.ACTIVE is c and not issubclass(exc_type, KeyboardInterrupt):
+            if c.live and not issubclass(exc_type, KeyboardInterrupt):
                 _record_error(live, _format_error(exc_type, exc, tb, "MainThread"))
         except Exception:
             pass
@@ -166,7 +161,7 @@ def install(c: _c.Collector) -> None:
 
     def thread_excepthook(args: Any) -> None:
         try:
-            if _c.ACTIVE is c and args.exc_type is not SystemExit:
+            if c.live and args.exc_type is not SystemExit:
                 name = getattr(args.thread, "name", "?")
                 _record_error(live, _format_error(args.exc_type, args.exc_value, args.exc_traceback, name))
         except Exception:

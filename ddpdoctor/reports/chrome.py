@@ -1,67 +1,47 @@
 """Chrome trace JSON (``ddpdoctor export``) for ui.perfetto.dev and chrome://tracing.
 
-One process per rank, named ``rank N (host)``; its events go on a compute thread, its
-bucket all-reduces and buffer broadcasts on a comm thread, and its device spans (CUDA events,
-when the model was on a GPU) on a gpu thread. Complete events ("X") must nest on
-a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
+One process per rank, named ``rank N (host)``; its events go on a compute thread and its
+bucket all-reduces and buffer broadcasts on a comm thread; spans timed on the device (CUDA
+events, when the model was on a GPU) go on a gpu thread and a gpu comm thread. Complete events
+("X") must nest on a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
 nesting moves to the next thread of its kind ("comm 2", ...) instead. Timestamps are µs on the
-run's common time base (every rank aligned to rank 0's clock). GPU metrics, when the trace
-holds ``gpu`` records, become counter ("C") events; the supervisor's NVML samples
-(``gpu-<host>.jsonl``) become one process per GPU, sorted under the ranks, holding counters.
+run's common time base (every rank aligned to rank 0's clock). Which kinds go on which thread,
+and their names and args, come from the vocabulary (``schema.KINDS`` and ``schema.PHASES``).
+The supervisor's NVML samples (``gpu-<host>.jsonl``) become one process per GPU, sorted under
+the ranks, holding counters.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.rundir import write_atomic
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.merge import time_base
-from ddpdoctor.trace.reader import RankTrace
 
-GPU_KIND = "gpu"  # metadata records {name: number, ...} sampled by the NVML probe, when present
-COMPUTE_KINDS = (
-    schema.DDP_INIT,
-    schema.DATA_WAIT,
-    schema.FORWARD,
-    schema.BACKWARD,
-    schema.OPTIMIZER,
-    schema.COLLECTIVE,
-)
-COMM_KINDS = (schema.ALLREDUCE, schema.SYNC_BUFFERS)
-DEVICE_KINDS = tuple(schema.DEVICE_KINDS.values())  # CUDA-event spans: a "gpu" thread
-COMPUTE_TID, COMM_TID, DEVICE_TID = 1, 100, 200  # extra lanes count up from these
-_CPU_TWIN = {dev: cpu for cpu, dev in schema.DEVICE_KINDS.items()}
+COMPUTE_TID, COMM_TID, DEVICE_TID, DEVICE_COMM_TID = 1, 100, 200, 300  # extra lanes count up
+
+
+def _kinds(lane: schema.Lane) -> list[str]:
+    """The span kinds drawn on one lane (a kind of several phases is drawn once)."""
+    return list(dict.fromkeys(p.kind for p in schema.PHASES.values() if p.lane == lane))
 
 
 def _args(kind: str, step: int, fields: tuple, buckets: dict[int, list[str]]) -> tuple[str, dict]:
-    """(event name, args) from a record's fields."""
+    """(event name, args) from a record's fields, named as the vocabulary declares them."""
+    declared = schema.KINDS[kind]
     args: dict[str, Any] = {"step": step}
-    kind = _CPU_TWIN.get(kind, kind)  # a device span is named as its CPU twin
-    name = kind
-    if kind == schema.ALLREDUCE and len(fields) >= 2:
-        name = f"allreduce bucket {fields[0]}"
-        args.update(bucket=fields[0], bytes=fields[1])
-        if fields[0] in buckets:
-            args["params"] = buckets[fields[0]]
-    elif kind == schema.COLLECTIVE and fields:
-        name = str(fields[0])
-        keys = ("op", "bytes", "group", "group_size", "seq", "async")
-        args.update(dict(zip(keys, fields, strict=False)))
-    elif kind == schema.FORWARD and fields:
-        name = "forward" if fields[0] == 1 else "forward (no grad)"
-    elif kind == schema.OPTIMIZER and fields:
-        name = f"optimizer {fields[0]}"
-    elif kind == schema.DDP_INIT and fields and isinstance(fields[0], dict):
-        args.update({k: v for k, v in fields[0].items() if k != "buckets"})
-    return name, args
+    for key, value in declared.args(fields).items():
+        if isinstance(value, dict):  # DDP init's description: its keys, without the bucket list
+            args.update({k: v for k, v in value.items() if k != "buckets"})
+        else:
+            args[key] = value
+    if args.get("bucket") in buckets:
+        args["params"] = buckets[args["bucket"]]
+    return declared.describe(fields), args
 
 
 def _lanes(events: list[tuple[int, int, str, dict]], base_tid: int) -> Iterator[tuple[int, tuple]]:
@@ -82,18 +62,11 @@ def _lanes(events: list[tuple[int, int, str, dict]], base_tid: int) -> Iterator[
             yield base_tid + len(stacks) - 1, ev
 
 
-def _bucket_params(trace: RankTrace) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for _ts, _step, info in trace.meta.get(schema.BUCKET, []):
-        if isinstance(info.get("index"), int):
-            out[info["index"]] = [str(p) for p in info.get("params", [])]
-    return out
-
-
 def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
     """The ``traceEvents`` list for a diagnosed run."""
-    run = diag.run
-    tb = time_base(run)
+    run, tb = diag.run, diag.time_base
+    assert tb is not None
+    buckets = {i: [str(p) for p in info.get("params", [])] for i, info in diag.bucket_layout.items()}
     out: list[dict[str, Any]] = []
     for rank, trace in sorted(run.ranks.items()):
         pid = rank
@@ -101,9 +74,14 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
             {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {rank} ({trace.host})"}}
         )
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}})
-        buckets = _bucket_params(trace)
-        lanes = ((COMPUTE_KINDS, COMPUTE_TID, "compute"), (COMM_KINDS, COMM_TID, "comm"))
-        for kinds, base, label in (*lanes, (DEVICE_KINDS, DEVICE_TID, "gpu")):
+        lanes = (
+            (schema.Lane.COMPUTE, COMPUTE_TID, "compute"),
+            (schema.Lane.COMM, COMM_TID, "comm"),
+            (schema.Lane.DEVICE, DEVICE_TID, "gpu"),  # device spans (CUDA events), when recorded
+            (schema.Lane.DEVICE_COMM, DEVICE_COMM_TID, "gpu comm"),
+        )
+        for lane, base, label in lanes:
+            kinds = _kinds(lane)
             events: list[tuple[int, int, str, dict]] = []
             for kind in kinds:
                 ev = trace.kind(kind)
@@ -146,13 +124,6 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
                         "args": {"sort_index": tid},
                     }
                 )
-        for ts, _step, info in trace.meta.get(GPU_KIND, []):
-            values = {
-                k: v for k, v in info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            if values:
-                t = int(tb.rel(rank, np.asarray([ts]))[0])
-                out.append({"name": "gpu", "ph": "C", "ts": t, "pid": pid, "args": values})
     return out
 
 
@@ -196,7 +167,7 @@ def gpu_events(diag: Diagnosis) -> list[dict[str, Any]]:
     return out
 
 
-def render(diag: Diagnosis) -> dict[str, Any]:
+def document(diag: Diagnosis) -> dict[str, Any]:
     return {
         "traceEvents": trace_events(diag) + gpu_events(diag),
         "displayTimeUnit": "ms",
@@ -208,6 +179,6 @@ def render(diag: Diagnosis) -> dict[str, Any]:
     }
 
 
-def write(diag: Diagnosis, path: str | os.PathLike[str]) -> Path:
-    """Write the trace atomically (temporary name, then rename)."""
-    return write_atomic(path, json.dumps(render(diag), separators=(",", ":")))
+def render(diag: Diagnosis) -> str:
+    """The trace as compact JSON text."""
+    return json.dumps(document(diag), separators=(",", ":"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
@@ -10,7 +11,7 @@ from ddpdoctor.analysis import gpu as _gpu
 SCHEMA = "ddpdoctor.diagnosis/1"
 
 
-def render(diag: Diagnosis) -> dict[str, Any]:
+def document(diag: Diagnosis) -> dict[str, Any]:
     run = diag.run
     return {
         "schema": SCHEMA,
@@ -27,6 +28,7 @@ def render(diag: Diagnosis) -> dict[str, Any]:
             "step_time_s": {str(r): v for r, v in diag.step_time_s.items()},
             "batch_size": diag.batch_size,
             "ddp": diag.ddp,
+            "ddp_models": [{k: v for k, v in m.items() if k != "param_names"} for m in diag.ddp_models],
             "notes": run.notes,
         },
         "phases": {str(r): p for r, p in diag.phases.items()},
@@ -41,3 +43,8 @@ def _header_value(diag: Diagnosis, key: str) -> Any:
         if key in trace.header:
             return trace.header[key]
     return None
+
+
+def render(diag: Diagnosis) -> str:
+    """The diagnosis as indented JSON text."""
+    return json.dumps(document(diag), indent=2)

@@ -6,6 +6,7 @@ import textwrap
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.analysis.models import label
 
 WIDTH = 80
 _MARK = {"error": "ERROR", "warning": "WARN ", "info": "info "}
@@ -24,11 +25,10 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     bs = diag.batch_size
     if bs.get("per_process"):
         lines.append(f"  batch size {bs['per_process']} per process, {bs['global']} global")
-    ddp = diag.ddp
-    if ddp:
+    for ddp in diag.ddp_models or ([diag.ddp] if diag.ddp else []):
         opts = ddp.get("options", {})
         lines.append(
-            f"  DDP: {ddp.get('module')} with {ddp.get('params', 0):,} parameters, "
+            f"  DDP: {label(ddp, diag.ddp_models)} with {ddp.get('params', 0):,} parameters, "
             f"{len(ddp.get('buckets', []))} bucket(s), find_unused_parameters="
             f"{opts.get('find_unused_parameters')}"
         )

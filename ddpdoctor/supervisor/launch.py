@@ -23,8 +23,7 @@ from typing import Any
 import ddpdoctor
 from ddpdoctor import _env
 from ddpdoctor.probes import flight_recorder
-from ddpdoctor.rundir import write_atomic
-from ddpdoctor.trace.reader import RUN_META
+from ddpdoctor.rundir import RunDir, write_atomic
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
 RUN_SCHEMA = "ddpdoctor.run/1"
@@ -62,7 +61,7 @@ def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[s
 
 def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:
     """Write run.json atomically (temporary name, then rename)."""
-    write_atomic(run_dir / RUN_META, json.dumps(meta, indent=2))
+    write_atomic(run_dir / RunDir.RUN_META, json.dumps(meta, indent=2))
 
 
 def run_job(

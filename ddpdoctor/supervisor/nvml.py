@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -26,7 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-GPU_SCHEMA = "ddpdoctor.gpu/1"
+from ddpdoctor.rundir import RunDir
+from ddpdoctor.trace import schema
+
 DEFAULT_INTERVAL_S = 0.5
 MIN_INTERVAL_S = 0.05
 
@@ -39,11 +40,6 @@ _REASONS = {
     "NoPermission": "no permission to query NVML",
     "no_gpus": "NVML sees no GPU",
 }
-
-
-def gpu_filename(host: str) -> str:
-    """``gpu-<host>.jsonl``; the host name is reduced to characters safe in a file name."""
-    return f"gpu-{re.sub(r'[^A-Za-z0-9._-]', '_', host) or 'host'}.jsonl"
 
 
 def error_code(exc: BaseException) -> str:
@@ -113,7 +109,7 @@ class Sampler:
         self.run_dir = Path(run_dir)
         self.interval_s = max(MIN_INTERVAL_S, float(interval_s))
         self.host = host or socket.gethostname()
-        self.path = self.run_dir / gpu_filename(self.host)
+        self.path = RunDir(self.run_dir).gpu(self.host)
         self._nvml = nvml
         self.nv: Any = None
         self.handles: list[Any] = []
@@ -189,7 +185,7 @@ class Sampler:
             for i, h in enumerate(self.handles):
                 gpus.append({"index": i, **self._static(h)})
         header = {
-            "schema": GPU_SCHEMA,
+            "schema": schema.GPU_SCHEMA,
             "host": self.host,
             "pid": os.getpid(),
             "wall_ns": self.wall_ns,

@@ -18,16 +18,29 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from ddpdoctor import _env
 
 PYSPY_TIMEOUT_S = 5.0
 FAULTHANDLER_WAIT_S = 1.5
 
 
+def pyspy_path() -> str | None:
+    """DDPDOCTOR_PYSPY if set ("off": none), else py-spy from ddpdoctor's own environment (a
+    venv that is not activated is not on PATH), else from PATH."""
+    chosen = os.environ.get(_env.PYSPY)
+    if chosen:
+        return None if chosen == "off" else shutil.which(chosen)
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
 def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S) -> dict[str, Any]:
-    exe = shutil.which("py-spy")
+    exe = pyspy_path()
     if exe is None:
         return {"method": None, "threads": [], "error": "py-spy not found"}
     try:

@@ -14,10 +14,8 @@ It also notes ranks that vanish (killed by a signal) for the ``rank_failure`` fi
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -27,31 +25,26 @@ from typing import Any
 
 from ddpdoctor.analysis import flight
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
-from ddpdoctor.rundir import write_atomic
+from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
-WATCH_FILE = "watch.json"
 DEFAULT_FLOOR_S = 30.0
 HANG_MULTIPLE = 5.0
-_STATUS = re.compile(r"status-rank(\d+)\.json$")
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
     """The latest status of every rank (a file being replaced is simply read next time)."""
     out: dict[int, dict[str, Any]] = {}
-    for path in glob.glob(os.path.join(str(run_dir), "status-rank*.json")):
-        m = _STATUS.search(path)
-        if not m:
-            continue
+    for rank, path in RunDir(run_dir).statuses():
         try:
             with open(path, encoding="utf-8") as fh:
                 status = json.load(fh)
         except (OSError, ValueError):
             continue
         if isinstance(status, dict):
-            out[int(m.group(1))] = status
+            out[rank] = status
     return out
 
 
@@ -226,7 +219,7 @@ class Watcher:
         self, statuses: dict[int, dict[str, Any]], threshold: float, quiet: float, now: float
     ) -> dict[str, Any]:
         n = len(self.hangs) + 1
-        hang_dir = self.run_dir / f"hang-{n}"
+        hang_dir = RunDir(self.run_dir).hang(n)
         hang_dir.mkdir(exist_ok=True)
         stacks = _stacks.dump_all(statuses, self.use_pyspy)
         world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
@@ -250,7 +243,7 @@ class Watcher:
         for rank, dump in stacks.items():
             raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
             with contextlib.suppress(OSError):
-                (hang_dir / f"stack-rank{rank}.txt").write_text(_render_stack(rank, dump, raw))
+                RunDir(self.run_dir).hang_stack(n, rank).write_text(_render_stack(rank, dump, raw))
         self._save_hang(summary)
         self.hangs.append(summary)
         self.report(text)
@@ -262,12 +255,12 @@ class Watcher:
         return summary
 
     def _save_hang(self, summary: dict[str, Any]) -> None:
-        path = Path(summary["hang_dir"]) / "summary.json"
+        path = Path(summary["hang_dir"]) / RunDir.HANG_SUMMARY
         _write_json(path, summary)
 
     def _write_watch(self) -> None:
         _write_json(
-            self.run_dir / WATCH_FILE,
+            self.run_dir / RunDir.WATCH,
             {
                 "schema": WATCH_SCHEMA,
                 "hang_timeout": self.hang_timeout,

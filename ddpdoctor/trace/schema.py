@@ -41,8 +41,8 @@ dev_bucket      as ``allreduce``, on the device: ts when the bucket's gradients 
                 waits for the collective
 ==============  ===============================================================================
 
-``dev_*`` times are device times turned into this rank's monotonic clock by the writer
-process (``probes/cuda_timing.py``); their lines come in the order the device finished them,
+``dev_*`` times are device times turned into this rank's monotonic clock off the training
+thread (``probes/cuda_timing.py``); their lines come in the order the device finished them,
 some time after the CPU events of the same step.
 
 Metadata records share the shape ``[kind, ts_us, 0, step, {...}]``:
@@ -97,15 +97,27 @@ end             {reason, samples}
 ==============  ===============================================================================
 
 Readers must ignore kinds they do not know, so later versions can add records.
+
+Every kind is declared once, below, as an ``EventKind`` (its fields, how the bulk parser reads
+it, its docs) and, if it is drawn, with one or more ``Phase`` entries (label, lane, colour, and
+which of its events belong to the phase). The reader, the phase statistics, the HTML timeline
+and the Perfetto export all iterate these declarations; ``declare`` adds a kind at run time.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
 SCHEMA = "ddpdoctor.trace/2"
 SCHEMAS = ("ddpdoctor.trace/1", SCHEMA)  # the versions the reader accepts
-TRACE_GLOB = "trace-rank*.jsonl"
+GPU_SCHEMA = "ddpdoctor.gpu/1"
+BARRIER_OP = "barrier"
 
-# Event kinds, as written by the probes.
+# Record kinds. Spans (``[kind, ts, dur, step, *fields]``) and metadata (``[kind, ts, 0, step,
+# {...}]``) are declared with their fields in ``KINDS`` below; these names are for code.
 DDP_INIT = "ddp_init"
 FORWARD = "forward"
 SYNC_BUFFERS = "sync_buffers"
@@ -127,7 +139,6 @@ DEVICE_KINDS = {
     ALLREDUCE: DEV_ALLREDUCE,
 }
 
-# Metadata kinds.
 HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
@@ -142,17 +153,157 @@ END = "end"
 CLOCK = "clock"
 RANK_ERROR = "rank_error"
 
-BARRIER_OP = "barrier"
-
 # The supervisor's GPU samples (gpu-<host>.jsonl).
-GPU_SCHEMA = "ddpdoctor.gpu/1"
-GPU_GLOB = "gpu-*.jsonl"
 GPU = "gpu"
 GPU_PROCS = "gpu_procs"
 
 
-def trace_filename(rank: int, restart: int = 0) -> str:
-    """The file a rank writes; one per elastic restart attempt so attempts never interleave."""
-    if restart:
-        return f"trace-rank{rank}-attempt{restart}.jsonl"
-    return f"trace-rank{rank}.jsonl"
+class Lane(enum.IntEnum):
+    """Where a phase is drawn: the rank's compute row, its communication lane beneath, and
+    the same two on the device's clock (CUDA events) under them."""
+
+    COMPUTE = 0
+    COMM = 1
+    DEVICE = 2
+    DEVICE_COMM = 3
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One span kind: ``[kind, ts_us, dur_us, step, *fields]``.
+
+    ``spec`` gives the bulk parser one letter per field ("i" integer, "s" short string); a
+    kind without one is always read by the careful (json) path. ``title`` names one event in
+    the timeline and the export from its fields (a format string over ``fields``' names, or a
+    function of the field dict)."""
+
+    name: str
+    fields: tuple[str, ...] = ()
+    spec: str | None = None
+    title: str | Callable[[Mapping[str, Any]], str] = ""
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and len(self.spec) != len(self.fields):
+            raise ValueError(f"{self.name}: spec {self.spec!r} does not match fields {self.fields}")
+
+    def args(self, fields: tuple) -> dict[str, Any]:
+        """The named fields of one event (extra or missing ones are left out)."""
+        return dict(zip(self.fields, fields, strict=False))
+
+    def describe(self, fields: tuple) -> str:
+        """This event's name on the timeline."""
+        args = self.args(fields)
+        try:
+            if callable(self.title):
+                return self.title(args)
+            return self.title.format_map(args) if self.title else self.name
+        except (KeyError, IndexError, ValueError):
+            return self.name
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A named share of a rank's time, drawn and tabulated: the events of ``kind`` (those whose
+    field ``where[0]`` equals ``where[1]`` when ``where`` is set, or differs when ``negate``)."""
+
+    name: str
+    kind: str
+    label: str
+    lane: Lane = Lane.COMPUTE
+    colour: str = "#9e9e9e"
+    where: tuple[int, Any] | None = None
+    negate: bool = False
+    per_step: bool = True  # happens every step (DDP init does not): compared across runs
+
+
+def _forward_title(args: Mapping[str, Any]) -> str:
+    return "forward" if args.get("grad", 1) == 1 else "forward (no grad)"
+
+
+KINDS: dict[str, EventKind] = {}
+PHASES: dict[str, Phase] = {}  # in drawing order: later phases draw over earlier ones
+META_KINDS = frozenset(
+    (HEADER, BUCKET, LOADER, COMM_HOOK, UNUSED, DDP_ERROR, SAVE, LOAD, PROBE_ERROR, DROPPED, END, CLOCK)
+    + (RANK_ERROR,)
+)
+
+
+def declare(kind: EventKind, *phases: Phase) -> EventKind:
+    """Add a span kind (and the phases it feeds) to the vocabulary every consumer iterates."""
+    if kind.name in META_KINDS:
+        raise ValueError(f"{kind.name} is a metadata kind")
+    KINDS[kind.name] = kind
+    for phase in phases:
+        if phase.kind != kind.name:
+            raise ValueError(f"phase {phase.name} reads {phase.kind}, not {kind.name}")
+        PHASES[phase.name] = phase
+    return kind
+
+
+declare(
+    EventKind(DDP_INIT, ("info",), title="DDP init"),
+    Phase("ddp_init", DDP_INIT, "DDP init", per_step=False),
+)
+declare(
+    EventKind(DATA_WAIT, ("loader",), "i", "data wait"),
+    Phase("data_wait", DATA_WAIT, "data wait", colour="#f2b134"),
+)
+declare(
+    EventKind(FORWARD, ("grad", "training", "seq"), "iii", _forward_title),
+    Phase("forward", FORWARD, "forward", colour="#4e79a7"),
+)
+declare(EventKind(BACKWARD, (), "", "backward"), Phase("backward", BACKWARD, "backward", colour="#59a14f"))
+declare(
+    EventKind(OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
+    Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
+)
+declare(
+    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async"), "sisiii", "{op}"),
+    Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
+    Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
+)
+declare(
+    EventKind(SYNC_BUFFERS, ("seq",), "i", "buffer broadcast"),
+    Phase("sync_buffers", SYNC_BUFFERS, "buffer broadcast", Lane.COMM, "#76b7b2"),
+)
+declare(
+    EventKind(ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    Phase("allreduce", ALLREDUCE, "bucket all-reduce", Lane.COMM, "#edc948"),
+)
+declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
+# Device spans: the fields and titles of their CPU twins, drawn under them.
+declare(
+    EventKind(DEV_FORWARD, ("grad", "training", "seq"), "iii", _forward_title),
+    Phase("dev_forward", DEV_FORWARD, "forward (GPU)", Lane.DEVICE, "#2b4a6b"),
+)
+declare(
+    EventKind(DEV_BACKWARD, (), "", "backward"),
+    Phase("dev_backward", DEV_BACKWARD, "backward (GPU)", Lane.DEVICE, "#35652f"),
+)
+declare(
+    EventKind(DEV_OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
+    Phase("dev_optimizer", DEV_OPTIMIZER, "optimizer (GPU)", Lane.DEVICE, "#6b4a63"),
+)
+declare(
+    EventKind(DEV_ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    Phase("dev_bucket", DEV_ALLREDUCE, "bucket all-reduce (GPU)", Lane.DEVICE_COMM, "#a38a2f"),
+)
+
+
+class LivePhase(str, enum.Enum):
+    """Where a live rank is, as its status file says (``phase.name``): set by the probes around
+    each sync point and read by the supervisor's hang watch."""
+
+    FORWARD = "forward"
+    SYNC_BUFFERS = "sync_buffers"
+    BACKWARD = "backward"
+    COLLECTIVE = "collective"
+    DATA = "data"
+
+    @property
+    def waits_for_peers(self) -> bool:
+        """A rank here can be blocked by another rank (a DataLoader wait cannot)."""
+        return self is not LivePhase.DATA
+
+
+SYNC_LIVE_PHASES = frozenset(p.value for p in LivePhase if p.waits_for_peers)

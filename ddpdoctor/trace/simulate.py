@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import Events, RankTrace, Run
+from ddpdoctor.trace.columns import Events
+from ddpdoctor.trace.reader import RankTrace, Run
 
 BASE_MS = {"optimizer": 2.0, "other": 1.0, "data_wait": 2.0, "forward": 10.0, "backward": 15.0}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
 _ENC = json.JSONEncoder(separators=(",", ":")).encode
@@ -131,9 +132,9 @@ def _write_host(args: tuple[int, str]) -> str:
     run_dir = Path(out) / f"host{host}"
     run_dir.mkdir(parents=True, exist_ok=True)
     for rank in range(host * job.ranks_per_host, min(job.ranks, (host + 1) * job.ranks_per_host)):
-        (run_dir / schema.trace_filename(rank)).write_text(_rank_text(rank), encoding="utf-8")
+        RunDir(run_dir).trace(rank).write_text(_rank_text(rank), encoding="utf-8")
     meta = {"schema": "ddpdoctor.run/1", "command": job.command, "exit_code": 0, "status": "finished"}
-    (run_dir / "run.json").write_text(json.dumps(dict(meta, host=job.host_name.format(host))), "utf-8")
+    (run_dir / RunDir.RUN_META).write_text(json.dumps(dict(meta, host=job.host_name.format(host))), "utf-8")
     return str(run_dir)
 
 

@@ -1,6 +1,6 @@
 """Small DDP jobs with one classic mistake each (or none).
 
-Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch}
+Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch|two_models}
 """
 
 import sys
@@ -38,7 +38,12 @@ def main() -> None:
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=8, sampler=sampler)
     model = DDP(Net(), find_unused_parameters=mode in ("branch", "unneeded"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params = list(model.parameters())
+    critic = None
+    if mode == "two_models":  # a second model that searches for unused parameters needlessly
+        critic = DDP(nn.Linear(4, 1), find_unused_parameters=True)
+        params += list(critic.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
     step = 0
     for epoch in range(2):
         if sampler is not None and mode != "no_set_epoch":
@@ -49,6 +54,8 @@ def main() -> None:
             loss = nn.functional.cross_entropy(logits, y)
             if aux is not None and mode != "unused_head":
                 loss = loss + aux.pow(2).mean()
+            if critic is not None:
+                loss = loss + critic(logits).pow(2).mean()
             loss.backward()
             opt.step()
             step += 1

@@ -1,0 +1,43 @@
+"""The DistributedDataParallel models a job built, as the run header and the findings name them.
+
+A job may wrap several models (a GAN's generator and discriminator, a teacher and a student):
+each ``ddp_init`` record carries the model's index on its rank, and each ``unused`` record the
+index of the model it is about, so the header and every finding speak of the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import RankTrace, Run
+
+
+def rank_models(trace: RankTrace) -> list[dict[str, Any]]:
+    """One rank's DDP constructor records, in construction order."""
+    init = trace.kind(schema.DDP_INIT)
+    return [dict(f[0]) for f in init.fields if f and isinstance(f[0], dict)]
+
+
+def ddp_models(run: Run) -> list[dict[str, Any]]:
+    """Every DDP model of the job, as the lowest rank that built any saw them."""
+    for _, trace in sorted(run.ranks.items()):
+        models = rank_models(trace)
+        if models:
+            return models
+    return []
+
+
+def model_of(trace: RankTrace, record: dict[str, Any]) -> dict[str, Any]:
+    """The model an ``unused`` record is about (the last built, for traces without the index)."""
+    models = rank_models(trace)
+    if not models:
+        return {}
+    index = record.get("model")
+    return models[index] if isinstance(index, int) and 0 <= index < len(models) else models[-1]
+
+
+def label(model: dict[str, Any], models: list[dict[str, Any]]) -> str:
+    """How findings name a model: its class, with its index when the job has several."""
+    name = str(model.get("module", "model"))
+    return f"{name} (DDP model #{model.get('index', 0)})" if len(models) > 1 else name

@@ -1,0 +1,194 @@
+"""The column model of a rank's trace: events of one kind as packed integer columns.
+
+A 1,024-rank run holds about 80 million events; as Python tuples or int64 columns they would
+not fit, so the reader stores each integer column as the narrowest offsets that fit and each
+string column as codes into a table, and analyses read whole columns at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Packed:
+    """An integer column stored as ``base`` plus the narrowest unsigned offsets that fit (or as
+    codes into a small table of values): a 1,024-rank run holds about 80 million events, and
+    int64 columns alone would need several GB."""
+
+    __slots__ = ("base", "data", "table")
+
+    def __init__(self, base: int, data: np.ndarray, table: np.ndarray | None = None) -> None:
+        self.base, self.data, self.table = base, data, table
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Packed:
+        values = np.asarray(values, dtype=np.int64)
+        if not len(values):
+            return cls(0, values)
+        lo, hi = int(values.min()), int(values.max())
+        span = hi - lo
+        for dtype in (np.uint8, np.uint16):
+            if span <= np.iinfo(dtype).max:
+                return cls(lo, (values - lo).astype(dtype))
+        if len(values) > 256 and len(np.unique(values[:256])) <= 16:
+            table, codes = np.unique(values, return_inverse=True)
+            if len(table) <= 256:
+                return cls(0, codes.astype(np.uint8), table)
+        if span <= np.iinfo(np.uint32).max:
+            return cls(lo, (values - lo).astype(np.uint32))
+        return cls(0, values)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def values(self) -> np.ndarray:
+        """The column as int64 (a new array)."""
+        if self.table is not None:
+            return self.table[self.data]
+        return self.data.astype(np.int64) + self.base
+
+    def item(self, i: int) -> int:
+        return int(self.table[self.data[i]]) if self.table is not None else int(self.data[i]) + self.base
+
+    def select(self, index: np.ndarray) -> Packed:
+        return Packed(self.base, self.data[index], self.table)
+
+
+class Strings:
+    """A string column as codes into a table of the distinct values (class names, op names)."""
+
+    __slots__ = ("codes", "table")
+
+    def __init__(self, codes: np.ndarray, table: list[str]) -> None:
+        self.codes, self.table = codes, table
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def values(self) -> np.ndarray:
+        return np.array(self.table, dtype=object)[self.codes] if self.table else np.zeros(0, object)
+
+    def equals(self, value: Any) -> np.ndarray:
+        hits = [i for i, v in enumerate(self.table) if v == value]
+        return np.isin(self.codes, hits)
+
+    def item(self, i: int) -> str:
+        return self.table[self.codes[i]]
+
+    def select(self, index: np.ndarray) -> Strings:
+        return Strings(self.codes[index], self.table)
+
+
+Column = Packed | Strings
+
+
+class Fields(Sequence[tuple]):
+    """The fields after ``step`` of every event of one kind, stored as columns: behaves as the
+    list of tuples it replaces (index, iterate, len), and hands analyses whole columns."""
+
+    __slots__ = ("columns", "n")
+
+    def __init__(self, columns: list[Column], n: int) -> None:
+        self.columns, self.n = columns, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return tuple(c.item(i) for c in self.columns)
+
+    def __iter__(self) -> Iterator[tuple]:
+        if not self.columns:
+            return iter([()] * self.n)
+        cols = [c.values().tolist() for c in self.columns]
+        return iter(zip(*cols, strict=True))
+
+    def select(self, index: np.ndarray) -> Fields:
+        return Fields([c.select(index) for c in self.columns], len(index))
+
+
+class Events:
+    """One kind of event on one rank, in columns: µs since the rank's clock anchor.
+
+    ``ts``, ``dur`` and ``step`` read as int64 arrays; the reader stores them packed (see
+    ``Packed``). ``fields`` is a sequence of tuples (a ``Fields`` from the reader's fast path,
+    a list otherwise); ``ints``/``equals`` read one field of every event as an array, which is
+    what analyses should use instead of looping over tuples.
+    """
+
+    __slots__ = ("_ts", "_dur", "_step", "fields")
+
+    def __init__(
+        self,
+        ts: np.ndarray | Packed,
+        dur: np.ndarray | Packed,
+        step: np.ndarray | Packed,
+        fields: Sequence[tuple],
+    ) -> None:
+        self._ts, self._dur, self._step = (
+            c if isinstance(c, Packed) else np.asarray(c, dtype=np.int64) for c in (ts, dur, step)
+        )
+        self.fields = fields
+
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    @property
+    def ts(self) -> np.ndarray:
+        return self._ts.values() if isinstance(self._ts, Packed) else self._ts
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self._dur.values() if isinstance(self._dur, Packed) else self._dur
+
+    @property
+    def step(self) -> np.ndarray:
+        return self._step.values() if isinstance(self._step, Packed) else self._step
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ts + self.dur
+
+    def ints(self, j: int, default: int = -1) -> np.ndarray:
+        """Field ``j`` of every event as int64; ``default`` where it is missing or not an int."""
+        if isinstance(self.fields, Fields) and j < len(self.fields.columns):
+            col = self.fields.columns[j]
+            if isinstance(col, Packed):
+                return col.values()
+            return np.full(len(self), default, np.int64)
+        return np.array(
+            [f[j] if len(f) > j and type(f[j]) is int else default for f in self.fields], dtype=np.int64
+        ).reshape(-1)
+
+    def equals(self, j: int, value: Any) -> np.ndarray:
+        """Which events have field ``j`` equal to ``value``."""
+        if isinstance(self.fields, Fields) and j < len(self.fields.columns):
+            col = self.fields.columns[j]
+            if isinstance(col, Strings):
+                return col.equals(value)
+            return col.values() == value if isinstance(value, int) else np.zeros(len(self), bool)
+        return np.array([len(f) > j and f[j] == value for f in self.fields], dtype=bool).reshape(-1)
+
+    def select(self, keep: np.ndarray) -> Events:
+        """The events where ``keep`` (a boolean mask or index array) selects them."""
+        index = np.flatnonzero(keep) if np.asarray(keep).dtype == bool else np.asarray(keep)
+        cols = [
+            c.select(index) if isinstance(c, Packed) else c[index] for c in (self._ts, self._dur, self._step)
+        ]
+        if isinstance(self.fields, Fields):
+            fields: Sequence[tuple] = self.fields.select(index)
+        else:
+            fields = [self.fields[i] for i in index.tolist()]
+        return Events(cols[0], cols[1], cols[2], fields)
+
+    @classmethod
+    def empty(cls) -> Events:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z.copy(), z.copy(), [])
