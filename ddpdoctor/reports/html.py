@@ -2,7 +2,9 @@
 
 Sections: findings, run header, timeline (one row per rank; bucket all-reduces on a lane of
 their own under it, so their overlap with backward shows), lateness at the gradient sync
-(rank x step heatmap), rank x phase table, and GPU panels when metrics were recorded.
+(rank x step heatmap), rank x phase table, and GPU panels when metrics were recorded. The
+timeline and the GPU panels have modules of their own; the page template, its CSS and its
+scripts are files in ``assets/``. Every number shown comes from the Diagnosis.
 
 It stays small and responsive at scale: each phase is one WebGL line trace with NaN gaps (never
 a shape per event), the heatmap is one image, and when the run has more events than
