@@ -14,7 +14,7 @@ from typing import Any
 from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
-# Phases in which a rank waits for the others (see probes: Collector.sync_point).
+# Phases in which a rank waits for the others (see probes: Collector.enter).
 SYNC_PHASES = SYNC_LIVE_PHASES
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")

@@ -126,8 +126,11 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
             fields = (op, nbytes, gname, gsize, seq, is_async)
-            with c.sync_point(LivePhase.COLLECTIVE, op, seq, schema.COLLECTIVE, *fields):
+            prev = c.enter(LivePhase.COLLECTIVE, op, seq)
+            try:
                 return orig(*args, **kwargs)
+            finally:
+                c.leave(prev, schema.COLLECTIVE, *fields)
 
         return collective
 

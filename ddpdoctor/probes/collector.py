@@ -67,10 +67,20 @@ class Collector:
         """Still recording in this process (not closed, not a forked child's inherited copy)."""
         return not self.closed and self.pid == os.getpid()
 
-    def sync_point(self, phase: LivePhase, op: str, seq: int, kind: str, *fields: Any) -> SyncPoint:
-        """``with c.sync_point(...):`` around a call where the rank may wait for its peers: the
-        status file shows it inside (phase, op, seq) meanwhile, and the span is recorded after."""
-        return SyncPoint(self, (phase, op, seq, _now()), kind, fields)
+    def enter(self, phase: LivePhase, op: str, seq: int, t0: int = 0) -> Progress | None:
+        """Enter a sync point (a call where the rank may wait for its peers): its status file
+        shows it inside (phase, op, seq) until ``leave(<what this returned>, ...)``, which a
+        probe calls in a ``finally``. Two plain calls: a context manager costs twice as much."""
+        prev = self.progress
+        self.progress = (phase, op, seq, t0 or _now())
+        return prev
+
+    def leave(self, prev: Progress | None, kind: str | None, *fields: Any) -> None:
+        """Leave the sync point entered last and record its span (none when ``kind`` is None)."""
+        t0 = self.progress[3] if self.progress is not None else _now()
+        self.progress = prev
+        if kind is not None:
+            self.emit(kind, t0, _now(), *fields)
 
     def in_collective(self) -> bool:
         """Inside a recorded collective or a bucket's comm hook: collectives called there
@@ -113,26 +123,6 @@ class Collector:
     def close(self, reason: str = "exit") -> None:
         self.closed = True
         self.writer.close(reason)
-
-
-class SyncPoint:
-    """One sync point being waited in (see ``Collector.sync_point``)."""
-
-    __slots__ = ("c", "prev", "progress", "kind", "fields")
-
-    def __init__(self, c: Collector, progress: Progress, kind: str, fields: tuple) -> None:
-        self.c, self.progress, self.kind, self.fields = c, progress, kind, fields
-        self.prev = c.progress
-
-    def __enter__(self) -> SyncPoint:
-        self.c.progress = self.progress
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        c = self.c
-        c.progress = self.prev
-        if exc_type is not StopIteration:  # an iterator that ended delivered nothing to wait for
-            c.emit(self.kind, self.progress[3], _now(), *self.fields)
 
 
 def _log_error(run_dir: str, text: str) -> None:

@@ -28,8 +28,14 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return next_(self)
-        with c.sync_point(LivePhase.DATA, "next", -1, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0)):
-            return next_(self)
+        prev = c.enter(LivePhase.DATA, "next", -1)
+        try:
+            batch = next_(self)
+        except BaseException:  # StopIteration ends the pass: nothing was waited for
+            c.leave(prev, None)
+            raise
+        c.leave(prev, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0))
+        return batch
 
     return __next__
 

@@ -17,7 +17,6 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
-from ddpdoctor.probes.collector import SyncPoint
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.schema import LivePhase
@@ -150,20 +149,19 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
-        sync = SyncPoint(c, (LivePhase.FORWARD, "train" if grad else "eval", seq, t0), schema.FORWARD,
-                         (int(grad), int(self.training), seq))
+        prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0)
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq)) if timer else None
-        with sync:
-            try:
-                return forward(self, *inputs, **kwargs)
-            except RuntimeError as exc:
-                if state is not None and _UNFINISHED_REDUCTION in str(exc):
-                    _record_ddp_error(c, state, str(exc))
-                raise
-            finally:
-                if span is not None:
-                    timer.finish(span)  # type: ignore[union-attr]
+        try:
+            return forward(self, *inputs, **kwargs)
+        except RuntimeError as exc:
+            if state is not None and _UNFINISHED_REDUCTION in str(exc):
+                _record_ddp_error(c, state, str(exc))
+            raise
+        finally:
+            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq)
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
 
     return forward_
 
@@ -232,8 +230,11 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or PROBE in c.disabled:
             return sync(self, *args, **kwargs)
         seq = group_info(self.process_group, c)[3]
-        with c.sync_point(LivePhase.SYNC_BUFFERS, "broadcast", seq, schema.SYNC_BUFFERS, seq):
+        prev = c.enter(LivePhase.SYNC_BUFFERS, "broadcast", seq)
+        try:
             return sync(self, *args, **kwargs)
+        finally:
+            c.leave(prev, schema.SYNC_BUFFERS, seq)
 
     return _sync_buffers
 
@@ -244,14 +245,15 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or not c.awaiting_backward or PROBE in c.disabled:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
+        prev = c.enter(LivePhase.BACKWARD, "allreduce", c.progress_seq())
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
-        with c.sync_point(LivePhase.BACKWARD, "allreduce", c.progress_seq(), schema.BACKWARD):
-            try:
-                result = backward(*args, **kwargs)
-            finally:
-                if span is not None:
-                    timer.finish(span)  # type: ignore[union-attr]
+        try:
+            result = backward(*args, **kwargs)
+        finally:
+            c.leave(prev, schema.BACKWARD)
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
         try:
             check_unused(c)
         except Exception as exc:
