@@ -8,6 +8,7 @@ its input cannot be read (or the command line is wrong).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -34,6 +35,8 @@ def main() -> None:
     ddpdoctor diagnose ddpdoctor-runs/<timestamp>
     ddpdoctor report RUN_DIR [RUN_DIR ...] -o report.html
     ddpdoctor report RUN_DIR [RUN_DIR ...] -o trace.json   (Perfetto)
+    ddpdoctor top RUN_DIR [RUN_DIR ...]                    # a running job, rank by rank
+    ddpdoctor attach PID                                   # a job started without ddpdoctor
     """
 
 
@@ -197,8 +200,9 @@ def _write_report(diag: object, path: Path) -> str:
     return str(path)
 
 
-def _load(run_dirs: tuple[str, ...]) -> Any:
-    """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read."""
+def _load(run_dirs: tuple[str, ...], as_json: bool = False) -> Any:
+    """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read (as a JSON error
+    object on stdout too when the caller scripts against JSON)."""
     from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.trace.reader import TraceError, load_run
 
@@ -206,6 +210,10 @@ def _load(run_dirs: tuple[str, ...]) -> Any:
         return diagnose_run(load_run(run_dirs))
     except TraceError as exc:
         click.echo(f"ddpdoctor: {exc}", err=True)
+        if as_json:
+            from ddpdoctor.reports import json_report
+
+            click.echo(json.dumps(json_report.error(str(exc), run_dirs), indent=2))
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -219,7 +227,7 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     """
     from ddpdoctor.reports import json_report, terminal
 
-    diag = _load(run_dirs)
+    diag = _load(run_dirs, as_json)
     if as_json:
         click.echo(json_report.render(diag))
     else:
@@ -421,6 +429,79 @@ def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
 
     result = compare_runs(_load((run_dir_a,)), _load((run_dir_b,)))
     click.echo(json.dumps(result, indent=2) if as_json else compare_report.render(result))
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.top/1) per refresh.")
+@click.option("--interval", default=1.0, show_default=True, metavar="SECONDS", help="Refresh period.")
+def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -> None:
+    """Watch a job under `ddpdoctor run` live, one row per rank (RUN_DIRS: one per node).
+
+    \b
+    Example:  ddpdoctor top ddpdoctor-runs/<timestamp>            # refreshes every second
+              ddpdoctor top --once node0/run node1/run          # one frame, e.g. in a log
+    Per rank: step, steps/s, the sync point it is in and for how long, its last collective
+    (op and sequence number), how late it reaches the gradient sync (mean over the last
+    steps), GPU use when NVML has it. Then the job (throughput, slowest rank, time since any
+    rank progressed) and what is already clear (a straggler, a hang, a rank that raised).
+    Reads only the ranks' small status files; exits when the run has finished, or on Ctrl-C.
+    """
+    from ddpdoctor.live import top as live_top
+
+    if not interval > 0:
+        raise click.BadParameter("must be positive", param_hint="--interval")
+    dirs = [Path(d) for d in run_dirs]
+    with contextlib.suppress(KeyboardInterrupt):
+        live_top.run(dirs, once=once, as_json=as_json, interval=interval, echo=click.echo)
+
+
+@main.command()
+@click.argument("pid", type=int)
+@click.option(
+    "--watch",
+    "watch_s",
+    default=3.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Look at the stacks several times over this long to tell stuck (no stack changes) "
+    "from slow; 0 looks once.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory for the stacks and report (default: ./ddpdoctor-runs/<timestamp>).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.attach/1).")
+def attach(pid: int, watch_s: float, out: str | None, as_json: bool) -> None:
+    """Diagnose a running job that was started without ddpdoctor, from its ranks' stacks.
+
+    \b
+    Example:  ddpdoctor attach 12345        # torchrun's pid, an mp.spawn parent's, or a rank's
+    Finds every rank on this node (RANK/LOCAL_RANK/WORLD_SIZE in /proc/<pid>/environ), dumps
+    each one's threads with py-spy, groups ranks that stand at the same place and says who
+    waits for whom, where in your code, the likely cause and the fix - the verdict
+    `ddpdoctor run` gives. Writes a run directory that `diagnose` and `report` read.
+    Needs ptrace rights (same user; CAP_SYS_PTRACE or sudo under kernel.yama.ptrace_scope>=1).
+    Exits 0 when the job progresses, 1 when it is stuck, 2 when it cannot look.
+    """
+    from ddpdoctor.live.attach import AttachError
+    from ddpdoctor.live.attach_run import attach as attach_job
+
+    if watch_s < 0:
+        raise click.BadParameter("must be 0 or more", param_hint="--watch")
+    try:
+        result = attach_job(pid, watch_s, out)
+    except AttachError as exc:
+        click.echo(f"ddpdoctor: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the run directory: {exc}") from exc
+    click.echo(json.dumps(result.report, indent=2, default=str) if as_json else result.text)
+    sys.exit(EXIT_FINDINGS if result.state == "stuck" else 0)
 
 
 if __name__ == "__main__":

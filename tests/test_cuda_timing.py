@@ -24,7 +24,7 @@ def wait_for(pred, timeout: float = 10.0) -> None:
 def one_step(timer: DeviceTimer, cuda: FakeCuda, comm: FakeStream, step: int, slow_ns: int = 0) -> dict:
     """A DDP step as the device sees it; returns the true device times (monotonic ns)."""
     truth = {}
-    fwd = timer.begin(schema.DEV_FORWARD, step, (1, 1, step))
+    fwd = timer.begin(schema.DEV_FORWARD, step, (1, 1, step, 0))
     cuda.default.launch(20 * MS)
     timer.finish(fwd)
     truth["forward"] = (fwd.start.done_at, fwd.end.done_at)
@@ -103,7 +103,7 @@ def test_memory_is_bounded_and_drops_counted(monkeypatch: pytest.MonkeyPatch) ->
     timer = DeviceTimer(out.append, "cuda:0", cuda, poll_s=60)  # the resolver never runs
     spans = []
     for step in range(6):
-        fwd = timer.begin(schema.DEV_FORWARD, step, (1, 1, step))
+        fwd = timer.begin(schema.DEV_FORWARD, step, (1, 1, step, 0))
         timer.finish(fwd)
         spans.append(fwd)
     assert cuda.events_created == 11  # the pool's 10 and the reference

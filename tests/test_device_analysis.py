@@ -74,8 +74,8 @@ def test_device_records_read_like_their_cpu_twins(tmp_path) -> None:
 
     lines = [
         ["header", {"schema": "ddpdoctor.trace/2", "rank": 0, "world_size": 1, "wall_ns": 0, "mono_ns": 0}],
-        ["forward", 0, 10, 0, 1, 1, 3],
-        ["dev_forward", 5, 20, 0, 1, 1, 3],
+        ["forward", 0, 10, 0, 1, 1, 3, 0],
+        ["dev_forward", 5, 20, 0, 1, 1, 3, 7],
         ["dev_backward", 30, 40, 0],
         ["dev_bucket", 50, 7, 0, 2, 4096, 4],
         ["dev_optimizer", 80, 3, 0, "AdamW"],
@@ -84,7 +84,7 @@ def test_device_records_read_like_their_cpu_twins(tmp_path) -> None:
     path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
     t = read_trace(path)
     assert t.skipped_lines == 0 and not t.meta
-    assert list(t.kind(schema.DEV_FORWARD).fields) == [(1, 1, 3)]
+    assert list(t.kind(schema.DEV_FORWARD).fields) == [(1, 1, 3, 7)]
     assert t.kind(schema.DEV_BACKWARD).dur.tolist() == [40]
     ar = t.kind(schema.DEV_ALLREDUCE)
     assert (ar.ts.tolist(), list(ar.fields)) == ([50], [(2, 4096, 4)])

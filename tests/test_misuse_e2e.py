@@ -72,13 +72,16 @@ def test_missing_distributed_sampler(tmp_path: Path) -> None:
     (f,) = serious(found)
     assert f["kind"] == "missing_distributed_sampler" and f["ranks"] == [0, 1]
     assert f["details"]["sampler"] == "RandomSampler" and f["details"]["dataset_len"] == 96
+    # Judged by effect: each rank's pass gives 12 batches of 8, the whole 96-sample dataset.
+    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:51"
 
 
 def test_missing_set_epoch(tmp_path: Path) -> None:
     code, found = findings(tmp_path, "no_set_epoch")
     assert code == 0
     (f,) = serious(found)
-    assert f["kind"] == "missing_set_epoch" and f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1]}
+    assert f["kind"] == "missing_set_epoch"
+    assert f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1], "place": "misuse.py:51"}
 
 
 @pytest.mark.parametrize(("kind", "phase"), [("data", "data_wait"), ("forward", "forward")])

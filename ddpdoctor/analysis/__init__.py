@@ -5,7 +5,7 @@ on synthetic traces.
 """
 
 # Each detector module registers its findings on import; this is the one list of them.
-from ddpdoctor.analysis import failures, gpu_findings, gradsync, misuse, straggler  # noqa: F401
+from ddpdoctor.analysis import causes, failures, gpu_findings, gradsync, misuse, periodic, straggler  # noqa: F401
 from ddpdoctor.analysis.diagnosis import Diagnosis, diagnose
 from ddpdoctor.analysis.findings import Finding
 

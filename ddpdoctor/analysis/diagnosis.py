@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import gpu, gpu_findings, views
+from ddpdoctor.analysis import causes, frameworks, gpu, gpu_findings, views
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
 from ddpdoctor.analysis.models import ddp_models
@@ -34,6 +34,7 @@ class Diagnosis:
     step_spans: dict[int, tuple[float, float]] = field(default_factory=dict)  # s on the common base
     lateness: Lateness | None = None  # at the gradient sync, rank x step
     bucket_layout: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> params, bytes
+    framework: str | None = None  # "lightning", "accelerate", or None for plain DDP
 
     @property
     def has_errors(self) -> bool:
@@ -51,6 +52,10 @@ def diagnose(run: Run) -> Diagnosis:
         if len(st):
             p50, p95 = np.percentile(st, [50, 95])
             step_time_s[rank] = {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}
+    framework = frameworks.detect(run)
+    findings = fold_consequences(gpu_findings.join_stragglers(run, find_all(run)))
+    causes.annotate(run, findings)
+    frameworks.adapt(findings, framework)
     return Diagnosis(
         run=run,
         phases=phases,
@@ -64,9 +69,42 @@ def diagnose(run: Run) -> Diagnosis:
         lateness=views.lateness(run, tb),
         bucket_layout=bucket_layout(run),
         buckets=bucket_stats(run),
-        findings=gpu_findings.join_stragglers(run, find_all(run)),
+        findings=findings,
         gpus=gpu.gpu_view(run),
+        framework=framework,
     )
+
+
+# Findings that report a symptom (another rank's error, the live hang verdict), not a cause.
+_FOLDED = ("rank_failure",)
+_LABELLED = ("hang",)
+
+
+def fold_consequences(findings: list[Finding]) -> list[Finding]:
+    """When the ledgers name a cause at error level, the other ranks' failures are its
+    consequences: kept in its evidence, not beside it as causes. The live hang verdict stays
+    (it is what ``run`` printed) and says which cause it is a consequence of."""
+    from ddpdoctor.analysis.causes import CAUSE_KINDS
+
+    periodic = {r for f in findings if f.kind == "periodic_rank_work" for r in f.ranks}
+    findings = [f for f in findings if not (f.kind == "straggler_occasional" and set(f.ranks) <= periodic)]
+    causes = [f for f in findings if f.kind in CAUSE_KINDS and f.severity == "error"]
+    if not causes:
+        return findings
+    cause = causes[0]
+    root = cause.details.get("root_rank")
+    label = f"{cause.kind}" + (f" on rank {root}" if root is not None else "")
+    kept = []
+    for f in findings:
+        if f.kind in _FOLDED:
+            cause.details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
+            continue
+        if f.kind in _LABELLED:
+            f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
+            f.summary = f"(a consequence of {label}) {f.summary}"
+        if f is not cause:
+            kept.append(f)
+    return [cause, *kept]  # the cause first: it is what to fix
 
 
 def training_loader(trace: Any) -> dict[str, Any] | None:

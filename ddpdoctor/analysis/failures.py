@@ -12,6 +12,7 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
+from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
 from ddpdoctor.trace import schema
@@ -135,10 +136,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         summary = (
             f"rank {rank} was killed by {how} {at}: it raised no Python exception and did not exit cleanly"
         )
-        fix = (
-            "If nothing killed it on purpose, look for the OOM killer (dmesg | grep -i 'killed process') "
-            "and reduce host memory (batch size, DataLoader workers, pinned memory)."
-        )
+        fix = frameworks.advice(_signal_name(sig) if sig else "SIGKILL")
         details["signal"] = sig
         details["killed_by_signal"] = True
     if others:

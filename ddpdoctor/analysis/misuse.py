@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -135,6 +135,19 @@ def training_loaders(trace: RankTrace) -> dict[int, int]:
     return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
+def reads_everything(info: dict[str, Any]) -> bool:
+    """Judged by effect: does one rank's pass cover the whole dataset (no sharding)? From the
+    batches the loader gives this rank and its per-process batch size, whatever sampler, batch
+    sampler or framework produced them; by the sampler's class only when those are unknown."""
+    batches, size, total = info.get("batches"), info.get("batch_size"), info.get("dataset_len")
+    if isinstance(batches, int) and isinstance(size, int) and isinstance(total, int) and total > 0:
+        return batches * size >= total - (size - 1 if info.get("drop_last") else 0)
+    return info.get("sampler") in ("RandomSampler", "SequentialSampler") and info.get("batch_sampler") in (
+        "BatchSampler",
+        None,
+    )
+
+
 @detector
 def sampler_misuse(run: Run) -> Iterable[Finding]:
     if run.world_size < 2:
@@ -149,7 +162,7 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 passes[info.get("sampler_id", info.get("id"))].append(info)
         for infos in passes.values():
             info = infos[-1]
-            if info.get("sampler") in ("RandomSampler", "SequentialSampler"):
+            if reads_everything(info):
                 missing[rank] = info
             elif "DistributedSampler" in str(info.get("sampler")) and info.get("shuffle"):
                 epochs = {i.get("epoch") for i in infos}
@@ -167,6 +180,8 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             fix="Pass sampler=DistributedSampler(dataset) to the DataLoader (and drop shuffle=True "
             "there), then call sampler.set_epoch(epoch) at the start of every epoch.",
             details={
+                "place": info.get("site"),
+                "batches_per_rank": info.get("batches"),
                 "sampler": info["sampler"],
                 "dataset_len": info.get("dataset_len"),
                 "batch_size": info.get("batch_size"),
@@ -182,7 +197,12 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             f"the shuffling DistributedSampler stayed at epoch {info.get('epoch')} for all "
             f"{info['passes']} passes over the data: every epoch replays the same order",
             fix="Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
-            details={"epoch": info.get("epoch"), "passes": info["passes"], "ranks": sorted(no_epoch)},
+            details={
+                "epoch": info.get("epoch"),
+                "passes": info["passes"],
+                "ranks": sorted(no_epoch),
+                "place": info.get("site"),
+            },
         )
 
 
@@ -252,7 +272,7 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
             fwd, coll = trace.kind(schema.FORWARD), trace.kind(schema.COLLECTIVE)
             inside = _inside(coll, fwd)
             if inside.any():
-                kind = "collectives inside forward (e.g. SyncBatchNorm)"
+                kind = _forward_collective_source(trace, coll, inside)
                 per_step.append(float(coll.dur[inside].sum()) / steps)
         step_s.append(step_times(trace))
     all_steps = np.concatenate(step_s) if step_s else np.zeros(0)
@@ -261,6 +281,7 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
     cost_ms, step_ms = float(np.median(per_step)) / 1e3, float(np.median(all_steps)) * 1e3
     if cost_ms < 0.05 * step_ms or cost_ms < 0.2:
         return
+    own = "your code" in kind
     yield Finding(
         "forward_sync_cost",
         "info",
@@ -268,11 +289,29 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
         f"every forward is a sync point: the {kind} takes {cost_ms:.1f} ms per step "
         f"({100 * cost_ms / step_ms:.0f}% of a {step_ms:.1f} ms step), and a slow rank makes the "
         "others wait there",
-        fix="If buffers need no syncing (they are identical, or BatchNorm statistics may differ per "
+        fix="Sync metrics less often (once per epoch, or log without a per-step all_reduce)."
+        if own
+        else "If buffers need no syncing (they are identical, or BatchNorm statistics may differ per "
         "rank), pass broadcast_buffers=False; use SyncBatchNorm only where small per-rank batches "
         "need it.",
         details={"kind": kind, "ms_per_step": round(cost_ms, 3), "step_ms": round(step_ms, 3)},
     )
+
+
+def _forward_collective_source(trace: Any, coll: Any, inside: np.ndarray) -> str:
+    """What issues the collectives inside forward, judged by op and call site: SyncBatchNorm
+    all-gathers its statistics; an all_reduce or broadcast from the user's line (a metric, a
+    framework's logging such as Lightning's self.log(sync_dist=True)) is the user's own."""
+    ops = [str(f[0]) for f, keep in zip(coll.fields, inside.tolist(), strict=True) if keep]
+    top = Counter(ops).most_common(1)[0][0]
+    if top.startswith("all_gather"):
+        return "collectives inside forward (SyncBatchNorm's statistics all-gather)"
+    sites = {int(i["id"]): f"{i.get('file', '?').rsplit('/', 1)[-1]}:{i.get('line')}" for _, _, i in
+             trace.meta.get(schema.SITE, []) if isinstance(i.get("id"), int)}  # fmt: skip
+    ids = [f[6] for f, keep in zip(coll.fields, inside.tolist(), strict=True) if keep and len(f) > 6]
+    where = sites.get(Counter(ids).most_common(1)[0][0], "") if ids else ""
+    at = f" at {where}" if where else ""
+    return f"collectives your code issues inside forward ({top}{at}: a metric or logging sync)"
 
 
 def _inside(inner: Any, outer: Any) -> np.ndarray:

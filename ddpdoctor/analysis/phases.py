@@ -25,7 +25,41 @@ def phase_events(trace: RankTrace, phase: str) -> Events:
 
 def phase_durations(trace: RankTrace, phase: str) -> np.ndarray:
     """Durations (µs) of one phase's events on one rank."""
+    if phase == schema.OPTIMIZER:
+        return exclusive_durations(trace, schema.OPTIMIZER)
     return phase_events(trace, phase).dur
+
+
+# Phases another phase can run inside: Lightning's optimizer.step(closure) runs the forward and
+# the backward, so the optimizer's own time is what is left once they are taken out.
+NESTED = {schema.OPTIMIZER: (schema.FORWARD, schema.BACKWARD)}
+
+
+def exclusive_durations(trace: RankTrace, kind: str) -> np.ndarray:
+    """Durations (µs) of a kind's events minus the time of the events nested inside them."""
+    outer = trace.kind(kind)
+    dur = outer.dur
+    if not len(outer):
+        return dur
+    inner_ts, inner_dur = [], []
+    for name in NESTED.get(kind, ()):
+        ev = trace.kind(name)
+        inner_ts.append(ev.ts)
+        inner_dur.append(ev.dur)
+    if not inner_ts:
+        return dur
+    ts, d = np.concatenate(inner_ts), np.concatenate(inner_dur)
+    if not len(ts):
+        return dur
+    order = np.argsort(ts, kind="stable")
+    ts, ends = ts[order], (ts + d)[order]
+    inside = np.concatenate([[0], np.cumsum(d[order])])
+    lo = np.searchsorted(ts, outer.ts, side="left")
+    hi = np.searchsorted(ts, outer.ts + dur, side="right")
+    nested = inside[hi] - inside[lo]
+    # An inner event that starts inside but ends after the outer one is not nested in it.
+    nested = np.where((hi > lo) & (ends[np.maximum(hi - 1, 0)] <= outer.ts + dur), nested, 0)
+    return np.maximum(dur - nested, 0).astype(dur.dtype)
 
 
 def stats(durations_us: np.ndarray) -> dict[str, Any]:
@@ -63,9 +97,7 @@ def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
     """Every phase that happened on this rank, with its statistics."""
     out: dict[str, dict[str, Any]] = {}
     for phase in schema.PHASES:
-        d = phase_durations(trace, phase)
-        if len(d):
-            out[phase] = stats(d)
+        out[phase] = stats(phase_durations(trace, phase))  # count 0 when it never happened
     fwd = trace.kind(schema.FORWARD)
     if len(fwd):
         out["forward"]["no_grad"] = int((fwd.ints(0) == 0).sum())

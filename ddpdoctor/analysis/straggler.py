@@ -17,7 +17,7 @@ import numpy as np
 
 from ddpdoctor.analysis.device import clock, device_timed
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import StepGrid, first_per_step, training_forwards
+from ddpdoctor.analysis.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -27,6 +27,7 @@ LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
+COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
 CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
 _FIX = {
     "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
@@ -78,7 +79,7 @@ def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, 
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
     parts = {  # waits before step k, and the optimizer step that ends k-1, carry label k-1
         "data_wait": grid.put(waits.step + 1, waits.dur, np.add)[0],
-        "optimizer": grid.put(opt.step + 1, opt.dur, np.add)[0],
+        "optimizer": grid.put(opt.step + 1, exclusive_durations(trace, schema.OPTIMIZER), np.add)[0],
         "forward": fdur,
         "backward": np.maximum(0.0, ready - start),
     }
@@ -228,12 +229,19 @@ def stragglers(run: Run) -> Iterable[Finding]:
             )
         elif n_late >= 2:
             shown = ", ".join(str(s) for s in steps_list[:8])
+            # Severity by cost, not by how few steps it hits: the others wait every time.
+            cost = excess_ms * n_late / max(step_ms * len(table.steps), 1e-9)
+            details["cost_share"] = round(cost, 4)
+            # A stall (half a step or more each time), not jitter, that costs the job 5 %.
+            costly = cost >= COST_WARNING and excess_ms >= 0.5 * step_ms
             yield Finding(
                 "straggler_occasional",
-                "info",
+                "warning" if costly else "info",
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
-                f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}",
-                fix="Occasional noise unless those steps matter; " + _FIX[phase],
+                f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}: "
+                f"{100 * cost:.0f} % of the job's time",
+                fix=("" if costly else "Occasional noise unless those steps matter; ")
+                + _FIX[phase],
                 details=details,
             )

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -122,10 +123,11 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if not nbytes:
                     nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
                 is_async = 1 if kwargs.get("async_op") or op in ("isend", "irecv") else 0
+                where = callsite.site(c)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            fields = (op, nbytes, gname, gsize, seq, is_async)
+            fields = (op, nbytes, gname, gsize, seq, is_async, where)
             prev = c.enter(LivePhase.COLLECTIVE, op, seq)
             try:
                 return orig(*args, **kwargs)

@@ -236,6 +236,8 @@ def _header(dist: Any) -> dict[str, Any]:
         "backend": str(dist.get_backend()),
         "torch": torch.__version__,
         "argv": list(sys.argv),
+        # Frameworks that drive DDP for the user: the diagnosis gives fixes in their terms.
+        "frameworks": [m for m in ("lightning", "pytorch_lightning", "accelerate") if m in sys.modules],
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }

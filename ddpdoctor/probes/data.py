@@ -48,7 +48,11 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return it
         try:
             setattr(it, _LOADER_ID, id(self))
-            c.meta(schema.LOADER, describe_loader(self))
+            info = describe_loader(self)
+            where = _caller()
+            if where:
+                info["site"] = where
+            c.meta(schema.LOADER, info)
         except Exception as exc:
             c.fail(PROBE, exc)
         return it
@@ -63,16 +67,42 @@ def describe_loader(loader: Any) -> dict[str, Any]:
         dataset_len: int | None = len(loader.dataset)
     except Exception:
         dataset_len = None
+    try:
+        batches: int | None = len(loader)
+    except Exception:
+        batches = None
+    batch_size = loader.batch_size
+    if batch_size is None:  # a batch sampler (Accelerate's shards, a custom one) holds it
+        batch_size = getattr(loader.batch_sampler, "batch_size", None)
     return {
         "id": id(loader),
         "sampler": type(sampler).__name__,
         "sampler_id": id(sampler),
         "epoch": getattr(sampler, "epoch", None),
         "shuffle": bool(getattr(sampler, "shuffle", type(sampler).__name__ == "RandomSampler")),
-        "batch_size": loader.batch_size,
+        "batch_size": batch_size if isinstance(batch_size, int) else None,
+        "batches": batches,  # this rank's batches per pass: what it reads, whatever shards it
         "drop_last": bool(loader.drop_last),
         "num_workers": int(loader.num_workers),
         "dataset_len": dataset_len,
         "batch_sampler": type(loader.batch_sampler).__name__ if loader.batch_sampler else None,
     }
 
+
+def _caller() -> str:
+    """file:line of the user's loop over the loader (once per pass, so a plain stack walk)."""
+    import os
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(32):
+        if frame is None:
+            return ""
+        file = frame.f_code.co_filename
+        if not any(part in file for part in _NOT_USER):
+            return f"{os.path.basename(file)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+_NOT_USER = ("site-packages", "dist-packages", "/ddpdoctor/probes/", "<frozen", "/torch/")

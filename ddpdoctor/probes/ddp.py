@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
@@ -141,6 +142,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 if state is not None and not state.timer_registered and not state.builtin_hook:
                     _register_timer(self, state, None, None)
             seq = group_info(self.process_group, c)[3]
+            where = callsite.site(c)
         except Exception as exc:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
@@ -151,7 +153,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             c.last_step_ns = t0
         prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0)
         timer = _ct.ACTIVE
-        span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq)) if timer else None
+        span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq, where)) if timer else None
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
@@ -159,7 +161,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 _record_ddp_error(c, state, str(exc))
             raise
         finally:
-            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq)
+            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq, where)
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
 
@@ -230,7 +232,9 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or PROBE in c.disabled:
             return sync(self, *args, **kwargs)
         seq = group_info(self.process_group, c)[3]
-        prev = c.enter(LivePhase.SYNC_BUFFERS, "broadcast", seq)
+        # The mode tells a hang's diagnosis an evaluation through the wrapper from a training step.
+        op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
+        prev = c.enter(LivePhase.SYNC_BUFFERS, op, seq)
         try:
             return sync(self, *args, **kwargs)
         finally:

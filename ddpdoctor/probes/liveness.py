@@ -15,11 +15,14 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,6 +30,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.probes import flight_recorder
+from ddpdoctor.probes.recent import RecentSteps
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
@@ -52,6 +56,14 @@ class _Liveness:
         self.stacks_file = _register_faulthandler(collector)
         self.error: dict[str, Any] | None = None
         self.broken = False
+        self.host = socket.gethostname()
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        self.local_rank = int(local_rank) if local_rank.isdigit() else None
+        self.recent = RecentSteps()
+        self.seen_events = -1
+        self.progress_wall = time.time()  # when the event count last moved
+        self.exited = False
+        self._lock = threading.Lock()  # the writer thread and the exit hook both publish
 
     def status(self) -> dict[str, Any]:
         c = self.c
@@ -63,12 +75,19 @@ class _Liveness:
         if progress is not None:
             name, op, seq, t0 = progress
             phase = {"name": name, "op": op, "seq": seq, "since_s": round((now - t0) / 1e9, 3)}
+        wall = time.time()
+        if c.events != self.seen_events:
+            self.seen_events, self.progress_wall = c.events, wall
         return {
             "schema": STATUS_SCHEMA,
             "rank": c.rank,
             "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "host": self.host,
             "pid": self.pid,
-            "heartbeat_wall": time.time(),
+            "heartbeat_wall": wall,
+            "progress_wall": self.progress_wall,
+            "exited": self.exited,
             "step": c.step,
             "events": c.events,
             "seq": c.progress_seq(),
@@ -77,6 +96,7 @@ class _Liveness:
             "faulthandler": self.stacks_file,
             "ptracer": self.ptracer,
             "error": self.error,
+            **self.recent.status(now),
         }
 
     def publish(self) -> None:
@@ -84,12 +104,41 @@ class _Liveness:
         if self.broken or self.pid != os.getpid():
             return
         try:
-            with open(self.tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(self.status(), separators=(",", ":")))
-            os.replace(self.tmp, self.path)
+            with self._lock:
+                with open(self.tmp, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(self.status(), separators=(",", ":")))
+                os.replace(self.tmp, self.path)
         except Exception as exc:
             self.broken = True
             self.c.fail("status", exc)
+
+
+def guarded_taps(c: Any, taps: dict[str, Any]) -> dict[str, Any]:
+    """Taps that, on their first failure, log it once (probe "recent") and all switch off."""
+
+    def guard(fn: Any) -> Any:
+        def tap(event: tuple) -> None:
+            try:
+                fn(event)
+            except Exception as exc:
+                for kind in taps:
+                    c.writer.taps.pop(kind, None)
+                c.fail("recent", exc)
+
+        return tap
+
+    return {kind: guard(fn) for kind, fn in taps.items()}
+
+
+def _last_publish(live: _Liveness) -> None:
+    """The rank is exiting normally: publish its final step count and say it ended."""
+    if not live.c.live:
+        return
+    with contextlib.suppress(Exception):
+        live.c.writer.flush()
+    live.recent.finish()
+    live.exited = True
+    live.publish()
 
 
 def _allow_ptrace() -> bool:
@@ -144,8 +193,10 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
 
 def install(c: Collector) -> None:
     live = _Liveness(c)
+    c.writer.taps.update(guarded_taps(c, live.recent.taps()))
     c.writer.on_tick = live.publish
     live.publish()
+    atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)
     previous = sys.excepthook
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:

@@ -23,6 +23,7 @@ def document(diag: Diagnosis) -> dict[str, Any]:
             "command": run.command,
             "run_dirs": [str(d) for d in run.dirs],
             "backend": _header_value(diag, "backend"),
+            "framework": diag.framework,
             "torch": _header_value(diag, "torch"),
             "steps": {str(r): n for r, n in diag.steps.items()},
             "step_time_s": {str(r): v for r, v in diag.step_time_s.items()},
@@ -48,3 +49,13 @@ def _header_value(diag: Diagnosis, key: str) -> Any:
 def render(diag: Diagnosis) -> str:
     """The diagnosis as indented JSON text."""
     return json.dumps(document(diag), indent=2)
+
+
+def error(message: str, run_dirs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """What `diagnose --json` prints when nothing can be read: still one JSON object."""
+    return {
+        "schema": SCHEMA,
+        "error": message,
+        "run": {"run_dirs": [str(d) for d in run_dirs]},
+        "findings": [],
+    }

@@ -22,6 +22,8 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     lines = [f"ddpdoctor: {run.world_size} rank(s) on {len(run.hosts)} host(s)"]
     if run.exit_code is not None:
         lines[0] += f", exit code {run.exit_code}"
+    if diag.framework:
+        lines[0] += f", under {diag.framework.capitalize()}"
     bs = diag.batch_size
     if bs.get("per_process"):
         lines.append(f"  batch size {bs['per_process']} per process, {bs['global']} global")

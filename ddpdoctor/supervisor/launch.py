@@ -30,6 +30,9 @@ RUN_SCHEMA = "ddpdoctor.run/1"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
+EXIT_HANG_KILLED = 124  # `--on-hang kill` stopped a hung job (as timeout(1) exits)
+
+
 @dataclass
 class JobResult:
     exit_code: int
@@ -133,7 +136,10 @@ def run_job(
     result.exit_code = code
     meta.update(
         status="finished",
-        exit_code=code,
+        # What `ddpdoctor run` itself exits with, so the summary and the shell agree; the job's
+        # own code stays beside it.
+        exit_code=EXIT_HANG_KILLED if result.killed_on_hang else code,
+        job_exit_code=code,
         killed_by_signal=result.signal,
         signals_forwarded=result.interrupted_by,
         hangs=result.hangs,

@@ -22,13 +22,13 @@ Event records are ``[kind, ts_us, dur_us, step, *fields]``:
 kind            fields after ``step``
 ==============  ===============================================================================
 ddp_init        {params, param_bytes, buckets: [bytes...], options: {...}, module}
-forward         training (1 = grad mode and module.training, 0 = eval or no_grad), seq at entry
+forward         grad mode (0/1), module.training (0/1), seq at entry, call site id (see ``site``)
 sync_buffers    seq at entry (DDP's buffer broadcast inside forward)
 backward        (none): the backward of the step's DDP forward, ending after its all-reduces
 allreduce       bucket index, bytes, seq at entry; ts is when the bucket was ready, dur until
                 its reduction finished
 collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, async (0/1);
-                op "barrier" is ``dist.barrier``
+                op "barrier" is ``dist.barrier``; then the call site id (see ``site``)
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
 graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
@@ -66,6 +66,9 @@ end             {reason}: the rank's trace was closed cleanly ("exit")
 clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's wall clock to get
                 rank ``ref_rank``'s (0), measured by NTP-style ping-pongs through the store
                 right after init; the error is at most ``rtt_ns / 2``. Rank 0 writes 0.
+site            {id, file, line, func}: the user's line that issued a sync point (the first
+                frame outside torch, the frameworks, ddpdoctor and the standard library),
+                written once per site; forward and collective events carry its id (-1: none)
 rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
                 last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
                 threading.excepthook for other threads), flushed at once
@@ -152,6 +155,7 @@ DROPPED = "dropped"
 END = "end"
 CLOCK = "clock"
 RANK_ERROR = "rank_error"
+SITE = "site"
 
 # The supervisor's GPU samples (gpu-<host>.jsonl).
 GPU = "gpu"
@@ -249,7 +253,7 @@ declare(
     Phase("data_wait", DATA_WAIT, "data wait", colour="#f2b134"),
 )
 declare(
-    EventKind(FORWARD, ("grad", "training", "seq"), "iii", _forward_title),
+    EventKind(FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
     Phase("forward", FORWARD, "forward", colour="#4e79a7"),
 )
 declare(EventKind(BACKWARD, (), "", "backward"), Phase("backward", BACKWARD, "backward", colour="#59a14f"))
@@ -258,7 +262,7 @@ declare(
     Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
 )
 declare(
-    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async"), "sisiii", "{op}"),
+    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site"), "sisiiii", "{op}"),
     Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
     Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
 )
@@ -273,7 +277,7 @@ declare(
 declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
 # Device spans: the fields and titles of their CPU twins, drawn under them.
 declare(
-    EventKind(DEV_FORWARD, ("grad", "training", "seq"), "iii", _forward_title),
+    EventKind(DEV_FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
     Phase("dev_forward", DEV_FORWARD, "forward (GPU)", Lane.DEVICE, "#2b4a6b"),
 )
 declare(

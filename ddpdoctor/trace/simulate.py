@@ -65,7 +65,7 @@ def simulate_run(
             t += d["optimizer"] + d["other"]
             add(r, schema.DATA_WAIT, t, d["data_wait"], step - 1, 1)
             t += d["data_wait"]
-            add(r, schema.FORWARD, t, d["forward"], step, 1, 1, step * (buckets + 1))
+            add(r, schema.FORWARD, t, d["forward"], step, 1, 1, step * (buckets + 1), -1)
             t += d["forward"]
             bwd_start[r] = t
             for b in range(buckets):  # buckets ready evenly through the backward

@@ -214,13 +214,13 @@ def _steps_text(job: SyntheticJob, m: dict[str, np.ndarray], rank: int) -> str:
     plain = "\n".join(
         [
             f'["{schema.DATA_WAIT}",%d,%d,%d,1]',
-            f'["{schema.FORWARD}",%d,%d,%d,1,1,%d]',
+            f'["{schema.FORWARD}",%d,%d,%d,1,1,%d,-1]',
             *(f'["{schema.ALLREDUCE}",%d,%d,%d,{i},{sizes[i]},%d]' for i in range(nb)),
             f'["{schema.BACKWARD}",%d,%d,%d]',
             f'["{schema.OPTIMIZER}",%d,%d,%d,"AdamW"]',
         ]
     )
-    with_barrier = plain + f'\n["{schema.COLLECTIVE}",%d,%d,%d,"barrier",0,"WORLD",{job.ranks},%d,0]'
+    with_barrier = plain + f'\n["{schema.COLLECTIVE}",%d,%d,%d,"barrier",0,"WORLD",{job.ranks},%d,0,-1]'
     template = "".join((with_barrier if b else plain) + "\n" for b in barrier.tolist())
     end = [schema.END, int(m["t_end"][rank]) + base, 0, steps - 1, {"reason": "exit"}]
     return template % tuple(values[keep].tolist()) + _ENC(end) + "\n"

@@ -47,6 +47,9 @@ class TraceWriter:
         self._lock = threading.Lock()  # serialises drains (writer thread vs close)
         self._stop = threading.Event()
         self.on_tick: Callable[[], None] | None = None  # called after each periodic flush
+        # kind -> callback that sees each such event as it is written (on this thread, never
+        # the training thread): liveness keeps its recent-step summary this way.
+        self.taps: dict[str, Callable[[tuple], None]] = {}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._write([_ENCODE([schema.HEADER, header]) + "\n"])
@@ -107,9 +110,13 @@ class TraceWriter:
         anchor = self.mono_anchor_ns
         lines: list[str] = []
         pop = self._queue.popleft
+        taps = self.taps
         try:
             while True:
-                kind, t0, t1, step, *fields = pop()
+                event = pop()
+                kind, t0, t1, step, *fields = event
+                if kind in taps:
+                    _tap(taps[kind], event)
                 lines.append(_ENCODE([kind, (t0 - anchor) // 1000, (t1 - t0) // 1000, step, *fields]))
                 if len(lines) % _CHUNK == 0:
                     time.sleep(0)  # let the training thread have the GIL between chunks
@@ -131,3 +138,9 @@ class TraceWriter:
             self._queue.clear()
             if self._on_error is not None:
                 self._on_error(exc)
+
+
+def _tap(tap: Callable[[tuple], None], event: tuple) -> None:
+    """A tap that fails must not cost the trace."""
+    with contextlib.suppress(Exception):
+        tap(event)

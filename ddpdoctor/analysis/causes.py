@@ -1,0 +1,305 @@
+"""Causes, from the ledgers' first divergence: each with the root rank, where each side was in
+the user's code, the evidence, and a fix of its own.
+
+The other ranks' errors and the live hang verdict are symptoms of the cause found here;
+``diagnosis.py`` folds them into it as consequences.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.ledger import (
+    BUFFERS,
+    FORWARD,
+    GRAD_ALLREDUCE,
+    Divergence,
+    Ledger,
+    Point,
+    build,
+    first_divergence,
+    forward_site,
+)
+from ddpdoctor.trace.reader import Run
+
+# Finding kinds this module decides; a run with one of them at error level has its other
+# failure and hang findings folded into it as consequences.
+CAUSE_KINDS = (
+    "uneven_inputs",
+    "rank_left_early",
+    "rank_only_collective",
+    "collective_mismatch",
+    "rank_only_eval",
+    "rank_only_forward",
+    "rank_never_started",
+)
+_ENDED = ("clean_exit", "signal", "vanished")
+
+FIX_UNEVEN = (
+    "Give every rank the same number of batches: run the loop under `with model.join():` (DDP's "
+    "Join context lets ranks that run out shadow the others' all-reduces), shard with a "
+    "DistributedSampler (it pads every rank to the same length), or drop the remainder "
+    "(drop_last=True)."
+)
+FIX_LEFT = (
+    "Keep every rank in the loop until every rank stops: a return, break or sys.exit() decided on "
+    "one rank (or an exception caught and swallowed there) must become a decision every rank "
+    "shares (all_reduce a stop or error flag, then stop together), or re-raise the exception."
+)
+FIX_BRANCH = (
+    "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
+    "the rank-only work without a collective."
+)
+FIX_MISMATCH = (
+    "Every rank must issue the same collectives in the same order with the same op and size: "
+    "pad per-rank tensors to one size (all_gather the sizes first), iterate dicts in a sorted "
+    "order, and keep collectives out of rank-dependent branches."
+)
+FIX_FORWARD = (
+    "Run rank-only work on the wrapped model, `model.module`, under torch.no_grad() (the DDP "
+    "wrapper's forward takes part in collectives: buffer broadcasts, unused-parameter maps), or "
+    "run it through the wrapper on every rank."
+)
+
+
+@detector
+def ledger_causes(run: Run) -> Iterable[Finding]:
+    ledgers = build(run)
+    div = first_divergence(ledgers) or _left_first(ledgers)
+    found = _explain(div, ledgers) if div is not None else None
+    if found is not None:
+        yield found
+    yield from _rank_only_forwards(ledgers, found)
+    yield from _never_started(run, ledgers, found)
+
+
+def _left_first(ledgers: dict[int, Ledger]) -> Divergence | None:
+    """A rank whose record ended (exit, signal) while another went on to later steps."""
+    gone = [lg for lg in ledgers.values() if lg.ending.how in _ENDED]
+    if not gone:
+        return None
+    first = min(gone, key=lambda lg: (lg.last_step, lg.ending.wall_s or 0.0, lg.rank))
+    ahead = [lg.rank for lg in ledgers.values() if lg.rank != first.rank and lg.last_step > first.last_step]
+    if not ahead or all(ledgers[r].ending.how == "clean_exit" for r in ahead):
+        return None  # the others finished too (a Join context, or no collective left): no harm
+    return Divergence(
+        "left", first.rank, ahead, {}, {"steps": {lg.rank: lg.last_step for lg in ledgers.values()}}
+    )
+
+
+def _is_ddp(point: Point | None) -> bool:
+    return point is not None and point.op.startswith((GRAD_ALLREDUCE, BUFFERS, FORWARD))
+
+
+def _ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
+    """Did this rank finish its data while another rank read more batches in the same pass?"""
+    if not ledger.passes:
+        return True  # no DataLoader seen: the ranks' own slicing; fewer steps is all we know
+    mine = len(ledger.passes) - 1
+    last = ledger.passes[mine]
+    if not last.complete:
+        return False
+    for other in others:
+        if len(other.passes) > mine and other.passes[mine].read > last.read:
+            return True
+    return not any(len(o.passes) > mine for o in others)
+
+
+def _evidence(ledgers: dict[int, Ledger], ranks: Iterable[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in sorted(ranks):
+        lg = ledgers[r]
+        out[str(r)] = {
+            "steps_completed": lg.steps,
+            "last_step": lg.last_step,
+            "ended": lg.ending.how,
+            "place": lg.place,
+            "tail": [p.describe() for p in lg.points[-3:]],
+            "batches_per_pass": [p.read for p in lg.passes][-4:],
+        }
+    return out
+
+
+def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
+    if div.what == "mismatch":
+        return _mismatch(div, ledgers)
+    root = ledgers[div.root] if div.root is not None else None
+    if root is None:
+        return None
+    others = [ledgers[r] for r in div.others]
+    if others and all(o.ending.how == "clean_exit" for o in others) and root.ending.how == "clean_exit":
+        return None  # every rank finished on its own (a Join context): unequal, but no harm
+    ending = root.ending
+    evidence = _evidence(ledgers, ledgers)
+    details: dict[str, Any] = {"root_rank": root.rank, "ranks": evidence, "ending": ending.describe()}
+    where_others = "; ".join(
+        f"rank {o.rank} went on to step {o.last_step} ({o.place or '?'})" for o in others
+    )
+    at = f" at {root.place}" if root.place else ""
+    if ending.how == "exception" and not ending.consequence:
+        return None  # its own exception: rank_failure names it, with the traceback
+    if ending.how in ("signal", "vanished", "never_started"):
+        return None  # killed outright: rank_failure names the rank, the signal and its fix
+    if _ran_out(root, others):
+        return Finding(
+            "uneven_inputs",
+            "error",
+            [root.rank],
+            f"uneven inputs: rank {root.rank} ran out of batches after step {root.last_step} and "
+            f"{'exited' if ending.how == 'clean_exit' else 'moved on'}{at}, while {where_others}: "
+            "the extra steps' gradient all-reduce has no partner",
+            fix=FIX_UNEVEN,
+            details=details,
+        )
+    last = root.passes[-1] if root.passes else None
+    read = f" after {last.read} of {last.expected} batches of its pass" if last else ""
+    return Finding(
+        "rank_left_early",
+        "error",
+        [root.rank],
+        f"rank {root.rank} left the training loop early{read} (step {root.last_step}) and "
+        f"{ending.describe()}; {where_others}: their errors are consequences",
+        fix=FIX_LEFT,
+        details=details,
+    )
+
+
+def _mismatch(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
+    points = {r: p for r, p in div.points.items() if p is not None}
+    seq = div.evidence.get("seq")
+    said = "; ".join(f"rank {r}: {p.describe()}" for r, p in sorted(points.items()))
+    details: dict[str, Any] = {"seq": seq, "points": {str(r): p.describe() for r, p in points.items()}}
+    details["ranks"] = _evidence(ledgers, ledgers)
+    python = {r: p for r, p in points.items() if not _is_ddp(p)}
+    ddp = {r: p for r, p in points.items() if _is_ddp(p)}
+    forward_side = {r: p for r, p in ddp.items() if p.op.startswith((BUFFERS, FORWARD))}
+    if python and not ddp:
+        return Finding(
+            "collective_mismatch",
+            "error",
+            sorted(points),
+            f"the ranks disagree at collective #{seq} ({div.evidence.get('differs')}): {said}",
+            fix=FIX_MISMATCH,
+            details={**details, "root_rank": None},
+        )
+    if forward_side and len(forward_side) < len(points):
+        root = min(forward_side)
+        point = forward_side[root]
+        kind = "rank_only_eval" if "eval" in point.op else "rank_only_forward"
+        return Finding(
+            kind,
+            "error",
+            [root],
+            f"rank {root} ran a forward through the DDP wrapper that the others did not "
+            f"({point.describe()}), while {_others_text(points, root)}: the wrapper's collective "
+            "has no partner",
+            fix=FIX_FORWARD,
+            details={**details, "root_rank": root, "place": point.site},
+        )
+    if python and ddp:
+        root = min(python)
+        root_lg, others = ledgers[root], [ledgers[r] for r in ddp]
+        if _ran_out(root_lg, others) and all(o.last_step > root_lg.last_step for o in others):
+            return Finding(
+                "uneven_inputs",
+                "error",
+                [root],
+                f"uneven inputs: rank {root} ran out of batches after step {root_lg.last_step} and "
+                f"waits in {python[root].describe()}, while {_others_text(points, root)}: that "
+                "step's gradient all-reduce has no partner",
+                fix=FIX_UNEVEN,
+                details={**details, "root_rank": root},
+            )
+        return Finding(
+            "rank_only_collective",
+            "error",
+            sorted(python),
+            f"rank(s) {rank_list(python)} called {python[root].describe()} in a branch the others "
+            f"did not take; {_others_text(points, root)}",
+            fix=FIX_BRANCH.format(op=python[root].op),
+            details={**details, "root_rank": root, "place": python[root].site},
+        )
+    return Finding(
+        "collective_mismatch",
+        "error",
+        sorted(points),
+        f"the ranks disagree at collective #{seq}: {said}",
+        fix=FIX_MISMATCH,
+        details={**details, "root_rank": None},
+    )
+
+
+def _others_text(points: dict[int, Point], root: int) -> str:
+    return "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root)
+
+
+def _rank_only_forwards(ledgers: dict[int, Ledger], found: Finding | None) -> Iterable[Finding]:
+    """Forwards through the wrapper that some ranks ran at a line and others did not."""
+    if found is not None and found.kind in ("rank_only_eval", "rank_only_forward"):
+        return
+    if any(lg.ending.how not in ("clean_exit", "running") for lg in ledgers.values()):
+        return  # a failed job: counts differ because it stopped, the cause is elsewhere
+    counts = {
+        r: Counter((site, training) for _, grad, training, site in lg.forwards if site and not grad)
+        for r, lg in ledgers.items()
+    }
+    keys = set().union(*[set(c) for c in counts.values()])
+    for site, training in sorted(keys):
+        per_rank = {r: c.get((site, training), 0) for r, c in counts.items()}
+        if len(set(per_rank.values())) == 1:
+            continue
+        top = max(per_rank.values())
+        extra = sorted(r for r, n in per_rank.items() if n == top)
+        root = extra[0]
+        kind = "rank_only_forward" if training else "rank_only_eval"
+        mode = "in training mode under no_grad" if training else "in eval mode"
+        yield Finding(
+            kind,
+            "warning",
+            extra,
+            f"rank(s) {rank_list(extra)} ran {top} forward(s) through the DDP wrapper at {site} "
+            f"({mode}) that rank(s) {rank_list(r for r in per_rank if r not in extra)} did not "
+            f"({per_rank}); it did not hang here, but with buffers or grad enabled it would",
+            fix=FIX_FORWARD,
+            details={"root_rank": root, "place": site, "forwards": {str(r): n for r, n in per_rank.items()}},
+        )
+
+
+def _never_started(run: Run, ledgers: dict[int, Ledger], found: Finding | None) -> Iterable[Finding]:
+    missing = [r for r, lg in ledgers.items() if lg.ending.how == "never_started"]
+    if not missing or not run.ranks or found is not None or not run.exit_code:
+        return
+    yield Finding(
+        "rank_never_started",
+        "error",
+        missing,
+        f"rank(s) {rank_list(missing)} never called init_process_group (no trace) and the job "
+        f"exited with code {run.exit_code}",
+        fix="Read the first error in those ranks' output: they failed before init_process_group "
+        "(imports, configuration, devices), and the others waited at the rendezvous.",
+        details={"root_rank": missing[0], "missing": missing},
+    )
+
+
+def annotate(run: Run, findings: list[Finding]) -> None:
+    """Give other detectors' findings the user's line and root rank the ledger knows (in place):
+    the forward whose backward left parameters without gradients, and the ranks they missed on."""
+    for f in findings:
+        if f.kind != "unused_parameters" or "place" in f.details:
+            continue
+        steps = f.details.get("steps") or []
+        for rank in f.ranks or sorted(run.ranks):
+            trace = run.ranks.get(rank)
+            site = forward_site(trace, steps[0] if steps else None) if trace is not None else ""
+            if site:
+                f.details["place"] = site
+                f.summary += f" (the forward at {site})"
+                break
+        unused_on: set[int] = set()
+        for info in (f.details.get("per_parameter") or {}).values():
+            unused_on |= set(info.get("ranks") or [])
+        if unused_on and len(unused_on) < run.world_size:
+            f.details["root_rank"] = min(unused_on)

@@ -1,0 +1,377 @@
+"""Every rank's ledger: the sync points it issued, in order, the steps and data passes it ran,
+and how it ended; then where the ledgers first part ways.
+
+A distributed job goes wrong where its ranks stop doing the same thing: one issues a collective
+the others do not, leaves while they go on, or reads more batches. Errors that follow on the
+other ranks (peer closed, timeouts, aborts) are consequences of that first divergence. So the
+judgement starts from facts every job leaves (each rank's trace, the supervisor's exit records
+and the stacks of a hang), not from a ladder of patterns over one snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import ddpdoctor
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import RankTrace, Run
+
+GRAD_ALLREDUCE = "gradient all-reduce"
+BUFFERS = "buffer broadcast"
+FORWARD = "DDP forward"
+# The live status' phase names, as ledger ops.
+_PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD}
+_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_CONSEQUENCE_TEXT = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl communicator was aborted",
+)
+
+
+@dataclass(slots=True)
+class Point:
+    """One sync point a rank issued (or was inside when the job was stopped)."""
+
+    seq: int  # the process group's collective sequence number at entry (-1: unknown)
+    op: str  # a dist op name, or GRAD_ALLREDUCE / BUFFERS / FORWARD
+    nbytes: int
+    group: str
+    step: int
+    site: str  # the user's file:line, "" when unknown
+    ts: int = 0
+    in_flight: bool = False
+
+    def describe(self) -> str:
+        where = f" at {self.site}" if self.site else ""
+        size = f", {self.nbytes} bytes" if self.nbytes else ""
+        seq = f" #{self.seq}" if self.seq >= 0 else ""
+        return f"{self.op}{seq} (step {self.step}{size}){where}"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a rank's record ended. ``how``: clean_exit, exception, signal, vanished (no clean
+    close, no exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
+    running (the trace just stops: read while the job runs) or never_started (no trace)."""
+
+    how: str
+    step: int = -1
+    signal: str | None = None
+    error: dict[str, Any] | None = None
+    consequence: bool = False  # the error says a peer went away: not this rank's own fault
+    wall_s: float | None = None
+
+    def describe(self) -> str:
+        after = f" after step {self.step}" if self.step >= 0 else " before its first step"
+        if self.how == "exception" and self.error:
+            message = str(self.error.get("message") or "").splitlines()[:1]
+            return f"raised {self.error.get('type')}{': ' + message[0][:160] if message else ''}{after}"
+        if self.how == "signal":
+            return f"was killed by {self.signal}{after}"
+        return {
+            "clean_exit": f"exited cleanly{after}",
+            "vanished": f"stopped without a clean exit, an exception or a signal seen{after}",
+            "stopped_on_hang": f"was stopped by ddpdoctor while hung{after}",
+            "never_started": "never called init_process_group (no trace)",
+        }.get(self.how, f"was still running{after}")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One DataLoader pass: how many batches it would give and how many the rank took."""
+
+    loader: int
+    expected: int | None
+    read: int
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is not None and self.read >= self.expected
+
+
+@dataclass
+class Ledger:
+    rank: int
+    points: list[Point] = field(default_factory=list)
+    forwards: list[tuple[int, bool, bool, str]] = field(default_factory=list)  # step, grad, training, site
+    steps: int = 0  # training steps whose backward finished
+    last_step: int = -1  # the last training step entered
+    passes: list[Pass] = field(default_factory=list)
+    ending: Ending = field(default_factory=lambda: Ending("running"))
+    place: str = ""  # where in the user's code it was last seen (a hang's stack, else its last site)
+
+
+def is_consequence(error: dict[str, Any]) -> bool:
+    """True for an error that says a peer went away, rather than one of this rank's own."""
+    kind, message = str(error.get("type", "")), str(error.get("message", "")).lower()
+    return kind in _CONSEQUENCE_TYPES or any(t in message for t in _CONSEQUENCE_TEXT)
+
+
+def signal_name(sig: Any) -> str | None:
+    if not sig:
+        return None
+    try:
+        return signal.Signals(int(sig)).name
+    except (ValueError, TypeError):
+        return f"signal {sig}"
+
+
+def _watch(run: Run) -> dict[str, Any]:
+    merged: dict[str, Any] = {"rank_exits": {}, "rank_errors": {}, "killed_on_hang": False}
+    for w in run.watches:
+        for key in ("rank_exits", "rank_errors"):
+            merged[key].update(w.get(key) or {})
+        merged["killed_on_hang"] = merged["killed_on_hang"] or bool(w.get("killed_on_hang"))
+    return merged
+
+
+def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> Ending:
+    """The one place that decides how a rank's record ended, from every fact there is: its own
+    trace (clean close, uncaught exception), the supervisor's exit record (signal, step) and
+    whether ddpdoctor stopped the job on a hang."""
+    watch = watch if watch is not None else _watch(run)
+    trace = run.ranks.get(rank)
+    exit_info = (watch.get("rank_exits") or {}).get(str(rank)) or {}
+    if trace is None:
+        return Ending("never_started", signal=signal_name(exit_info.get("signal")))
+    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    if isinstance(exit_info.get("step"), int):
+        step = max(step, exit_info["step"])
+    errors = [
+        info for _, _, info in trace.meta.get(schema.RANK_ERROR, []) if info.get("thread") == "MainThread"
+    ]
+    if errors:
+        err = errors[0]
+        wall = err.get("wall_ns")
+        return Ending(
+            "exception", step, error=err, consequence=is_consequence(err), wall_s=wall / 1e9 if wall else None
+        )
+    sig = signal_name(exit_info.get("signal"))
+    when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
+    if trace.ended_cleanly:
+        return Ending("clean_exit", step, wall_s=_end_wall(trace))
+    if watch.get("killed_on_hang"):
+        return Ending("stopped_on_hang", step, wall_s=when)
+    if sig:
+        return Ending("signal", step, signal=sig, wall_s=when)
+    if exit_info:
+        return Ending("vanished", step, wall_s=when)
+    return Ending("running", step)
+
+
+def _end_wall(trace: RankTrace) -> float | None:
+    ends = trace.meta.get(schema.END, [])
+    if not ends:
+        return None
+    return (int(trace.header.get("wall_ns", 0)) + ends[0][0] * 1000) / 1e9
+
+
+def sites_of(trace: RankTrace) -> dict[int, str]:
+    """Interned call-site ids to file:line."""
+    return {
+        int(info["id"]): f"{os.path.basename(str(info.get('file')))}:{info.get('line')}"
+        for _, _, info in trace.meta.get(schema.SITE, [])
+        if isinstance(info.get("id"), int)
+    }
+
+
+_NOT_USER = tuple(
+    d + os.sep
+    for d in (os.path.dirname(os.path.abspath(ddpdoctor.__file__)), sysconfig.get_paths().get("stdlib") or "")
+    if d
+)
+
+
+def user_frame(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame of the user's code in a stack (innermost first), as file:line."""
+    for frame in frames:
+        file = str(frame.get("file", ""))
+        if (
+            file.startswith("<")
+            or "site-packages" in file
+            or "dist-packages" in file
+            or os.path.abspath(file).startswith(_NOT_USER)
+        ):
+            continue
+        return f"{os.path.basename(file)}:{frame.get('line')}"
+    return ""
+
+
+def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
+    """The sync point a rank was inside when the last hang was recorded, and its stack's place."""
+    if not run.hangs:
+        return None, ""
+    summary = run.hangs[-1]
+    status = (summary.get("statuses") or {}).get(str(rank)) or {}
+    stack = (summary.get("stacks") or {}).get(str(rank)) or {}
+    place = ""
+    for thread in stack.get("threads") or []:
+        if thread.get("name") == "MainThread" or len(stack.get("threads") or []) == 1:
+            place = user_frame(thread.get("frames") or [])
+    phase = status.get("phase") or {}
+    name, op = phase.get("name"), phase.get("op")
+    if not name or name == "data":
+        return None, place
+    if name == "collective":
+        label = str(op)
+    elif name == "forward":
+        label = f"{FORWARD} ({op})"
+    else:
+        label = _PHASE_OPS.get(str(name), str(name))
+        if name == "sync_buffers" and "eval" in str(op):
+            label += " (eval)"
+    seq = phase.get("seq")
+    point = Point(
+        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", int(status.get("step", -1)), place,
+        in_flight=True,
+    )  # fmt: skip
+    return point, place
+
+
+def _passes(trace: RankTrace, world: int) -> list[Pass]:
+    """Each DataLoader pass with the batches it would give and the batches the rank read."""
+    loaders = trace.meta.get(schema.LOADER, [])
+    if not loaders:
+        return []
+    waits = trace.kind(schema.DATA_WAIT)
+    ts, ids = waits.ts, waits.ints(0)
+    out = []
+    for i, (t0, _step, info) in enumerate(loaders):
+        lid = info.get("id")
+        later = [t for t, _, nxt in loaders[i + 1 :] if nxt.get("id") == lid]
+        t1 = later[0] if later else None
+        mask = (ids == lid) & (ts >= t0)
+        if t1 is not None:
+            mask &= ts < t1
+        out.append(Pass(int(lid or 0), _expected_batches(info, world), int(mask.sum())))
+    return out
+
+
+def _expected_batches(info: dict[str, Any], world: int) -> int | None:
+    if isinstance(info.get("batches"), int):
+        return info["batches"]
+    n, bs = info.get("dataset_len"), info.get("batch_size")
+    if not isinstance(n, int) or not isinstance(bs, int) or bs <= 0:
+        return None
+    if info.get("sampler") == "DistributedSampler":
+        n = -(-n // world)
+    return n // bs if info.get("drop_last") else -(-n // bs)
+
+
+def build(run: Run) -> dict[int, Ledger]:
+    """A ledger for every rank of the run, those that left no trace included."""
+    watch = _watch(run)
+    ledgers: dict[int, Ledger] = {}
+    for rank in range(run.world_size):
+        ledger = Ledger(rank, ending=how_it_ended(run, rank, watch))
+        trace = run.ranks.get(rank)
+        if trace is not None:
+            _fill(ledger, trace, run.world_size)
+        flight, place = _in_flight(run, rank)
+        if flight is not None:
+            ledger.points.append(flight)
+        ledger.place = place or (ledger.points[-1].site if ledger.points else "")
+        if not ledger.place and ledger.forwards:
+            ledger.place = ledger.forwards[-1][3]
+        ledgers[rank] = ledger
+    return ledgers
+
+
+# Points kept per kind, from the end: a divergence that broke the job is near its end, and a
+# long job's every bucket all-reduce would make the ledger as slow to build as the trace is big.
+TAIL = 128
+
+
+def _tail(events: Any) -> Any:
+    n = len(events)
+    return events if n <= TAIL else events.select(np.arange(n - TAIL, n))
+
+
+def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
+    sites = sites_of(trace)
+    points: list[Point] = []
+    coll = _tail(trace.kind(schema.COLLECTIVE))
+    for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
+        site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
+        points.append(Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts))
+    fwd = _tail(trace.kind(schema.FORWARD))
+    fwd_site: dict[int, str] = {}
+    for step, f in zip(fwd.step.tolist(), fwd.fields, strict=True):
+        site = sites.get(int(f[3]), "") if len(f) > 3 and isinstance(f[3], int) else ""
+        ledger.forwards.append((step, bool(f[0]), bool(f[1]), site))
+        if f[0]:
+            fwd_site[step] = site
+    red = _tail(trace.kind(schema.ALLREDUCE))
+    for ts, step, f in zip(red.ts.tolist(), red.step.tolist(), red.fields, strict=True):
+        points.append(Point(int(f[2]), GRAD_ALLREDUCE, int(f[1]), "WORLD", step, fwd_site.get(step, ""), ts))
+    buf = _tail(trace.kind(schema.SYNC_BUFFERS))
+    for ts, step, f in zip(buf.ts.tolist(), buf.step.tolist(), buf.fields, strict=True):
+        points.append(Point(int(f[0]), BUFFERS, 0, "WORLD", step, "", ts))
+    ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
+    ledger.steps = len(trace.kind(schema.BACKWARD))
+    grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
+    ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
+    ledger.passes = _passes(trace, world)
+
+
+@dataclass
+class Divergence:
+    """Where the ledgers first part ways, and the evidence."""
+
+    what: str  # left | mismatch | extra_collective | extra_forward | steps
+    root: int | None
+    others: list[int]
+    points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
+    """The first sync point where ranks disagree: a rank gone while others go on, a different op
+    or size at one sequence number, or a collective only some ranks issued."""
+    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
+    if len(present) < 2:
+        return None
+    by_seq = {
+        r: {p.seq: p for p in lg.points if p.group == "WORLD" and p.seq >= 0} for r, lg in present.items()
+    }
+    seqs = sorted(set().union(*[set(m) for m in by_seq.values()]))
+    last = {r: max(m, default=-1) for r, m in by_seq.items()}
+    for seq in seqs:
+        at = {r: m.get(seq) for r, m in by_seq.items()}
+        have = {r: p for r, p in at.items() if p is not None}
+        kinds = {(p.op, p.nbytes if not p.in_flight else None) for p in have.values()}
+        if len(have) == len(at) and len({k[0] for k in kinds}) == 1:
+            sizes = {p.nbytes for p in have.values() if not p.in_flight}
+            if len(sizes) <= 1:
+                continue
+            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "size"})
+        if len(have) == len(at):
+            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "op"})
+        missing = [r for r in at if at[r] is None]
+        if all(last[r] < seq for r in missing):
+            gone = min(missing, key=lambda r: (present[r].last_step, r))
+            return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
+    return None
+
+
+def forward_site(trace: RankTrace, step: int | None = None) -> str:
+    """Where the training forward of a step (default: the last) was called, as file:line."""
+    fwd = trace.kind(schema.FORWARD)
+    if not len(fwd):
+        return ""
+    idx = np.flatnonzero((fwd.ints(0) == 1) & ((fwd.step == step) if step is not None else True))
+    if not len(idx):
+        idx = np.flatnonzero(fwd.ints(0) == 1)
+    if not len(idx):
+        return ""
+    return sites_of(trace).get(int(fwd.ints(3)[idx[0] if step is not None else idx[-1]]), "")

@@ -1,0 +1,118 @@
+"""Periodic rank-only work: one rank late at the gradient sync every k steps (logging, metrics,
+checkpoints, evaluation on rank 0), judged by what it costs the job, not by how few steps it
+hits.
+
+Every other rank waits for the late one at the next sync, so the cost of a 250 ms metrics write
+every 5th step is the whole job's: a warning when it is at least ``COST_WARNING`` of the run
+time, named with its period and cost.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from ddpdoctor.analysis.findings import Finding, detector
+from ddpdoctor.analysis.phases import training_forwards
+from ddpdoctor.analysis.straggler import LATE_FLOOR_US
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+COST_WARNING = 0.05  # of the job's training time
+COST_NOTE = 0.01  # below this, not worth a line
+MIN_STEPS = 6
+MIN_REPEATS = 3  # late steps needed to call it periodic
+REGULAR = 0.7  # share of gaps between late steps that must equal the period
+FIX = (
+    "Take the rank-only work off the training's critical path: run it in a background thread or "
+    "process (write metrics/checkpoints asynchronously), do it less often, or share it across "
+    "ranks; every other rank waits for it at the next gradient sync."
+)
+
+
+def period_of(steps: np.ndarray) -> int | None:
+    """The regular gap between late steps (every k steps), or None when they are not regular."""
+    if len(steps) < MIN_REPEATS:
+        return None
+    steps = np.sort(steps)
+    k = int(Counter(np.diff(steps).tolist()).most_common(1)[0][0])
+    if k < 2:
+        return None
+    # Most late steps fall on one residue mod k (one late step off by one does not break it).
+    on_beat = Counter((steps % k).tolist()).most_common(1)[0][1]
+    return k if on_beat >= REGULAR * len(steps) else None
+
+
+def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
+    """(ranks, (ranks, steps) µs each rank spent blocked in sync points per training step: the
+    gradient all-reduce's last bucket and every Python collective), over the steps all share."""
+    ranks = sorted(run.ranks)
+    rows = []
+    for r in ranks:
+        trace = run.ranks[r]
+        coll, ar = trace.kind(schema.COLLECTIVE), trace.kind(schema.ALLREDUCE)
+        parts = [(coll.step, coll.dur), (ar.step, ar.dur)]
+        steps = np.concatenate([p[0] for p in parts]).astype(np.int64)
+        durs = np.concatenate([p[1] for p in parts]).astype(np.float64)
+        keep = steps >= 0
+        if not keep.any():
+            return None
+        rows.append(np.bincount(steps[keep], weights=durs[keep]))
+    n = min(len(row) for row in rows)
+    if n < MIN_STEPS:
+        return None
+    return ranks, np.vstack([row[:n] for row in rows])
+
+
+@detector
+def periodic_work(run: Run) -> Iterable[Finding]:
+    if len(run.ranks) < 2:
+        return
+    found = sync_waits(run)
+    if found is None:
+        return
+    ranks, waits = found
+    # A rank that is late makes the others wait for it: its lateness at a step is how much
+    # longer the most-waiting rank was blocked than it was.
+    lateness = waits.max(axis=0, keepdims=True) - waits
+    total_us = 0.0  # the training time: first training forward to the rank's last record
+    for r in ranks:
+        fwd = training_forwards(run.ranks[r])
+        if len(fwd):
+            total_us = max(total_us, float(run.ranks[r].last_ts - fwd.ts[0]))
+    if total_us <= 0:
+        return
+    for row, rank in enumerate(ranks):
+        peak = float(lateness[row].max())
+        late = np.flatnonzero(lateness[row] > max(LATE_FLOOR_US * 3, 0.5 * peak))
+        if len(late) > 0.5 * lateness.shape[1]:
+            continue  # late on most steps: a straggler, not periodic work
+        k = period_of(late)
+        if k is None:
+            continue
+        cost_us = float(lateness[row, late].sum())
+        share = cost_us / total_us
+        if share < COST_NOTE:
+            continue
+        each_ms = float(np.median(lateness[row, late])) / 1e3
+        speedup = total_us / max(total_us - cost_us, 1.0)
+        yield Finding(
+            "periodic_rank_work",
+            "warning" if share >= COST_WARNING else "info",
+            [rank],
+            f"every {k} steps rank {rank} spends {each_ms:.0f} ms in its own code between sync "
+            f"points (logging, metrics, checkpoints, evaluation?) while the other ranks wait for it "
+            f"at the next sync point: {100 * share:.0f} % of the training time; the job would be "
+            f"{speedup:.2f}x faster without it",
+            fix=FIX,
+            details={
+                "root_rank": rank,
+                "period_steps": k,
+                "ms_each": round(each_ms, 3),
+                "cost_share": round(share, 4),
+                "what_if_speedup": round(speedup, 3),
+                "late_steps": [int(s) for s in late][:50],
+            },
+        )

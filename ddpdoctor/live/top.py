@@ -1,0 +1,350 @@
+"""`ddpdoctor top`: a running job, rank by rank, from the status files its ranks rewrite.
+
+Each rank's trace writer thread rewrites ``status-rank{R}.json`` four times a second (step,
+current sync point, last collective, recent rate, its wait at the last gradient bucket of its
+last steps; see probes/liveness.py and probes/recent.py). `top` reads only those small files,
+the tail of the node's GPU samples and run.json, so it costs the job nothing and stays cheap at
+a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
+already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
+analysis/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
+the recent steps, a rank that raised or vanished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddpdoctor.analysis.hang import analyse
+from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
+from ddpdoctor.live.gpu import GpuTails
+from ddpdoctor.live.render import render
+from ddpdoctor.rundir import RunDir
+from ddpdoctor.supervisor.watch import (
+    DEFAULT_FLOOR_S,
+    HANG_MULTIPLE,
+    adaptive_threshold,
+    pid_alive,
+    sync_wait_s,
+)
+from ddpdoctor.trace.reader import read_meta
+
+TOP_SCHEMA = "ddpdoctor.top/1"
+CPU_BUDGET = 0.04  # of one core, at most, for the refresh loop (the issue asks < 5 %)
+STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (or the node is gone)
+
+
+class Top:
+    """The state kept between refreshes: per-file GPU offsets, the previous step counts."""
+
+    def __init__(self, run_dirs: list[Path], floor_s: float = DEFAULT_FLOOR_S) -> None:
+        self.run_dirs = run_dirs
+        self.floor_s = floor_s
+        self.gpus = GpuTails()
+        self.host = os.uname().nodename
+        self._prev: dict[int, tuple[float, int]] = {}  # rank -> (wall, step) at the last look
+        self._hang_text: dict[Path, str] = {}
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        """One frame, as the JSON object `--json` prints."""
+        now = time.time() if now is None else now
+        statuses: dict[int, dict[str, Any]] = {}
+        runs = []
+        for run_dir in self.run_dirs:
+            meta = read_meta(run_dir)
+            found = read_statuses(run_dir)
+            statuses.update(found)
+            runs.append(
+                {
+                    "dir": str(run_dir),
+                    "status": meta.get("status") or ("running" if found else "no status files"),
+                    "exit_code": meta.get("exit_code"),
+                    "ended_wall": (meta["ended_ns"] / 1e9) if meta.get("ended_ns") else None,
+                    "hangs": self._hangs(run_dir),
+                }
+            )
+        self.gpus.poll(self.run_dirs)
+        finished = bool(runs) and all(r["status"] == "finished" for r in runs)
+        # Without run.json (ddpdoctor.instrument()): done when every rank has exited cleanly.
+        finished = finished or (bool(statuses) and all(s.get("exited") for s in statuses.values()))
+        lateness = _lateness(statuses)
+        ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
+        job = _job(statuses, ranks, lateness, now, finished)
+        reported = any(run["hangs"] for run in runs)
+        timeout = "reported" if reported else self._hang_timeout()
+        findings = _findings(statuses, ranks, lateness, job, now, self.floor_s, finished, timeout)
+        for run in runs:
+            for hang in run["hangs"]:
+                findings.append({"kind": "hang_reported", "ranks": [], "text": hang})
+        return {
+            "schema": TOP_SCHEMA,
+            "time": now,
+            "runs": runs,
+            "job": job,
+            "ranks": ranks,
+            "findings": findings,
+        }
+
+    def _row(
+        self, rank: int, st: dict[str, Any], now: float, late: dict[str, Any] | None, finished: bool
+    ) -> dict[str, Any]:
+        step = int(st.get("step", -1))
+        rate = st.get("steps_per_s")
+        prev = self._prev.get(rank)
+        if rate is None and prev is not None and now > prev[0] and not finished:
+            rate = round((step - prev[1]) / (now - prev[0]), 4)
+        self._prev[rank] = (now, step)
+        phase = st.get("phase") or {}
+        last = st.get("last_collective") or {}
+        return {
+            "rank": rank,
+            "host": st.get("host"),
+            "pid": st.get("pid"),
+            "state": self._state(st, now, finished),
+            "step": step,
+            "steps": step + 1,  # training steps started (step is the index of the last, -1 before any)
+            "steps_per_s": rate,
+            "phase": phase.get("name"),
+            "op": phase.get("op"),
+            "phase_s": round(_in_phase_s(st, now), 3) if phase else None,
+            "last_op": last.get("op"),
+            "last_seq": last.get("seq"),
+            "seq": st.get("seq"),
+            "late_ms": None if late is None else round(late["mean_us"] / 1000, 3),
+            "latest_share": None if late is None else late["latest_share"],
+            "gpu": self.gpus.for_rank(st),
+            "error": st.get("error"),
+        }
+
+    def _state(self, st: dict[str, Any], now: float, finished: bool) -> str:
+        if st.get("error"):
+            return "raised"
+        if st.get("exited"):
+            return "exited"
+        pid = st.get("pid")
+        if (st.get("host") in (None, self.host)) and isinstance(pid, int) and pid > 0 and not pid_alive(pid):
+            return "gone"  # no clean exit recorded: killed, or the status lags a fast exit
+        if finished:
+            return "ended"
+        if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
+            return "silent"
+        return "running"
+
+    def _hang_timeout(self) -> float | None:
+        """`ddpdoctor run --hang-timeout`, when the watcher recorded it (watch.json)."""
+        for run_dir in self.run_dirs:
+            try:
+                value = json.loads((run_dir / RunDir.WATCH).read_text(encoding="utf-8")).get("hang_timeout")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value)
+        return None
+
+    def _hangs(self, run_dir: Path) -> list[str]:
+        """The watcher's hang reports (hang-N/summary.json), read once each."""
+        out = []
+        for path in RunDir(run_dir).hang_summaries():
+            if path not in self._hang_text:
+                try:
+                    text = str(json.loads(path.read_text(encoding="utf-8")).get("text") or "")
+                except (OSError, ValueError, AttributeError):
+                    continue
+                self._hang_text[path] = text
+            out.append(self._hang_text[path])
+        return out
+
+
+def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's latest status in ``run_dir`` (a file being replaced is read next time): one
+    read and one parse per file, the floor of a refresh's cost."""
+    out: dict[int, dict[str, Any]] = {}
+    loads = json.loads
+    for rank, path in RunDir(run_dir).statuses():
+        try:
+            with open(path, "rb") as fh:
+                status = loads(fh.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(status, dict):
+            out[rank] = status
+    return out
+
+
+def _in_phase_s(st: dict[str, Any], now: float) -> float:
+    phase = st.get("phase") or {}
+    return float(phase.get("since_s", 0.0)) + max(0.0, now - float(st.get("heartbeat_wall") or now))
+
+
+def _lateness(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per rank over the recent steps every rank published: mean µs it got the last bucket ready
+    after the earliest rank, and the share of those steps on which it was the latest.
+    Plain lists first, one array at the end: a thousand ranks cost a few milliseconds."""
+    ranks, series = [], []
+    for rank, st in statuses.items():
+        pairs = st.get("sync_wait_us")
+        if not isinstance(pairs, list) or not pairs:
+            return {}  # a rank without bucket timings: lateness is unknown for all
+        ranks.append(rank)
+        series.append(pairs)
+    if len(ranks) < 2:
+        return {}
+    try:
+        lo = max(int(p[0][0]) for p in series)  # each rank publishes its steps in order
+        hi = min(int(p[-1][0]) for p in series)
+        if hi < lo or hi - lo > 10_000:
+            return {}
+        nan = float("nan")
+        rows = []
+        for pairs in series:
+            first = int(pairs[0][0])
+            if int(pairs[-1][0]) - first == len(pairs) - 1:  # consecutive steps: one slice
+                rows.append([p[1] for p in pairs[lo - first : hi - first + 1]])
+                continue
+            row = [nan] * (hi - lo + 1)
+            for step, wait in pairs:
+                if lo <= step <= hi:
+                    row[step - lo] = wait
+            rows.append(row)
+        waits = np.array(rows, dtype=np.float64)
+    except (TypeError, ValueError, IndexError):
+        return {}
+    waits = waits[:, ~np.isnan(waits).any(axis=0)]  # the steps every rank has
+    n = waits.shape[1]
+    if not n:
+        return {}
+    late = waits.max(axis=0) - waits  # the longest wait is the earliest arrival
+    latest = np.bincount(waits.argmin(axis=0), minlength=len(ranks))
+    mean = late.mean(axis=1)
+    return {
+        rank: {"mean_us": float(mean[i]), "latest_share": round(float(latest[i]) / n, 3), "steps": n}
+        for i, rank in enumerate(ranks)
+    }
+
+
+def _job(
+    statuses: dict[int, dict[str, Any]],
+    ranks: list[dict[str, Any]],
+    lateness: dict[int, dict[str, Any]],
+    now: float,
+    finished: bool,
+) -> dict[str, Any]:
+    steps = [r["steps"] for r in ranks]
+    rates = [r["steps_per_s"] for r in ranks if r["steps_per_s"] is not None]
+    world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0)
+    progress = [float(s.get("progress_wall") or 0.0) for s in statuses.values()]
+    slowest = max(lateness, key=lambda r: lateness[r]["mean_us"]) if lateness else None
+    if slowest is None and rates:
+        slowest = min((r for r in ranks if r["steps_per_s"] is not None), key=lambda r: r["steps_per_s"])[
+            "rank"
+        ]
+    return {
+        "ranks_seen": len(statuses),
+        "world_size": world or None,
+        "steps_min": min(steps, default=None),
+        "steps_max": max(steps, default=None),
+        # Every DDP step waits for the slowest rank: the job runs at the lowest rank rate.
+        "steps_per_s": min(rates) if rates else None,
+        "slowest_rank": slowest,
+        "since_progress_s": round(now - max(progress), 3) if progress and max(progress) > 0 else None,
+        "finished": finished,
+    }
+
+
+def _findings(
+    statuses: dict[int, dict[str, Any]],
+    ranks: list[dict[str, Any]],
+    lateness: dict[int, dict[str, Any]],
+    job: dict[str, Any],
+    now: float,
+    floor_s: float,
+    finished: bool,
+    hang_timeout: float | str | None = None,
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for row in ranks:
+        if row["state"] == "raised":
+            err = row["error"] or {}
+            text = f"rank {row['rank']} raised {err.get('type')}: {str(err.get('message'))[:200]}"
+            out.append({"kind": "rank_error", "ranks": [row["rank"]], "text": text})
+        elif row["state"] == "gone" and not finished:
+            text = f"rank {row['rank']} (pid {row['pid']}) is gone without a clean exit at step {row['step']}"
+            out.append({"kind": "rank_gone", "ranks": [row["rank"]], "text": text})
+    straggler = _straggler(statuses, lateness)
+    if straggler:
+        out.append(straggler)
+    live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
+    if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
+        return out  # a failing rank explains the others' wait (the watcher says the same)
+    if hang_timeout == "reported":
+        return out  # the watcher's own report (with stacks) is shown instead
+    threshold = hang_timeout or adaptive_threshold(statuses, floor_s, HANG_MULTIPLE)
+    longest = max((sync_wait_s(s, now) for s in live.values()), default=0.0)
+    started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
+    quiet = job["since_progress_s"] or 0.0
+    if longest > threshold or (started and quiet > threshold):
+        world = job["world_size"] if len(statuses) < (job["world_size"] or 0) else None
+        diag = analyse(
+            live, {}, threshold_s=threshold, quiet_s=max(longest, quiet), now=now, world_size=world
+        )
+        text = (
+            f"no progress for {quiet:.0f} s (threshold {threshold:g} s): {diag.explanation} Fix: {diag.fix}"
+        )
+        out.append({"kind": "hang", "ranks": diag.culprits, "pattern": diag.pattern, "text": text})
+    return out
+
+
+def _straggler(
+    statuses: dict[int, dict[str, Any]], lateness: dict[int, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The rank that got its last bucket ready last on most recent steps, by enough to matter."""
+    if not lateness:
+        return None
+    rank = max(lateness, key=lambda r: lateness[r]["latest_share"])
+    late = lateness[rank]
+    rates = [float(s["steps_per_s"]) for s in statuses.values() if s.get("steps_per_s")]
+    step_us = 1e6 / min(rates) if rates else 0.0
+    share_needed = max(PERSISTENT, min(1.0, 3 / len(lateness))) if len(lateness) > 2 else 0.8
+    if late["steps"] < MIN_STEPS or late["latest_share"] < share_needed:
+        return None
+    if late["mean_us"] < max(LATE_FLOOR_US, LATE_FRACTION * step_us):
+        return None
+    text = (
+        f"rank {rank} arrives last at the gradient sync on {late['latest_share']:.0%} of the last "
+        f"{late['steps']} steps, {late['mean_us'] / 1000:.1f} ms late on average: the other ranks wait for it"
+    )
+    return {"kind": "straggler", "ranks": [rank], "text": text}
+
+
+def run(
+    run_dirs: list[Path],
+    *,
+    once: bool = False,
+    as_json: bool = False,
+    interval: float = 1.0,
+    echo: Callable[[str], None] = print,
+) -> None:
+    """Print a frame every ``interval`` seconds until every run has finished (or Ctrl-C).
+    On a terminal each frame replaces the last; in a pipe or log frames follow each other."""
+    top = Top(run_dirs)
+    clear = not as_json and not once and sys.stdout.isatty()
+    while True:
+        started, cpu0 = time.monotonic(), time.process_time()
+        frame = top.snapshot()
+        if as_json:
+            echo(json.dumps(frame, separators=(",", ":"), default=str))
+        else:
+            echo(("\x1b[H\x1b[2J" if clear else "") + render(frame) + ("" if clear or once else "\n"))
+        if once or frame["job"]["finished"]:
+            return
+        # Never more than CPU_BUDGET of a core: with thousands of ranks (or a slow shared file
+        # system) the refresh stretches instead of the cost growing.
+        spent = time.process_time() - cpu0
+        time.sleep(max(0.0, max(0.05, interval, spent / CPU_BUDGET) - (time.monotonic() - started)))

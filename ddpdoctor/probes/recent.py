@@ -1,0 +1,87 @@
+"""A few numbers about the last steps, for `ddpdoctor top`: kept by the trace writer's thread.
+
+`top` must read only the small status files, yet show steps/s, the last collective and how late
+each rank arrives at the gradient sync. The writer thread already sees every event as it
+serialises it, so it feeds the few kinds needed here (training forwards, bucket all-reduces,
+collectives, buffer broadcasts) into bounded deques; the training thread does nothing more.
+
+Lateness needs no cross-host clock (as in analysis/straggler.py): the last bucket's
+all-reduce ends at about the same moment on every rank, so a rank that got it ready later waits
+less. Each rank publishes its wait in that bucket for its last completed steps; `top` lines the
+ranks up by step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from ddpdoctor.trace import schema
+
+KEEP_STEPS = 16  # steps kept: enough for a steady rate and lateness, small enough to publish
+
+
+class RecentSteps:
+    """Fed by writer taps (``(kind, t0_ns, t1_ns, step, *fields)``); ``status()`` for the file."""
+
+    def __init__(self, keep: int = KEEP_STEPS) -> None:
+        self.starts: deque[tuple[int, int]] = deque(maxlen=keep)  # (step, forward entry ns)
+        self.sync: deque[tuple[int, int]] = deque(maxlen=keep)  # (step, last bucket wait µs)
+        self._open: tuple[int, int, int] | None = None  # (step, ready ns, wait µs) of the newest step
+        self.last_collective: tuple[str, int, int] | None = None  # (op, seq, end ns)
+
+    def taps(self) -> dict[str, Any]:
+        return {
+            schema.FORWARD: self.forward,
+            schema.ALLREDUCE: self.allreduce,
+            schema.COLLECTIVE: self.collective,
+            schema.SYNC_BUFFERS: self.sync_buffers,
+        }
+
+    def forward(self, event: tuple) -> None:
+        _, t0, _, step, grad, *_ = event
+        if grad:
+            self.starts.append((step, t0))
+
+    def allreduce(self, event: tuple) -> None:
+        _, t0, t1, step, _, _, seq = event[:7]
+        cur = self._open
+        if cur is not None and cur[0] != step:
+            self.sync.append((cur[0], cur[2]))  # a later step began: the previous one is complete
+            cur = None
+        if cur is None or t0 >= cur[1]:  # the bucket that got ready last decides the wait
+            self._open = (step, t0, (t1 - t0) // 1000)
+        self.last_collective = ("allreduce", int(seq), t1)
+
+    def collective(self, event: tuple) -> None:
+        _, _, t1, _, op, _, _, _, seq = event[:9]
+        self.last_collective = (str(op), int(seq), t1)
+
+    def sync_buffers(self, event: tuple) -> None:
+        _, _, t1, _, seq = event[:5]
+        self.last_collective = ("broadcast", int(seq), t1)
+
+    def finish(self) -> None:
+        """The rank is exiting: its newest step's buckets are all reduced."""
+        if self._open is not None:
+            self.sync.append((self._open[0], self._open[2]))
+            self._open = None
+
+    def status(self, now_ns: int | None = None) -> dict[str, Any]:
+        """The fields this adds to ``status-rank{R}.json``."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        wall = time.time()
+        starts = list(self.starts)
+        rate = None
+        if len(starts) >= 2 and starts[-1][1] > starts[0][1]:
+            rate = round((starts[-1][0] - starts[0][0]) / ((starts[-1][1] - starts[0][1]) / 1e9), 4)
+        last = self.last_collective
+        return {
+            "steps_per_s": rate,
+            "last_step_wall": round(wall - (now_ns - starts[-1][1]) / 1e9, 3) if starts else None,
+            "sync_wait_us": [[s, w] for s, w in list(self.sync)],  # list(): one step, under the GIL
+            "last_collective": {"op": last[0], "seq": last[1], "ago_s": round((now_ns - last[2]) / 1e9, 3)}
+            if last
+            else None,
+        }

@@ -1,0 +1,122 @@
+"""The ledger and its causes on small hand-written traces: each rule against the fact that
+decides it (which rank left, mid-pass or out of data, sizes at one sequence number), and the
+helpers (period detection, nested phase times) against plain references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ddpdoctor.analysis import diagnose
+from ddpdoctor.analysis.ledger import build, first_divergence
+from ddpdoctor.analysis.periodic import period_of
+from ddpdoctor.analysis.phases import exclusive_durations
+from ddpdoctor.trace.reader import load_run
+
+LOADER = {"id": 7, "sampler": "DistributedSampler", "batch_size": 8, "dataset_len": 128, "batches": 8}
+PEER_ERROR = {"type": "RuntimeError", "message": "Connection closed by peer", "thread": "MainThread"}
+
+
+def _steps(n: int, loader: bool = True) -> list[list]:
+    """n training steps: data wait, forward (site 0), bucket all-reduce, backward, optimizer."""
+    out: list[list] = [["site", 1, 0, -1, {"id": 0, "file": "/job/train.py", "line": 21, "func": "main"}]]
+    if loader:
+        out.append(["loader", 2, 0, -1, LOADER])
+    for k in range(n):
+        t = 100 + 1000 * k
+        if loader:
+            out.append(["data_wait", t, 10, k - 1, 7])
+        out += [
+            ["forward", t + 20, 100, k, 1, 1, 3 + k, 0],
+            ["allreduce", t + 200, 300, k, 0, 2704, 3 + k],
+            ["backward", t + 150, 400, k],
+            ["optimizer", t + 600, 50, k, "SGD"],
+        ]
+    return out
+
+
+def _write(
+    run_dir: Path, rank: int, records: list[list], end: bool = True, error: dict | None = None
+) -> None:
+    header = [
+        "header",
+        {"schema": "ddpdoctor.trace/1", "rank": rank, "world_size": 2, "wall_ns": 0, "mono_ns": 0},
+    ]
+    lines = [header, *records]
+    if error is not None:
+        lines.append(["rank_error", 90_000, 0, 5, error])
+    if end:
+        lines.append(["end", 99_000, 0, -1, {"reason": "exit"}])
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / f"trace-rank{rank}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def _kinds(run_dir: Path) -> dict[str, dict]:
+    return {f.kind: f.to_json() for f in diagnose(load_run([run_dir])).findings}
+
+
+def test_a_rank_that_leaves_mid_pass_is_the_root_and_the_survivors_error_a_consequence(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path, 0, _steps(6), error=PEER_ERROR)
+    _write(tmp_path, 1, _steps(3))  # read 3 of its 8 batches, then exited cleanly
+    found = _kinds(tmp_path)
+    assert "rank_left_early" in found and "rank_failure" not in found
+    f = found["rank_left_early"]
+    assert f["details"]["root_rank"] == 1 and "train.py:21" in json.dumps(f)
+    assert any("rank_failure" in c for c in f["details"]["consequences"])
+
+
+def test_a_rank_that_ran_out_of_data_is_uneven_inputs(tmp_path: Path) -> None:
+    short = dict(LOADER, batches=3)
+    _write(tmp_path, 0, [r if r[0] != "loader" else ["loader", 2, 0, -1, short] for r in _steps(3)])
+    _write(tmp_path, 1, _steps(6), error=PEER_ERROR)
+    found = _kinds(tmp_path)
+    assert found["uneven_inputs"]["details"]["root_rank"] == 0 and "join" in found["uneven_inputs"]["fix"]
+
+
+def test_unequal_steps_that_end_cleanly_on_every_rank_are_not_a_failure(tmp_path: Path) -> None:
+    _write(tmp_path, 0, _steps(3, loader=False))  # e.g. under model.join()
+    _write(tmp_path, 1, _steps(6, loader=False))
+    assert not [f for f in diagnose(load_run([tmp_path])).findings if f.severity != "info"]
+
+
+def test_different_sizes_at_one_sequence_number_are_a_mismatch_with_both_sites(tmp_path: Path) -> None:
+    for rank, nbytes in ((0, 8), (1, 12)):
+        site = ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 27 + rank, "func": "main"}]
+        coll = ["collective", 5000, 30, 2, "all_reduce", nbytes, "WORLD", 2, 9, 0, 1]
+        _write(tmp_path, rank, [*_steps(3, loader=False), site, coll])
+    ledgers = build(load_run([tmp_path]))
+    div = first_divergence(ledgers)
+    assert div is not None and div.what == "mismatch" and div.evidence == {"seq": 9, "differs": "size"}
+    f = _kinds(tmp_path)["collective_mismatch"]
+    assert "train.py:27" in f["summary"] and "train.py:28" in f["summary"] and "size" in f["fix"]
+
+
+def test_same_ledgers_have_no_divergence(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        _write(tmp_path, rank, _steps(5))
+    assert first_divergence(build(load_run([tmp_path]))) is None
+
+
+def test_period_of_late_steps() -> None:
+    assert period_of(np.array([4, 9, 14, 19, 24])) == 5
+    assert period_of(np.array([4, 9, 14, 20, 24, 29])) == 5  # one gap off: still regular
+    assert period_of(np.array([1, 2, 7, 8, 20])) is None
+    assert period_of(np.array([4, 9])) is None
+
+
+def test_optimizer_time_excludes_the_forward_and_backward_run_inside_it(tmp_path: Path) -> None:
+    records = [
+        ["optimizer", 100, 1000, 0, "SGD"],  # closure: forward and backward inside
+        ["forward", 150, 200, 0, 1, 1, 3, -1],
+        ["backward", 400, 500, 0],
+        ["optimizer", 2000, 50, 1, "SGD"],  # plain: nothing inside
+        ["forward", 2100, 100, 1, 1, 1, 4, -1],
+    ]
+    _write(tmp_path, 0, records)
+    _write(tmp_path, 1, records)
+    trace = load_run([tmp_path]).ranks[0]
+    assert exclusive_durations(trace, "optimizer").tolist() == [300, 50]

@@ -1,0 +1,94 @@
+"""The pathology zoo under the real CLI: each case's diagnosis must match the expectation the
+script declares (kind, root rank, place, fix keyword), and healthy twins must stay quiet.
+
+CI runs a representative subset (one per family of cause, a healthy twin, one framework case);
+`ZOO_ALL=1` runs every case here, and benchmarks/diagnosis_accuracy.py runs them all with a table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, job_env
+
+_spec = importlib.util.spec_from_file_location(
+    "diagnosis_accuracy", REPO / "benchmarks" / "diagnosis_accuracy.py"
+)
+assert _spec and _spec.loader
+zoo = importlib.util.module_from_spec(_spec)
+sys.modules["diagnosis_accuracy"] = zoo
+_spec.loader.exec_module(zoo)
+
+CI_SUBSET = (
+    "healthy_basic",  # no warning on a healthy job
+    "uneven_exit",  # uneven inputs, the survivor's error a consequence
+    "early_return",  # a rank leaving early mid-pass
+    "mismatch_size",  # different sizes at one collective, with both call sites
+    "branch_barrier_hang",  # a hang: the rank-only barrier, killed after --hang-timeout
+    "rank_forward_train",  # a rank-only forward that does not hang
+    "accelerate_healthy",  # a framework's own sharding is sharding
+)
+CASES = {c.name: c for c in zoo.load_cases()}
+SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)
+
+
+def test_every_case_declares_a_well_formed_expectation() -> None:
+    assert len(CASES) >= 24
+    frameworks = [c.framework for c in CASES.values() if c.expect is not None]
+    assert frameworks.count("lightning") >= 3 and frameworks.count("accelerate") >= 3
+    assert sum(c.expect is None for c in CASES.values()) >= 5
+    for case in CASES.values():
+        if case.expect is not None:
+            assert {"kind", "rank", "fix", "options"} <= set(case.expect), case.name
+
+
+def test_judge_tells_right_from_wrong() -> None:
+    """The scoring itself: a finding of another kind, rank, place or fix is wrong."""
+    case = CASES["early_return"]
+    good = {
+        "kind": "rank_left_early",
+        "severity": "error",
+        "ranks": [1],
+        "summary": f"left at {case.places[0]}",
+        "fix": "keep every rank in the loop",
+        "details": {"root_rank": 1},
+    }
+    assert zoo.judge(case, {"findings": [good]})[0]
+    for change in ({"kind": "rank_failure"}, {"details": {"root_rank": 0}}, {"summary": "x"}, {"fix": "?"}):
+        assert not zoo.judge(case, {"findings": [{**good, **change}]})[0], change
+    healthy = CASES["healthy_basic"]
+    assert zoo.judge(healthy, {"findings": [{**good, "severity": "info"}]})[0]
+    assert not zoo.judge(healthy, {"findings": [good]})[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", SELECTED)
+def test_zoo_case(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    diag, code, error = zoo.run_case(case, tmp_path)
+    assert diag is not None, error
+    right, why, got = zoo.judge(case, diag)
+    assert right, f"{name}: {why} (found: {got})"
+    if case.expect is None:
+        assert code == 0
+    if code == 124:  # `--on-hang kill` stopped it: the summary says the same code
+        assert diag["run"]["exit_code"] == 124
+
+
+def test_diagnose_json_prints_an_error_object_when_nothing_can_be_read(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=job_env(),
+    )
+    assert proc.returncode == 2
+    out = json.loads(proc.stdout)
+    assert out["error"] and out["findings"] == [] and out["run"]["run_dirs"] == [str(tmp_path)]

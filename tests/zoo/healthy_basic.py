@@ -1,0 +1,31 @@
+"""Healthy twin: DistributedSampler, set_epoch, every rank in step, a final barrier."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+EXPECT = None
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(96, 16), torch.randint(0, 4, (96,)))
+    sampler = DistributedSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
