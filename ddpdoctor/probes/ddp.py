@@ -153,7 +153,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             c.last_step_ns = t0
         prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0)
         timer = _ct.ACTIVE
-        span = timer.begin(_ct.DEV_FORWARD, c.step, (int(grad), int(self.training), seq, where)) if timer else None
+        fields = (int(grad), int(self.training), seq, where)
+        span = timer.begin(_ct.DEV_FORWARD, c.step, fields) if timer else None
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
