@@ -30,6 +30,7 @@ class RunDir:
     REPORT = "report.html"
     EXPORT = "trace.json"  # Perfetto / Chrome trace
     HANG_SUMMARY = "summary.json"  # inside each hang-N/
+    ENDS = "ends.json"  # the supervisor: how each rank ended, its last stderr lines (ends.py)
 
     _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.jsonl$")
     _STATUS = re.compile(r"^status-rank(\d+)\.json$")
@@ -55,6 +56,22 @@ class RunDir:
     def stacks(self, rank: int) -> Path:
         """The rank's faulthandler dump on SIGUSR1 (a stack without ptrace)."""
         return self.path / f"stacks-rank{rank}.txt"
+
+    def last_words(self, kind: str, rank: int) -> Path:
+        """What a rank leaves about its end (probes/lastwords.py): ``fatal``/``sigterm``
+        (faulthandler's dumps), ``stderr`` (its last stderr bytes), ``exit`` (os._exit's code),
+        ``stderr-open`` (exists while its stderr tee may still write)."""
+        if kind == "exit":
+            return self.path / f"exit-rank{rank}.json"
+        if kind == "stderr-open":
+            return self.path / f"stderr-rank{rank}.open"
+        return self.path / f"{kind}-rank{rank}.txt"
+
+    def all_traces(self) -> list[Path]:
+        """Every attempt's trace file that is a regular file."""
+        return sorted(
+            p for p in self.path.glob("trace-rank*.jsonl") if self._TRACE.match(p.name) and p.is_file()
+        )
 
     def gpu(self, host: str) -> Path:
         """One node's NVML samples; the host name reduced to characters safe in a file name."""

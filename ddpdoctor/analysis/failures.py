@@ -7,6 +7,7 @@ its exception and traceback (recorded in-rank by ``probes/liveness.py``, so torc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from typing import Any
 from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -87,6 +89,18 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             continue  # raised (reported above) or closed its trace: it was not killed outright
         when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
         candidates.append((when, rank, None, exit_info.get("signal") or None, False))
+    ends = _ends(run)
+    known = {c[1] for c in candidates}
+    for key, end in ends.items():
+        rank = int(key)
+        if (
+            rank in known
+            or rank in errors
+            or end.get("how") in ("exit", "exception")
+            or end.get("consequence")
+        ):
+            continue  # a short job ends before the watcher's next look: the rank's own files say it
+        candidates.append((float(end.get("at_wall") or 0.0), rank, None, _signal_number(end), False))
     if not candidates and not code:
         return
     unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
@@ -131,18 +145,53 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             "the other ranks' errors are consequences of it."
         )
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
+    elif ends.get(str(rank), {}).get("how") == "os_exit":
+        summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}"
+        fix = "os._exit skips every cleanup: find why the rank exits there (its last stderr lines below)."
     else:
+        end = ends.get(str(rank), {})
+        sig = _signal_number(end) or sig  # the rank's own record beats the watcher's glimpse
         how = _signal_name(sig) if sig else "a signal (SIGKILL or the kernel's OOM killer)"
+        if end.get("source"):
+            how += f" ({end['source']})"
         summary = (
             f"rank {rank} was killed by {how} {at}: it raised no Python exception and did not exit cleanly"
         )
         fix = frameworks.advice(_signal_name(sig) if sig else "SIGKILL")
+        if end.get("stack"):  # a fatal signal raised inside the rank, not a kill from outside
+            fix += f" Its Python stack at the crash is in fatal-rank{rank}.txt in the run directory."
         details["signal"] = sig
         details["killed_by_signal"] = True
+    end = ends.get(str(rank))
+    if end:
+        details["end"] = {k: v for k, v in end.items() if k != "words"}
+        details["dying_words"] = end.get("words") or []
+        if end.get("words"):
+            summary += ". Its last stderr lines: " + " | ".join(w.strip() for w in end["words"][-3:])[-600:]
     if others:
         doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(others.items(), key=lambda kv: int(kv[0])))
         summary += f". Others then: {doing}"
     yield Finding("rank_failure", "error", [rank], summary, fix=fix, details=details)
+
+
+def _ends(run: Run) -> dict[str, Any]:
+    """ends.json of every run dir (supervisor/ends.py): how each rank ended, its dying words."""
+    out: dict[str, Any] = {}
+    for d in run.dirs:
+        try:
+            with open(RunDir(d) / RunDir.ENDS, encoding="utf-8") as fh:
+                out.update(json.load(fh).get("ranks") or {})
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def _signal_number(end: dict[str, Any]) -> int | None:
+    name = end.get("signal")
+    try:
+        return int(signal.Signals[name]) if name else None
+    except KeyError:
+        return None
 
 
 def _others(watch: dict[str, Any], failed: int, errors: dict[int, dict[str, Any]]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from ddpdoctor.trace.writer import TraceWriter
 
 _now = time.monotonic_ns
 Progress = tuple[LivePhase, str, int, int]  # phase, op, sequence number at entry, t0 (monotonic ns)
+_RING_ENV = "DDPDOCTOR_RING"  # "0": no memory-mapped ring (trace/ring.py) beside the trace
 
 ACTIVE: Collector | None = None
 _activation_lock = threading.Lock()
@@ -59,7 +60,11 @@ class Collector:
             capacity=int(_env.number(_env.BUFFER_EVENTS, 100000, integer=True)),
             flush_interval=_env.number(_env.FLUSH_INTERVAL, 0.25),
             on_error=self._writer_failed,
+            ring=os.environ.get(_RING_ENV) != "0",
         )
+        if self.writer.ring_error is not None:
+            why = self.writer.ring_error
+            _log_error(run_dir, f"rank {self.rank}: no crash-safe ring, recording as before: {why}")
         self.put = self.writer.put
 
     @property
@@ -173,6 +178,12 @@ def activate(dist: Any) -> Collector | None:
             liveness.install(ACTIVE)
         except Exception as exc:
             ACTIVE.fail("liveness", exc)
+        try:
+            from ddpdoctor.probes import lastwords
+
+            lastwords.install(ACTIVE)
+        except Exception as exc:
+            ACTIVE.fail("lastwords", exc)
         _measure_clock(dist, ACTIVE)
         return ACTIVE
 

@@ -130,6 +130,7 @@ def run_job(
             sampler.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    _settle(run_dir)
     if code < 0:
         result.signal = -code
         code = 128 - code
@@ -170,6 +171,16 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None)
     except Exception as exc:
         eprint(f"ddpdoctor: hang watch not started: {exc!r}")
         return None
+
+
+def _settle(run_dir: Path) -> None:
+    """Complete the traces of ranks that died between flushes, and note how each rank ended."""
+    try:
+        from ddpdoctor.supervisor.ends import settle
+
+        settle(run_dir)
+    except Exception as exc:
+        eprint(f"ddpdoctor: could not complete the traces after the job: {exc!r}")
 
 
 def _start_sampler(run_dir: Path, interval: float | None) -> Any:

@@ -79,6 +79,17 @@ see ``probes/liveness.py``) after every flush: its pid, a heartbeat, the sync po
 inside and its collective sequence number. ``ddpdoctor run`` watches these for hangs and keeps
 what it found in ``hang-N/summary.json`` and ``watch.json``.
 
+Crash safety: every event a rank queues is also copied into ``trace-rank{R}.ring``, a
+memory-mapped ring of fixed 128-byte slots (64-byte header: magic ``DDPRING1``, slot size,
+slot count, ``mono_ns``, pid; each slot: u64 seq, u32 length, u16 part, u16 parts, then the
+``marshal`` of the event tuple; full layout in ``trace/ring.py``). Its pages outlive the
+process, so after the job ``ddpdoctor run`` appends to a trace that has no ``end`` record the
+events with seq above its count of event lines (a ``dropped`` record counts any the ring had
+already overwritten), then removes the ring. A rank also leaves ``fatal-rank{R}.txt`` (fatal
+signal and Python stacks, from faulthandler), ``sigterm-rank{R}.txt``, ``exit-rank{R}.json``
+(``os._exit`` code) and ``stderr-rank{R}.txt`` (the last 64 KiB of its stderr); the supervisor
+sums them up per rank in ``ends.json`` (``supervisor/ends.py``).
+
 GPU samples (``gpu-<host>.jsonl``, schema ``ddpdoctor.gpu/1``) are written by the supervisor's
 NVML sampler (``supervisor/nvml.py``), one file per node, in the same line format. Its header
 ``["header", {"schema", "host", "pid", "wall_ns", "mono_ns", "interval_s", "driver",

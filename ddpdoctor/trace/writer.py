@@ -2,8 +2,10 @@
 
 The training thread only appends a tuple to a deque (`put`); a daemon thread turns tuples into
 JSON lines and flushes them every `flush_interval` seconds. When the deque is full, events are
-dropped and counted rather than letting memory grow. A failed write (disk full, read-only
-directory) calls `on_error` once and turns the writer into a no-op: the job goes on.
+dropped and counted rather than letting memory grow. Each accepted event is also copied into a
+memory-mapped ring (trace/ring.py) that outlives a rank killed between two flushes. A failed
+write (disk full, read-only directory) calls `on_error` once and turns the writer into a no-op:
+the job goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.ring import Ring, ring_path
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _CHUNK = 128  # records encoded between GIL releases
@@ -34,6 +37,7 @@ class TraceWriter:
         capacity: int = 100_000,
         flush_interval: float = 0.25,
         on_error: Callable[[BaseException], None] | None = None,
+        ring: bool = False,
     ) -> None:
         self.path = path
         self.mono_anchor_ns: int = header["mono_ns"]
@@ -50,9 +54,16 @@ class TraceWriter:
         # kind -> callback that sees each such event as it is written (on this thread, never
         # the training thread): liveness keeps its recent-step summary this way.
         self.taps: dict[str, Callable[[tuple], None]] = {}
+        self._ring: Ring | None = None
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._write([_ENCODE([schema.HEADER, header]) + "\n"])
+        self.ring_error: BaseException | None = None  # why there is no ring, if asked for one
+        if ring and not self._failed:
+            try:
+                self._ring = Ring(ring_path(path), self.mono_anchor_ns)
+            except Exception as exc:  # no room or no mmap: the JSON trace alone, as before
+                self.ring_error = exc
         self._thread = threading.Thread(
             target=self._run, args=(flush_interval,), name="ddpdoctor-writer", daemon=True
         )
@@ -62,6 +73,12 @@ class TraceWriter:
         """Hot path: queue one event. Never blocks, never raises."""
         if len(self._queue) < self._capacity:
             self._queue.append(event)
+            ring = self._ring
+            if ring is not None:
+                try:
+                    ring.put(event)
+                except Exception:
+                    self._drop_ring(unlink=False)
         else:
             self.dropped += 1
 
@@ -92,6 +109,12 @@ class TraceWriter:
             self._closed = True
             with contextlib.suppress(OSError):
                 self._file.close()
+            self._drop_ring(unlink=not self._failed)
+
+    def _drop_ring(self, unlink: bool) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close(unlink)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -136,6 +159,7 @@ class TraceWriter:
         except (OSError, ValueError) as exc:
             self._failed = True
             self._queue.clear()
+            self._drop_ring(unlink=True)  # the trace stops here: nothing to complete it with
             if self._on_error is not None:
                 self._on_error(exc)
 

@@ -1,0 +1,140 @@
+"""How a rank ended, written from inside it, by means that work when it cannot run Python.
+
+* ``fatal-rank{R}.txt``: ``faulthandler.enable`` (a C-level handler) writes "Fatal Python
+  error: Aborted/Segmentation fault/..." and every thread's Python stack when the rank dies by
+  SIGABRT (a C++ ``terminate``, gloo's enforce), SIGSEGV, SIGBUS, SIGFPE or SIGILL, then lets
+  the signal kill the process as before. Left alone when the job enabled faulthandler itself.
+* ``sigterm-rank{R}.txt``: ``faulthandler.register(SIGTERM, chain=True)`` writes the stacks and
+  re-raises SIGTERM with its previous (default) action: the rank dies exactly as it would.
+  Only while SIGTERM has its default action; a Python handler the job installs replaces ours.
+* ``exit-rank{R}.json``: ``os._exit(code)`` skips atexit and every flush; the wrapper writes
+  the code first.
+* ``stderr-rank{R}.txt``: the last 64 KiB the rank wrote to its stderr (a C++ abort message,
+  an NCCL line, a traceback), kept by a small tee process (``stderr_tee.py``) that outlives
+  the rank. The tee writes every byte on to the original stderr; when that is a terminal the
+  rank writes into a raw pseudo-terminal, so the job still sees a tty and no byte changes.
+  ``stderr-rank{R}.open`` exists while the tee may still write.
+
+The supervisor reads these after the job (supervisor/ends.py). Nothing here raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ddpdoctor.probes import collector as _c
+from ddpdoctor.rundir import RunDir
+
+TEE_ENV = "DDPDOCTOR_TEE"  # "0": leave the rank's stderr as it is
+_TEE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_tee.py")
+_files: list[Any] = []  # kept open for faulthandler's C handlers
+
+
+def filename(kind: str, rank: int) -> str:
+    """The name of one of a rank's end files (the layout lives in ``RunDir.last_words``)."""
+    return RunDir("").last_words(kind, rank).name
+
+
+def install(c: _c.Collector) -> None:
+    for name, step in (("fatal", _fatal), ("sigterm", _sigterm), ("os_exit", _os_exit), ("tee", _tee)):
+        try:
+            step(c)
+        except Exception as exc:
+            c.fail(f"lastwords.{name}", exc)
+
+
+def _open(c: _c.Collector, kind: str) -> Any:
+    fh = open(os.path.join(c.run_dir, filename(kind, c.rank)), "w", encoding="utf-8")  # noqa: SIM115
+    _files.append(fh)
+    return fh
+
+
+def _fatal(c: _c.Collector) -> None:
+    if faulthandler.is_enabled():
+        return  # the job's own (PYTHONFAULTHANDLER, -X faulthandler): it writes to stderr
+    faulthandler.enable(file=_open(c, "fatal"), all_threads=True)
+
+
+def _sigterm(c: _c.Collector) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the job handles SIGTERM: never stand in its way
+    faulthandler.register(signal.SIGTERM, file=_open(c, "sigterm"), all_threads=True, chain=True)
+
+
+def _os_exit(c: _c.Collector) -> None:
+    real = os._exit
+    if getattr(real, "__ddpdoctor__", False):
+        return
+    pid, path = os.getpid(), os.path.join(c.run_dir, filename("exit", c.rank))
+
+    def _exit(code: int) -> None:
+        if os.getpid() == pid:
+            with contextlib.suppress(Exception), open(path, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps({"how": "os._exit", "code": code, "wall_ns": time.time_ns()}))
+        real(code)
+
+    _exit.__ddpdoctor__ = True  # type: ignore[attr-defined]
+    _exit.__wrapped__ = real  # type: ignore[attr-defined]
+    os._exit = _exit
+
+
+def _tee(c: _c.Collector) -> None:
+    if os.environ.get(TEE_ENV) == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.fstat(2)
+    except OSError:
+        return  # no stderr at all
+    out = os.path.join(c.run_dir, filename("stderr", c.rank))
+    marker = os.path.join(c.run_dir, filename("stderr-open", c.rank))
+    if os.isatty(2):
+        read_end, write_end = _raw_pty()
+    else:
+        read_end, write_end = os.pipe()
+    try:
+        with open(marker, "w", encoding="utf-8"):
+            pass
+        subprocess.Popen(
+            [sys.executable, "-S", "-E", "-s", _TEE, out, marker],
+            stdin=read_end,
+            stdout=2,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C and torchrun's signals are for the rank, not the tee
+        )
+    except BaseException:
+        os.close(read_end)
+        os.close(write_end)
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+        raise
+    os.close(read_end)
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+
+def _raw_pty() -> tuple[int, int]:
+    """(master, slave) of a pty that passes bytes unchanged, with stderr's window size."""
+    import fcntl
+    import pty
+    import termios
+    import tty
+
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    with contextlib.suppress(OSError):
+        size = fcntl.ioctl(2, termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+    return master, slave

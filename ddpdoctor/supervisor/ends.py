@@ -1,0 +1,234 @@
+"""After the job: complete each rank's trace from its ring, and say how each rank ended.
+
+A rank killed between two flushes of its trace left its last events in its memory-mapped ring
+(trace/ring.py); ``settle`` appends them to the trace. It then writes ``ends.json``: per rank,
+how it ended (a clean exit, an exception, ``os._exit(code)``, a signal by name), the source
+of that end where it can be known, and its dying words (the last lines it wrote to stderr),
+from the files each rank left (probes/lastwords.py) and what the watcher saw. A rank that
+vanished leaving none of them was killed by SIGKILL (nothing else ends a process without a
+trace); it is called an OOM kill only when the kernel log names its pid.
+
+``ends.json``::
+
+    {"schema": "ddpdoctor.ends/1", "completed": {trace file: {recovered, lost}},
+     "ranks": {"R": {pid, how: exit|exception|os_exit|signal, code, signal, source,
+                     consequence, at_wall, stack, words: [lines]}},
+     "first": R or null}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpdoctor.probes.lastwords import filename
+from ddpdoctor.rundir import RunDir, write_atomic
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.ring import complete_trace
+
+ENDS_FILE = RunDir.ENDS
+ENDS_SCHEMA = "ddpdoctor.ends/1"
+WORDS = 12  # dying words kept per rank: the last non-empty lines of its stderr
+_FATAL = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+_OOM_PID = re.compile(rb"(?:Killed process |oom-kill:.*?\bpid=)(\d+)")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def settle(run_dir: Path, wait_s: float = 5.0) -> dict[str, Any]:
+    """Complete the traces and write ends.json; never raises (returns what it could)."""
+    out: dict[str, Any] = {"schema": ENDS_SCHEMA, "completed": {}, "ranks": {}, "first": None}
+    deadline = time.monotonic() + wait_s
+    while any(run_dir.glob("stderr-rank*.open")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the tees write their last bytes once every holder of the pipe exits
+    for trace in RunDir(run_dir).all_traces():
+        try:
+            done = complete_trace(str(trace))
+        except Exception as exc:
+            done = {"error": repr(exc)}
+        if done:
+            out["completed"][trace.name] = done
+    try:
+        out["ranks"], out["first"] = rank_ends(run_dir)
+    except Exception as exc:
+        out["error"] = repr(exc)
+    with contextlib.suppress(OSError):
+        write_atomic(run_dir / ENDS_FILE, json.dumps(out, indent=1))
+    return out
+
+
+def _read(path: Path, limit: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def dying_words(text: str, lines: int = WORDS) -> list[str]:
+    """The last non-empty lines of a stderr tail, without terminal colour codes."""
+    kept = [_ANSI.sub("", ln).rstrip() for ln in text.replace("\r", "\n").splitlines()]
+    return [ln for ln in kept if ln.strip()][-lines:]
+
+
+def _last_event_wall(data: bytes, header: dict[str, Any]) -> float | None:
+    """Wall time of the trace's last event: a rank that vanished died right after it."""
+    for line in reversed(data.rstrip(b"\n").split(b"\n")[-4:]):
+        with contextlib.suppress(ValueError, IndexError, TypeError, KeyError):
+            record = json.loads(line)
+            if record[0] not in (schema.HEADER, schema.DROPPED, schema.END):
+                return (header["wall_ns"] / 1e3 + record[1] + record[2]) / 1e6
+    return None
+
+
+def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | None, float | None]:
+    """(header, ended cleanly, first main-thread rank_error, last event's wall time) of a trace."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    header = json.loads(data[: data.find(b"\n")])[1]
+    clean = data.rfind(b'\n["' + schema.END.encode() + b'",') >= 0
+    error = None
+    at = 0
+    key = b'\n["' + schema.RANK_ERROR.encode() + b'",'
+    while (at := data.find(key, at)) >= 0:
+        line = data[at + 1 : data.find(b"\n", at + 1)]
+        at += 1
+        with contextlib.suppress(ValueError, IndexError):
+            info = json.loads(line)[4]
+            if info.get("thread") == "MainThread":
+                error = info
+                break
+    return header, clean, error, _last_event_wall(data, header)
+
+
+def _watch_exits(run_dir: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((run_dir / RunDir.WATCH).read_text()).get("rank_exits") or {}
+    return {}
+
+
+def oom_killed_pids() -> set[int] | None:
+    """Pids the kernel log says the OOM killer took; None when the log cannot be read."""
+    try:
+        proc = subprocess.run(["dmesg"], capture_output=True, timeout=3, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return {int(m) for m in _OOM_PID.findall(proc.stdout)}
+
+
+def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, error: Any) -> dict[str, Any]:
+    end: dict[str, Any] = {"pid": header.get("pid"), "how": None, "code": None, "signal": None}
+    end["words"] = dying_words(_read(run_dir / filename("stderr", rank)))
+    fatal_path, term_path = run_dir / filename("fatal", rank), run_dir / filename("sigterm", rank)
+    fatal, term = _read(fatal_path), _read(term_path)
+    exit_info: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        exit_info = json.loads((run_dir / filename("exit", rank)).read_text())
+    if fatal.strip():
+        first = fatal.strip().splitlines()[0]
+        name = next((sig for text, sig in _FATAL.items() if text in first), None)
+        end.update(how="signal", signal=name, stack=fatal[-8000:], at_wall=_mtime(fatal_path))
+        cpp = any("terminate called" in w for w in end["words"])
+        end["source"] = (
+            "an uncaught C++ exception (std::terminate)"
+            if cpp and name == "SIGABRT"
+            else "a fatal error inside the rank"
+        )
+    elif error is not None:
+        end.update(how="exception", code=1, at_wall=(error.get("wall_ns") or 0) / 1e9 or None)
+        end["source"] = f"{error.get('type')}: {str(error.get('message', '')).splitlines()[0][:200]}"
+    elif term.strip():
+        end.update(how="signal", signal="SIGTERM", stack=term[-8000:], at_wall=_mtime(term_path))
+    elif exit_info.get("how") == "os._exit":
+        end.update(how="os_exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
+        end["source"] = "os._exit() in the rank"
+    elif clean:
+        end.update(how="exit", at_wall=_mtime(RunDir(run_dir).trace(rank, header.get("restart", 0))))
+    return end
+
+
+def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
+    """How every rank of this run dir ended, and which failure came first."""
+    exits = _watch_exits(run_dir)
+    ends: dict[str, Any] = {}
+    for path in RunDir(run_dir).traces().values():  # the newest attempt, regular files only
+        try:
+            header, clean, error, last_wall = _trace_facts(path)
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = int(header["rank"])
+        end = _one_end(run_dir, rank, header, clean, error)
+        seen = exits.get(str(rank)) or {}
+        if end["how"] is None:  # vanished without a word: only SIGKILL does that
+            sig = seen.get("signal")
+            name = signal.Signals(sig).name if sig in signal.valid_signals() else "SIGKILL"
+            end.update(how="signal", signal=name, at_wall=last_wall or seen.get("seen_wall") or _mtime(path))
+            end["inferred"] = seen.get("signal") is None
+        ends[str(rank)] = end
+    _sources(ends)
+    failed = [
+        (e.get("at_wall") or 0.0, int(r))
+        for r, e in ends.items()
+        if e["how"] != "exit" and not e["consequence"]
+    ]
+    return ends, (min(failed)[1] if failed else None)
+
+
+def _sources(ends: dict[str, Any]) -> None:
+    """Name who ended each killed rank where we can, and mark the consequences of a failure."""
+    oom: set[int] | None | bool = False  # not read yet
+    own = {
+        r: e.get("at_wall") or 0.0 for r, e in ends.items() if e["how"] in ("signal", "exception", "os_exit")
+    }
+    for rank, end in ends.items():
+        end["consequence"] = False
+        earlier = [r for r, t in own.items() if r != rank and t and t < (end.get("at_wall") or 0.0)]
+        if end["how"] == "exception":
+            from ddpdoctor.analysis.failures import is_consequence
+
+            end["consequence"] = bool(earlier) and is_consequence(
+                {"type": "", "message": end.get("source", "")}
+            )
+        if end["how"] != "signal" or end.get("source"):
+            continue
+        if end["signal"] == "SIGTERM":
+            if earlier:
+                end.update(source=f"the launcher stopping it after rank {min(earlier, key=own.get)} failed")
+                end["consequence"] = True
+            else:
+                end["source"] = "sent from outside the rank (the launcher, a scheduler, or a user)"
+        elif end["signal"] == "SIGKILL":
+            if oom is False:
+                oom = oom_killed_pids()
+            if oom is None:
+                end["source"] = (
+                    "unknown: the kernel log is not readable here, so an OOM kill cannot be told apart"
+                )
+            elif end.get("pid") in oom:
+                end["source"] = "the kernel's OOM killer (the kernel log names this pid)"
+            elif earlier:
+                end.update(
+                    source=f"the launcher, after rank {min(earlier, key=own.get)} failed", consequence=True
+                )
+            else:
+                end["source"] = "not the OOM killer (the kernel log does not name this pid)"

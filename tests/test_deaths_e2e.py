@@ -1,0 +1,177 @@
+"""Every way a rank can die leaves its whole record: real 2-rank gloo jobs under `ddpdoctor run`.
+
+For each death the dying rank's trace must hold every step it ran (the steps it printed) up
+to its last event, ends.json and the rank_failure finding must name the end exactly, and its
+last stderr lines must be quoted. The job itself must die exactly as it would without us
+(torchrun reports the same exit code or signal of the rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, torchrun
+
+from ddpdoctor.trace import schema
+
+pytestmark = pytest.mark.e2e
+
+DIE_AT = 9
+# mode: (dying rank, how, signal, torchrun's "exitcode" of that rank, a dying word)
+DEATHS = {
+    "abort": (
+        0,
+        "signal",
+        "SIGABRT",
+        "-6",
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    ),
+    "segv": (1, "signal", "SIGSEGV", "-11", "rank 1 dying by segv"),
+    "sigkill": (1, "signal", "SIGKILL", "-9", "rank 1 dying by sigkill"),
+    "sigterm": (1, "signal", "SIGTERM", "-15", "rank 1 dying by sigterm"),
+    "os_exit": (1, "os_exit", None, "7", "rank 1 dying by os_exit"),
+    "raise": (1, "exception", None, "1", "RuntimeError: rank 1 gives up at step 9"),
+}
+
+
+def printed_steps(stdout: str, rank: int) -> list[int]:
+    return [int(ln.split()[2]) for ln in stdout.splitlines() if ln.startswith(f"step {rank} ")]
+
+
+def run_death(tmp_path: Path, mode: str, step_s: float, **env: str):
+    job = run_doctor(
+        tmp_path,
+        torchrun(
+            2, JOBS / "dying_train.py", "--mode", mode, "--die-at", str(DIE_AT), "--step-s", str(step_s)
+        ),
+        **env,
+    )
+    assert job.returncode != 0, job.stderr
+    return job
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.15], ids=["short", "long"])
+@pytest.mark.parametrize("mode", list(DEATHS))
+def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: str, step_s: float) -> None:
+    rank, how, sig, exitcode, word = DEATHS[mode]
+    job = run_death(tmp_path, mode, step_s)
+    # The patient died exactly as it would: torchrun saw the same exit code or signal.
+    assert f"exitcode: {exitcode})" in job.stderr.replace("exitcode : ", "exitcode: ") or (
+        f"(exitcode: {exitcode})" in job.stderr
+    ), job.stderr[-3000:]
+    # Every step the rank ran is in its trace, up to its last event.
+    ran = printed_steps(job.stdout, rank)
+    assert ran == list(range(DIE_AT)), job.stdout
+    trace = read_lines(job.run_dir / f"trace-rank{rank}.jsonl")
+    forwards = [r[3] for r in trace if r[0] == schema.FORWARD]
+    collectives = [r for r in trace if r[0] == schema.COLLECTIVE and r[4] == "all_reduce"]
+    if mode == "abort":  # it died inside step 9's metrics all_reduce, after its forward
+        assert forwards == list(range(DIE_AT + 1)), forwards
+    else:  # it died before step 9's forward: the last recorded event is step 8's all_reduce
+        assert forwards == list(range(DIE_AT)), forwards
+        last = [r[0] for r in trace if r[0] != schema.END][-1]
+        assert collectives[-1][3] == DIE_AT - 1 and last in (schema.COLLECTIVE, schema.RANK_ERROR), trace[-3:]
+    assert not any(r[0] == schema.DROPPED for r in trace)
+    ends = json.loads((job.run_dir / "ends.json").read_text())
+    end = ends["ranks"][str(rank)]
+    assert (end["how"], end["signal"]) == (how, sig), end
+    assert any(word in w for w in end["words"]), end["words"]
+    assert ends["first"] == rank, ends
+    failure = next(f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "rank_failure")
+    assert failure["ranks"] == [rank], failure
+    assert failure["details"]["at_step"] == DIE_AT - (mode != "abort"), failure
+    if sig is not None:
+        assert f"rank {rank} was killed by {sig}" in failure["summary"], failure["summary"]
+    if mode != "raise":  # an exception's finding quotes its traceback instead
+        assert word in failure["summary"], failure["summary"]
+
+
+def test_sigterm_from_the_launcher_is_a_consequence_not_the_root(tmp_path: Path) -> None:
+    """Rank 1 is killed; torchrun then stops rank 0 with SIGTERM while it waits in a collective."""
+    job = run_death(tmp_path, "sigkill", 0.15)
+    ends = json.loads((job.run_dir / "ends.json").read_text())
+    zero = ends["ranks"]["0"]
+    assert ends["first"] == 1, ends
+    assert ends["ranks"]["1"]["signal"] == "SIGKILL"  # inferred, or seen as a zombie by the watcher
+    if zero["how"] == "signal":  # rank 0 may also see the broken connection and raise first
+        assert zero["signal"] == "SIGTERM" and zero["consequence"] is True, zero
+        assert "after rank 1 failed" in zero["source"], zero
+    else:
+        assert zero["how"] == "exception" and zero["consequence"] is True, zero
+
+
+def test_a_ring_too_small_to_hold_the_gap_says_what_it_lost(tmp_path: Path) -> None:
+    """An 8-slot ring laps itself many times a flush interval: training goes on unchanged, the
+    trace keeps everything flushed plus the ring's last events, and a dropped record counts
+    exactly the events in between."""
+    job = run_death(tmp_path, "sigkill", 0.0, DDPDOCTOR_RING_SLOTS="8", DDPDOCTOR_FLUSH_S="30")
+    assert printed_steps(job.stdout, 1) == list(range(DIE_AT))
+    trace = read_lines(job.run_dir / "trace-rank1.jsonl")
+    events = [r for r in trace[1:] if r[0] not in (schema.DROPPED, schema.END)]
+    dropped = [r[4]["count"] for r in trace if r[0] == schema.DROPPED]
+    assert len(events) == 8 and len(dropped) == 1, trace  # nothing was flushed in 30 s
+    assert events[-1][0] == schema.COLLECTIVE and events[-1][3] == DIE_AT - 1
+    completed = json.loads((job.run_dir / "ends.json").read_text())["completed"]["trace-rank1.jsonl"]
+    assert completed == {"recovered": 8, "lost": dropped[0]}
+
+
+def test_no_room_for_the_ring_records_as_before(tmp_path: Path) -> None:
+    """The ring's space cannot be reserved: the rank logs it once and records without it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "trace-rank1.ring").symlink_to("/dev/full")
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "dying_train.py", "--mode", "none", "--steps", "12"))
+    assert job.returncode == 0, job.stderr
+    assert printed_steps(job.stdout, 1) == list(range(12))
+    assert "rank 1: no crash-safe ring" in (run_dir / "probe-errors.log").read_text()
+    forwards = [r[3] for r in read_lines(run_dir / "trace-rank1.jsonl") if r[0] == schema.FORWARD]
+    assert forwards == list(range(12))
+
+
+TTY_JOB = """
+import os
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+os.write(2, f"tty{dist.get_rank()}={os.isatty(2)} a\\tb\\r\\nc\\n".encode())
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_in_pty(cwd: Path, command: list[str]) -> bytes:
+    """Run ``command`` with a terminal on stdin/stdout/stderr; everything the terminal showed."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(command, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, env=job_env())
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    proc.wait(timeout=120)
+    os.close(master)
+    return shown
+
+
+def test_a_terminal_sees_the_same_bytes_and_the_job_still_sees_a_tty(tmp_path: Path, write_script) -> None:
+    script = write_script("tty_job.py", TTY_JOB)
+    plain = run_in_pty(tmp_path, torchrun(2, script))
+    doctor = run_in_pty(
+        tmp_path, [sys.executable, "-m", "ddpdoctor", "run", "--out", "run", "--", *torchrun(2, script)]
+    )
+    for rank in (0, 1):
+        line = f"tty{rank}=True a\tb\r\r\nc\r\n".encode()  # the outer terminal's own \n -> \r\n only
+        assert line in plain, plain
+        assert line in doctor, doctor
+        assert f"tty{rank}=True a\tb" in (tmp_path / "run" / f"stderr-rank{rank}.txt").read_text()
