@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis.device import clock, device_timed
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.phases import StepGrid, last_per_step
 from ddpdoctor.trace import schema
@@ -35,7 +36,7 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     """(ranks, steps, buckets) all-reduce durations in µs over steps every rank completed
     (float32: 1,024 ranks x 10,000 steps x 4 buckets is 160 MB; NaN where a bucket is missing).
     The cube is filled rank by rank on the run's step grid, then cut to the shared steps."""
-    traces = [t for _, t in sorted(run.ranks.items())]
+    traces = [t for _, t in sorted(device_timed(run).ranks.items())]
     if len(traces) < 2:
         return None
     buckets = [t.kind(schema.ALLREDUCE).ints(0, default=0) for t in traces]
@@ -72,7 +73,7 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
     Taken on the rank that arrives last at each step: earlier ranks also wait for it, which
     is skew (a straggler), not communication.
     """
-    traces = list(run.ranks.values())
+    traces = list(device_timed(run).ranks.values())
     grid = StepGrid.spanning(t.kind(schema.BACKWARD).step for t in traces)
     exposed = np.full(grid.n, np.inf)
     everywhere = np.ones(grid.n, bool)
@@ -139,6 +140,7 @@ def comm_not_overlapped(run: Run) -> Iterable[Finding]:
         "gradient_bytes": total,
         "bucket_bytes_max": biggest,
         "bucket_cap_mb": opts.get("bucket_cap_mb"),
+        "clock": clock(run),
     }
     waiting = (
         f"{exposed / 1e3:.1f} ms of every {step / 1e3:.1f} ms step ({share:.0%}) waits for the "

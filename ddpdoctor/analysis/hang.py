@@ -367,4 +367,6 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")
     finding.details["recovered"] = bool(summary.get("recovered"))
-    return finding
+    from ddpdoctor.analysis import flight  # the collectives' state, when the ranks dumped it
+
+    return flight.merge(finding, str(summary.get("hang_dir") or ""))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddpdoctor.analysis.device import clock, device_timed
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
 from ddpdoctor.trace import schema
@@ -92,6 +93,7 @@ def sync_table(run: Run) -> SyncTable | None:
 
     The (ranks, steps) matrices are float32 (µs: exact below 16 s): at 1,024 ranks x 10,000
     steps each is 40 MB. Ranks are folded in one at a time, so nothing per rank is kept."""
+    run = device_timed(run)  # device spans when the ranks recorded them
     ranks = sorted(run.ranks)
     if len(ranks) < 2:
         return None
@@ -208,6 +210,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
             "late_share": round(share, 3),
             "step_ms": round(step_ms, 3),
             "phase_excess_ms": {p: round(v / 1e3, 3) for p, v in excess.items()},
+            "clock": clock(run),  # "device": measured with CUDA events
         }
         if sum(max(0.0, v) for v in excess.values()) < 0.5 * excess_ms * 1e3:
             # The rank's own phases are no longer than the others': the "lateness" is noise in

@@ -16,6 +16,7 @@ from typing import Any
 
 from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -72,6 +73,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             state.index, c.ddp_models = c.ddp_models, c.ddp_models + 1
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
+            _ct.start(c, self.module)  # device spans when the model is on CUDA
         except Exception as exc:
             c.fail(PROBE, exc)
 
@@ -150,6 +152,9 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
         prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0, (gname, gsize, -1, pg))
+        timer = _ct.ACTIVE
+        fields = (int(grad), int(self.training), seq, where)
+        span = timer.begin(_ct.DEV_FORWARD, c.step, fields) if timer else None
         try:
             return forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
@@ -158,6 +163,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq, where)
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
 
     return forward_
 
@@ -244,10 +251,14 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
         prev = c.enter(LivePhase.BACKWARD, "allreduce", c.progress_seq())
+        timer = _ct.ACTIVE
+        span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:
             result = backward(*args, **kwargs)
         finally:
             c.leave(prev, schema.BACKWARD)
+            if span is not None:
+                timer.finish(span)  # type: ignore[union-attr]
         try:
             check_unused(c)
         except Exception as exc:
@@ -346,6 +357,8 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
         index = bucket.index()
         nbytes = bucket.buffer().nbytes
         seq = group_info(model.group, c)[3]
+        timer = _ct.ACTIVE  # gradients are ready on the compute stream now
+        span = timer.begin(_ct.DEV_ALLREDUCE, c.step, (index, nbytes, seq)) if timer else None
         if model.layout.get(index) != nbytes:
             model.layout[index] = nbytes
             names = [model.names.get(p.data_ptr(), "?") for p in bucket.parameters()]
@@ -365,6 +378,8 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
 
     def reduced(done: Any) -> Any:
         value = done.value()
+        if span is not None:  # the current stream here waits for the collective
+            timer.finish(span)  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             c.emit(schema.ALLREDUCE, t0, _now(), index, nbytes, seq)
         return value[0] if unwrap else value

@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from ddpdoctor.probes import flight_recorder
 from ddpdoctor.probes.recent import RecentSteps
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
@@ -248,3 +249,4 @@ def install(c: Collector) -> None:
         previous_thread_hook(args)
 
     threading.excepthook = thread_excepthook
+    flight_recorder.install(c)  # dumps the collectives' state when the supervisor asks

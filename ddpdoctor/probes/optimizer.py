@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.trace import schema
 
 PROBE = "optimizer"
@@ -26,6 +27,9 @@ def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     c = _c.ACTIVE
     if c is not None:
         c.optimizer_t0 = _now()
+        timer = _ct.ACTIVE
+        if timer is not None:
+            timer.optimizer_span = timer.begin(_ct.DEV_OPTIMIZER, c.step, (type(optimizer).__name__,))
 
 
 def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -34,3 +38,7 @@ def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     t0, c.optimizer_t0 = c.optimizer_t0, 0
     c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)
+    timer = _ct.ACTIVE
+    if timer is not None and timer.optimizer_span is not None:
+        span, timer.optimizer_span = timer.optimizer_span, None
+        timer.finish(span)

@@ -1,8 +1,9 @@
 """Chrome trace JSON (``ddpdoctor export``) for ui.perfetto.dev and chrome://tracing.
 
 One process per rank, named ``rank N (host)``; its events go on a compute thread and its
-bucket all-reduces and buffer broadcasts on a comm thread. Complete events ("X") must nest on
-a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
+bucket all-reduces and buffer broadcasts on a comm thread; spans timed on the device (CUDA
+events, when the model was on a GPU) go on a gpu thread and a gpu comm thread. Complete events
+("X") must nest on a thread, and a rank's bucket all-reduces overlap one another, so an event that would break
 nesting moves to the next thread of its kind ("comm 2", ...) instead. Timestamps are µs on the
 run's common time base (every rank aligned to rank 0's clock). Which kinds go on which thread,
 and their names and args, come from the vocabulary (``schema.KINDS`` and ``schema.PHASES``).
@@ -21,7 +22,7 @@ import numpy as np
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.trace import schema
 
-COMPUTE_TID, COMM_TID = 1, 100  # extra lanes count up from these
+COMPUTE_TID, COMM_TID, DEVICE_TID, DEVICE_COMM_TID = 1, 100, 200, 300  # extra lanes count up
 
 
 def _kinds(lane: schema.Lane) -> list[str]:
@@ -73,7 +74,12 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
             {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {rank} ({trace.host})"}}
         )
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}})
-        lanes = ((schema.Lane.COMPUTE, COMPUTE_TID, "compute"), (schema.Lane.COMM, COMM_TID, "comm"))
+        lanes = (
+            (schema.Lane.COMPUTE, COMPUTE_TID, "compute"),
+            (schema.Lane.COMM, COMM_TID, "comm"),
+            (schema.Lane.DEVICE, DEVICE_TID, "gpu"),  # device spans (CUDA events), when recorded
+            (schema.Lane.DEVICE_COMM, DEVICE_COMM_TID, "gpu comm"),
+        )
         for lane, base, label in lanes:
             kinds = _kinds(lane)
             events: list[tuple[int, int, str, dict]] = []

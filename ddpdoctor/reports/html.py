@@ -179,8 +179,15 @@ def findings_section(diag: Diagnosis, notes: list[str]) -> str:
 TABLE_STATS = (("mean", "mean_s"), ("p50", "p50_s"), ("p95", "p95_s"), ("total", "total_s"))
 
 
+def _shown(diag: Diagnosis, phase: str) -> bool:
+    """Device phases only when the run recorded device spans (CPU jobs never do)."""
+    if schema.PHASES[phase].lane < schema.Lane.DEVICE:
+        return True
+    return any(ph.get(phase, {}).get("count") for ph in diag.phases.values())
+
+
 def phase_table(diag: Diagnosis) -> str:
-    phases = [p for p in schema.PHASES if any(p in ph for ph in diag.phases.values())]
+    phases = [p for p in schema.PHASES if any(p in ph for ph in diag.phases.values()) and _shown(diag, p)]
     colmax = {
         (p, key): max((diag.phases[r].get(p, {}).get(key, 0.0) for r in diag.phases), default=0.0)
         for p in phases

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.analysis.device import clock as device_clock
 from ddpdoctor.analysis.phases import phase_events
 from ddpdoctor.reports.markup import asset, esc, figure_html, json_script
 from ddpdoctor.trace import schema
@@ -26,6 +27,7 @@ MAX_SEGMENTS = 30_000  # timeline intervals drawn (about 80 bytes each in the fi
 SLOWEST_BUTTONS = 8
 MAX_BUCKET_TRACES = 64
 COMM_LANE_OFFSET = 0.4
+LANE_OFFSETS = (0.0, COMM_LANE_OFFSET, 0.6, 0.75)  # by schema.Lane: CPU lanes, then the GPU's
 
 
 @dataclass
@@ -64,9 +66,7 @@ def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget:
     return chosen
 
 
-def collect_segments(
-    diag: Diagnosis, rows: dict[int, int], steps: set[int] | None
-) -> dict[str, Segments]:
+def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | None) -> dict[str, Segments]:
     out: dict[str, Segments] = {}
     chosen = None if steps is None else np.array(sorted(steps), dtype=np.int64)
     for phase, style in schema.PHASES.items():
@@ -116,7 +116,7 @@ def _line_trace(
     x = np.empty(3 * n)
     x[0::3], x[1::3], x[2::3] = seg.start[mask], seg.end[mask], np.nan
     y = np.empty(3 * n, dtype=np.float32)
-    row = seg.row[mask] + (COMM_LANE_OFFSET if lane else 0.0)
+    row = seg.row[mask] + LANE_OFFSETS[lane]
     y[0::3], y[1::3], y[2::3] = row, row, np.nan
     dur_ms = (seg.end[mask] - seg.start[mask]) * 1e3
     cols = [seg.step[mask], dur_ms] + ([seg.nbytes[mask] / 2**20] if with_bytes else [])
@@ -255,6 +255,7 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
             f"event of {total:,} would make the page slow; the heatmap and table cover every step"
         )
     lo, hi = (min(spans), max(spans)) if spans else (0, 0)
+    gpu = "; darker lanes below hold the same spans timed on the GPU" if device_clock(run) == "device" else ""
     span_json = json.dumps({str(k): [round(a, 6), round(b, 6)] for k, (a, b) in spans.items()})
     controls = (
         '<form id="stepform" class="controls">zoom to steps '
@@ -265,7 +266,7 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
     return (
         '<section id="timeline-section"><h2>Timeline</h2>'
         f"<p class=hint>One row per rank; the thin lane under each row holds its bucket all-reduces "
-        f"and buffer broadcasts, so their overlap with backward shows. Showing {esc(scope)}. "
+        f"and buffer broadcasts, so their overlap with backward shows{gpu}. Showing {esc(scope)}. "
         "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters.</p>"
         f"{controls}{figure_html(fig, 'timeline')}{json_script('step-spans', span_json)}"
         f"<script>{asset('zoom.js')}</script></section>"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.probes.lastwords import filename
-from ddpdoctor.rundir import RunDir
+from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.ring import complete_trace
 
@@ -65,9 +64,7 @@ def settle(run_dir: Path, wait_s: float = 5.0) -> dict[str, Any]:
     except Exception as exc:
         out["error"] = repr(exc)
     with contextlib.suppress(OSError):
-        tmp = run_dir / f".{ENDS_FILE}.tmp"
-        tmp.write_text(json.dumps(out, indent=1))
-        os.replace(tmp, run_dir / ENDS_FILE)
+        write_atomic(run_dir / ENDS_FILE, json.dumps(out, indent=1))
     return out
 
 

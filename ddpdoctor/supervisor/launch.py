@@ -22,6 +22,7 @@ from typing import Any
 
 import ddpdoctor
 from ddpdoctor import _env
+from ddpdoctor.probes import flight_recorder
 from ddpdoctor.rundir import RunDir, write_atomic
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
@@ -58,7 +59,7 @@ def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[s
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env[_env.RUN_DIR] = str(run_dir.resolve())
     env[_env.BOOTSTRAP_DIR] = str(BOOTSTRAP_DIR)
-    return env
+    return flight_recorder.environment(env)  # before init_process_group reads it
 
 
 def write_meta(run_dir: Path, meta: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor.analysis import flight
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
 from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
 from ddpdoctor.rundir import RunDir, write_atomic
@@ -272,7 +273,7 @@ class Watcher:
         diag = analyse(
             statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world, proof=proof
         )
-        text = diag.text(str(hang_dir))
+        text = diag.text(str(hang_dir)) + flight.on_hang(self.run_dir, hang_dir, statuses)
         summary = {
             "schema": HANG_SCHEMA,
             "n": n,

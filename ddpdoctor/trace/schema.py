@@ -1,4 +1,4 @@
-"""The per-rank trace format, version 1.
+"""The per-rank trace format, version 2 (version 1 lacks only the ``dev_*`` records; readers take both).
 
 One file per rank, ``trace-rank{R}.jsonl`` (``trace-rank{R}-attempt{N}.jsonl`` after an elastic
 restart), in the run directory. Each line is one JSON array; the first element names the record.
@@ -7,7 +7,7 @@ leaves its data; the reader drops a truncated or corrupt line and counts it.
 
 The first line is the header::
 
-    ["header", {"schema": "ddpdoctor.trace/1", "rank": 0, "world_size": 2, "local_rank": 0,
+    ["header", {"schema": "ddpdoctor.trace/2", "rank": 0, "world_size": 2, "local_rank": 0,
                 "host": "node1", "pid": 123, "wall_ns": ..., "mono_ns": ..., "backend": "gloo",
                 "torch": "2.13.0", "argv": [...], "restart": 0}]
 
@@ -32,7 +32,18 @@ collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, 
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
 graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
+dev_forward     as ``forward``, timed on the device: CUDA events on the current stream at the
+                forward's entry and exit (only when the model's parameters are on CUDA)
+dev_backward    as ``backward``, on the device
+dev_optimizer   as ``optimizer``, on the device
+dev_bucket      as ``allreduce``, on the device: ts when the bucket's gradients were ready on
+                the compute stream, dur until the reduction completed on the stream that
+                waits for the collective
 ==============  ===============================================================================
+
+``dev_*`` times are device times turned into this rank's monotonic clock off the training
+thread (``probes/cuda_timing.py``); their lines come in the order the device finished them,
+some time after the CPU events of the same step.
 
 Metadata records share the shape ``[kind, ts_us, 0, step, {...}]``:
 
@@ -114,7 +125,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA = "ddpdoctor.trace/1"
+SCHEMA = "ddpdoctor.trace/2"
+SCHEMAS = ("ddpdoctor.trace/1", SCHEMA)  # the versions the reader accepts
 GPU_SCHEMA = "ddpdoctor.gpu/1"
 BARRIER_OP = "barrier"
 
@@ -129,6 +141,17 @@ COLLECTIVE = "collective"
 DATA_WAIT = "data_wait"
 OPTIMIZER = "optimizer"
 GRAPH_SCAN = "graph_scan"
+DEV_FORWARD = "dev_forward"
+DEV_BACKWARD = "dev_backward"
+DEV_OPTIMIZER = "dev_optimizer"
+DEV_ALLREDUCE = "dev_bucket"
+# A CPU span kind -> the same span timed on the device.
+DEVICE_KINDS = {
+    FORWARD: DEV_FORWARD,
+    BACKWARD: DEV_BACKWARD,
+    OPTIMIZER: DEV_OPTIMIZER,
+    ALLREDUCE: DEV_ALLREDUCE,
+}
 
 HEADER = "header"
 BUCKET = "bucket"
@@ -151,10 +174,13 @@ GPU_PROCS = "gpu_procs"
 
 
 class Lane(enum.IntEnum):
-    """Where a phase is drawn: the rank's compute row, or its communication lane beneath."""
+    """Where a phase is drawn: the rank's compute row, its communication lane beneath, and
+    the same two on the device's clock (CUDA events) under them."""
 
     COMPUTE = 0
     COMM = 1
+    DEVICE = 2
+    DEVICE_COMM = 3
 
 
 @dataclass(frozen=True)
@@ -260,6 +286,23 @@ declare(
     Phase("allreduce", ALLREDUCE, "bucket all-reduce", Lane.COMM, "#edc948"),
 )
 declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
+# Device spans: the fields and titles of their CPU twins, drawn under them.
+declare(
+    EventKind(DEV_FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
+    Phase("dev_forward", DEV_FORWARD, "forward (GPU)", Lane.DEVICE, "#2b4a6b"),
+)
+declare(
+    EventKind(DEV_BACKWARD, (), "", "backward"),
+    Phase("dev_backward", DEV_BACKWARD, "backward (GPU)", Lane.DEVICE, "#35652f"),
+)
+declare(
+    EventKind(DEV_OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
+    Phase("dev_optimizer", DEV_OPTIMIZER, "optimizer (GPU)", Lane.DEVICE, "#6b4a63"),
+)
+declare(
+    EventKind(DEV_ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    Phase("dev_bucket", DEV_ALLREDUCE, "bucket all-reduce (GPU)", Lane.DEVICE_COMM, "#a38a2f"),
+)
 
 
 class LivePhase(str, enum.Enum):

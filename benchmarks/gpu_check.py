@@ -1,0 +1,220 @@
+"""The device-span checks, on a machine with one or more NVIDIA GPUs (not runnable without one).
+
+With N >= 2 GPUs: NCCL, one rank per GPU. With one GPU: gloo with CUDA tensors, 2 ranks on it.
+A DDP MLP trains STEPS steps under `ddpdoctor run`; rank SLOW gets ``torch.cuda._sleep`` (a
+device-side busy wait, invisible to CPU timestamps) in its backward, before its last gradient
+bucket is ready. Then it asserts:
+
+1. the straggler finding names rank SLOW, in backward, measured on the device clock;
+2. every bucket all-reduce has a non-zero device time, and each step's last reduction ends
+   after the step's last gradient was ready on the device;
+3. the step time from device spans (training forward starts) is within 5 % of the wall time
+   per step the job measured itself (it syncs with ``loss.item()`` every step);
+4. and reports the overhead: mean step time under ddpdoctor vs a plain torchrun run.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py [--steps 60] [--sleep-ms 20] [--out DIR]
+
+Exit 0 when every check passes, 1 when one fails, 2 when there is no GPU. The checks are
+plain functions over a read run (``check_*``), unit-tested on CPU with simulated runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+TOLERANCE = 0.05
+
+
+def plan(n_gpus: int) -> tuple[str, int]:
+    """(backend, ranks): NCCL with one rank per GPU, or gloo with 2 ranks on the only GPU."""
+    if n_gpus <= 0:
+        raise SystemExit("gpu_check: no CUDA GPU here (torch.cuda.device_count() == 0)")
+    return ("nccl", n_gpus) if n_gpus >= 2 else ("gloo", 2)
+
+
+# -- the checks (CPU-testable) ------------------------------------------------------------
+
+
+def check_straggler(findings: list[dict[str, Any]], slow: int) -> str | None:
+    """None if a straggler finding names ``slow`` in backward on the device clock, else why not."""
+    found = [f for f in findings if f.get("kind", "").startswith("straggler")]
+    for f in found:
+        d = f.get("details", {})
+        if f.get("ranks") == [slow] and d.get("phase") == "backward" and d.get("clock") == "device":
+            return None
+    seen = [(f["ranks"], f["details"]) for f in found]
+    return f"no device-clock straggler in backward for rank {slow}: {seen}"
+
+
+def check_buckets(run: Any) -> str | None:
+    """Device all-reduce times are non-zero, and each step's last one ends after its last
+    gradient was ready."""
+    from ddpdoctor.trace import schema
+
+    for rank, trace in sorted(run.ranks.items()):
+        ar = trace.kind(schema.DEV_ALLREDUCE)
+        if not len(ar):
+            return f"rank {rank}: no device all-reduce spans"
+        if (ar.dur <= 0).any():
+            return f"rank {rank}: {int((ar.dur <= 0).sum())} device all-reduces of zero length"
+        for step in np.unique(ar.step).tolist():
+            mine = ar.step == step
+            if int(ar.end[mine].max()) <= int(ar.ts[mine].max()):
+                return f"rank {rank} step {step}: the last reduction ends before the last bucket is ready"
+    return None
+
+
+def device_step_s(run: Any, skip: int = 5) -> float:
+    """Median time between training forward starts on the device, over every rank (s)."""
+    from ddpdoctor.trace import schema
+
+    periods = []
+    for trace in run.ranks.values():
+        fwd = trace.kind(schema.DEV_FORWARD)
+        training = np.sort(fwd.ts[fwd.ints(0) == 1])[skip:]
+        periods.append(np.diff(training))
+    return float(np.median(np.concatenate(periods))) / 1e6 if periods else 0.0
+
+
+def check_step_time(device_s: float, wall_s: float) -> str | None:
+    if wall_s <= 0 or abs(device_s - wall_s) > TOLERANCE * wall_s:
+        return f"step time from device spans {device_s * 1e3:.2f} ms vs wall {wall_s * 1e3:.2f} ms (> 5 %)"
+    return None
+
+
+# -- the job ------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: DDP MLP on its GPU; the slow rank sleeps on the device inside backward."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    local = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group(args.backend)
+    rank = dist.get_rank()
+    device = torch.device("cuda", local if args.backend == "nccl" else 0)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    layers = [nn.Linear(args.width, args.width) for _ in range(6)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())]).to(device)
+    ddp = DDP(model, device_ids=[device.index] if args.backend == "nccl" else None, bucket_cap_mb=8)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(args.batch, args.width, device=device)
+    cycles = _cycles_per_ms(torch) * args.sleep_ms if rank == args.slow else 0
+
+    def slow_down(grad: Any) -> Any:  # in backward, before the first layer's gradients
+        torch.cuda._sleep(int(cycles))
+        return grad
+
+    if cycles:  # the first layer's parameters sit in the last bucket DDP reduces
+        model[1].register_forward_hook(lambda module, inputs, output: output.register_hook(slow_down))
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = ddp(x).square().mean()
+        loss.backward()
+        opt.step()
+        loss.item()  # the job's own sync point, once a step
+        times.append(time.perf_counter() - t0)
+    Path(args.out_dir, f"steps-rank{rank}.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def _cycles_per_ms(torch: Any) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def _launch(args: argparse.Namespace, backend: str, nproc: int, out: Path, doctor: bool) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [__file__, "--worker", "--backend", str(backend), "--out-dir", str(out)]
+    cmd += ["--steps", str(args.steps), "--sleep-ms", str(args.sleep_ms), "--slow", str(args.slow)]
+    cmd += ["--width", str(args.width), "--batch", str(args.batch)]
+    if doctor:
+        cmd = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(out / "run"), "--", *cmd]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    subprocess.run(cmd, check=True, env=env)
+    steps = [json.loads(p.read_text()) for p in sorted(out.glob("steps-rank*.json"))]
+    return statistics.median(t for ranks in steps for t in ranks[5:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--backend", default="")
+    p.add_argument("--out-dir", default="")
+    p.add_argument("--out", default="")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--sleep-ms", type=float, default=20.0)
+    p.add_argument("--slow", type=int, default=1)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=256)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    import torch
+
+    try:
+        backend, nproc = plan(torch.cuda.device_count())
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.trace.reader import load_run
+
+    root = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
+    plain_s = _launch(args, backend, nproc, root / "plain", doctor=False)
+    wall_s = _launch(args, backend, nproc, root / "doctor", doctor=True)
+    run = load_run([root / "doctor" / "run"])
+    findings = [f.to_json() for f in diagnose(run).findings]
+    dev_s = device_step_s(run)
+    failures = [
+        msg
+        for msg in (
+            check_straggler(findings, args.slow),
+            check_buckets(run),
+            check_step_time(dev_s, wall_s),
+        )
+        if msg
+    ]
+    result = {
+        "backend": backend,
+        "ranks": nproc,
+        "gpu": torch.cuda.get_device_name(0),
+        "step_ms_plain": round(plain_s * 1e3, 3),
+        "step_ms_doctor": round(wall_s * 1e3, 3),
+        "step_ms_device_spans": round(dev_s * 1e3, 3),
+        "overhead": round(wall_s / plain_s - 1, 4),
+        "failures": failures,
+        "out": str(root),
+    }
+    print(json.dumps(result, indent=2))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

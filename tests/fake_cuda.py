@@ -1,0 +1,89 @@
+"""A stand-in for ``torch.cuda`` at the Event/stream boundary that keeps CUDA's asynchrony.
+
+The device clock is the host's monotonic clock (so a test knows the truth), but work runs
+later than it is launched: each stream has a ``busy_until``; ``launch(ns)`` queues a kernel
+behind it, and an event recorded on a stream completes when the stream reaches it, not when
+``record`` returns. ``query()`` answers from the clock; ``elapsed_time`` raises, as CUDA does,
+when either event has not completed. ``synchronize`` is counted, so tests can assert that
+the training thread never blocked on the device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+_now = time.monotonic_ns
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy_until = 0
+        self.lock = threading.Lock()
+
+    def launch(self, ns: int, after: int = 0) -> int:
+        """Queue ``ns`` of device work (starting no earlier than ``after``); its end time."""
+        with self.lock:
+            self.busy_until = max(_now(), self.busy_until, after) + ns
+            return self.busy_until
+
+    def wait_until(self, t: int) -> None:
+        """Like ``wait_stream``/``wait_event``: later work here starts after ``t``."""
+        with self.lock:
+            self.busy_until = max(self.busy_until, t)
+
+    def query(self) -> bool:
+        return _now() >= self.busy_until
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda, enable_timing: bool = False) -> None:
+        assert enable_timing, "device spans need timing events"
+        self.cuda = cuda
+        self.done_at: int | None = None
+        cuda.events_created += 1
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or self.cuda.current_stream()
+        with stream.lock:
+            self.done_at = max(_now() + self.cuda.record_lag_ns, stream.busy_until)
+            stream.busy_until = self.done_at
+        self.cuda.records += 1
+
+    def query(self) -> bool:
+        return self.done_at is not None and _now() >= self.done_at
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready")
+        assert self.done_at is not None and end.done_at is not None
+        return (end.done_at - self.done_at) / 1e6
+
+    def synchronize(self) -> None:
+        self.cuda.synchronizes += 1
+
+
+class FakeCuda:
+    """``torch.cuda`` as the timer uses it: ``Event``, ``current_stream``, ``synchronize``."""
+
+    def __init__(self, record_lag_ns: int = 0) -> None:
+        self.record_lag_ns = record_lag_ns
+        self.default = FakeStream("default")
+        self.local = threading.local()
+        self.events_created = 0
+        self.records = 0
+        self.synchronizes = 0
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802  (torch's name)
+        return FakeEvent(self, enable_timing)
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return getattr(self.local, "stream", None) or self.default
+
+    def set_stream(self, stream: FakeStream | None) -> None:
+        self.local.stream = stream
+
+    def synchronize(self, device: Any = None) -> None:
+        self.synchronizes += 1
