@@ -22,6 +22,8 @@ from ddpdoctor.trace.reader import Run
 
 COST_WARNING = 0.05  # of the job's training time
 COST_NOTE = 0.01  # below this, not worth a line
+MIN_EACH_MS = 10.0  # a warning needs work this long each time: a few ms at an epoch's end of a
+# tiny job is the host's scheduling, not the user's code
 MIN_STEPS = 6
 MIN_REPEATS = 3  # late steps needed to call it periodic
 REGULAR = 0.7  # share of gaps between late steps that must equal the period
@@ -32,17 +34,25 @@ FIX = (
 )
 
 
-def period_of(steps: np.ndarray) -> int | None:
-    """The regular gap between late steps (every k steps), or None when they are not regular."""
+def period_of(steps: np.ndarray, n_steps: int | None = None) -> int | None:
+    """The regular gap between late steps (every k steps), or None when they are not regular.
+
+    Most late steps must fall on one residue mod k (one late step off the beat does not break
+    it), and, out of ``n_steps``, most steps on that beat must be late: a few late steps that
+    happen to share a parity (scheduling noise on a busy host) are not work every 2 steps."""
     if len(steps) < MIN_REPEATS:
         return None
     steps = np.sort(steps)
     k = int(Counter(np.diff(steps).tolist()).most_common(1)[0][0])
     if k < 2:
         return None
-    # Most late steps fall on one residue mod k (one late step off by one does not break it).
-    on_beat = Counter((steps % k).tolist()).most_common(1)[0][1]
-    return k if on_beat >= REGULAR * len(steps) else None
+    residue, on_beat = Counter((steps % k).tolist()).most_common(1)[0]
+    if on_beat < REGULAR * len(steps):
+        return None
+    first = int(steps[0]) - (int(steps[0]) - residue) % k  # the beat from the first late step on
+    last = int(steps[-1]) if n_steps is None else n_steps - 1
+    beat = len(range(first, last + 1, k))
+    return k if on_beat >= REGULAR * beat else None
 
 
 def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
@@ -89,7 +99,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
         late = np.flatnonzero(lateness[row] > max(LATE_FLOOR_US * 3, 0.5 * peak))
         if len(late) > 0.5 * lateness.shape[1]:
             continue  # late on most steps: a straggler, not periodic work
-        k = period_of(late)
+        k = period_of(late, lateness.shape[1])
         if k is None:
             continue
         cost_us = float(lateness[row, late].sum())
@@ -100,7 +110,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
         speedup = total_us / max(total_us - cost_us, 1.0)
         yield Finding(
             "periodic_rank_work",
-            "warning" if share >= COST_WARNING else "info",
+            "warning" if share >= COST_WARNING and each_ms >= MIN_EACH_MS else "info",
             [rank],
             f"every {k} steps rank {rank} spends {each_ms:.0f} ms in its own code between sync "
             f"points (logging, metrics, checkpoints, evaluation?) while the other ranks wait for it "
