@@ -158,6 +158,11 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
         )
     sig = signal_name(exit_info.get("signal"))
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
+    end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
+    if end.get("how") == "signal" and end.get("signal"):
+        return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
+    if end.get("how") == "os_exit" and end.get("code"):
+        return Ending("vanished", step, wall_s=end.get("at_wall") or when)
     if trace.ended_cleanly:
         return Ending("clean_exit", step, wall_s=_end_wall(trace))
     if watch.get("killed_on_hang"):

@@ -210,6 +210,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)  # hang-N/summary.json (`run` watch)
     watches: list[dict[str, Any]] = field(default_factory=list)  # watch.json, one per run dir
+    ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
     gpus: list[GpuTrace] = field(default_factory=list)  # gpu-<host>.jsonl, one per node
     # Views computed once from the run and shared by the analyses and the reports (the GPU view).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -288,7 +289,14 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         for path in RunDir(run_dir).hang_summaries():
             hangs.extend(_json_object(path))
         watches.extend(_json_object(run_dir / RunDir.WATCH))
-    return Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
+    ends: dict[int, dict[str, Any]] = {}
+    for found in (_json_object(run_dir / RunDir.ENDS) for run_dir in paths):
+        for rank, end in (found[0].get("ranks") or {} if found else {}).items():
+            if str(rank).isdigit() and isinstance(end, dict):
+                ends[int(rank)] = end
+    run = Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
+    run.ends = ends
+    return run
 
 
 def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
