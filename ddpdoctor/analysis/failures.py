@@ -16,27 +16,10 @@ from typing import Any
 from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
+from ddpdoctor.analysis.ledger import is_consequence
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
-
-# Errors a rank raises because a peer died or stalled: consequences, not the root cause.
-_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
-_CONSEQUENCE_TEXT = (
-    "connection closed by peer",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "socket",
-    "nccl communicator was aborted",
-)
-
-
-def is_consequence(error: dict[str, Any]) -> bool:
-    """True for an error that says a peer went away, rather than one of this rank's own."""
-    kind, message = str(error.get("type", "")), str(error.get("message", "")).lower()
-    return kind in _CONSEQUENCE_TYPES or any(t in message for t in _CONSEQUENCE_TEXT)
 
 
 @detector

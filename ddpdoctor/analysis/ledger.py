@@ -27,6 +27,7 @@ BUFFERS = "buffer broadcast"
 FORWARD = "DDP forward"
 # The live status' phase names, as ledger ops.
 _PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD}
+# Errors a rank raises because a peer died or stalled: consequences, not the root cause.
 _CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _CONSEQUENCE_TEXT = (
     "connection closed by peer",
@@ -34,6 +35,7 @@ _CONSEQUENCE_TEXT = (
     "broken pipe",
     "timed out",
     "timeout",
+    "socket",
     "nccl communicator was aborted",
 )
 

@@ -210,8 +210,8 @@ class Run:
     notes: list[str] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)  # hang-N/summary.json (`run` watch)
     watches: list[dict[str, Any]] = field(default_factory=list)  # watch.json, one per run dir
-    ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
     gpus: list[GpuTrace] = field(default_factory=list)  # gpu-<host>.jsonl, one per node
+    ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
     # Views computed once from the run and shared by the analyses and the reports (the GPU view).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
