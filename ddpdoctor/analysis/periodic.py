@@ -44,7 +44,7 @@ def period_of(steps: np.ndarray, n_steps: int | None = None) -> int | None:
         return None
     steps = np.sort(steps)
     k = int(Counter(np.diff(steps).tolist()).most_common(1)[0][0])
-    if k < 2:
+    if k < 3:  # every other step: indistinguishable from two ranks taking turns on busy cores
         return None
     residue, on_beat = Counter((steps % k).tolist()).most_common(1)[0]
     if on_beat < REGULAR * len(steps):
