@@ -15,7 +15,6 @@ watcher's format when stuck) is one `diagnose` and `report` read like any other.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -26,7 +25,7 @@ from typing import Any
 
 from ddpdoctor.analysis.hang import main_thread
 from ddpdoctor.live.procs import RankProc
-from ddpdoctor.supervisor.stacks import pyspy_path
+from ddpdoctor.supervisor.stacks import parse_pyspy_json, pyspy_path
 
 ATTACH_SCHEMA = "ddpdoctor.attach/1"
 NO_PYSPY = "py-spy not found (pip install py-spy; DDPDOCTOR_PYSPY names another), or DDPDOCTOR_PYSPY=off"
@@ -70,23 +69,7 @@ def pyspy(pid: int, native: bool = False) -> dict[str, Any]:
         return {"method": None, "threads": [], "error": f"py-spy: {proc.stderr.strip()[-300:]}"}
     if native:
         return {"method": "py-spy --native", "threads": [], "error": "", "text": proc.stdout}
-    try:
-        raw = json.loads(proc.stdout)
-    except ValueError:
-        return {"method": None, "threads": [], "error": "py-spy printed no JSON"}
-    threads = [
-        {
-            "name": t.get("thread_name") or str(t.get("thread_id")),
-            "active": bool(t.get("active")),
-            "frames": [
-                {"file": f.get("filename"), "line": f.get("line"), "function": f.get("name")}
-                for f in t.get("frames") or []
-            ],
-        }
-        for t in raw
-        if isinstance(t, dict)
-    ]
-    return {"method": "py-spy", "threads": threads, "error": ""}
+    return parse_pyspy_json(proc.stdout)
 
 
 def phase_of(frames: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -58,13 +58,19 @@ def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S, nonblocking: bool = F
         return {"method": None, "threads": [], "error": f"py-spy: {exc}"}
     if proc.returncode != 0:
         return {"method": None, "threads": [], "error": f"py-spy: {proc.stderr.strip()[-300:]}"}
+    return parse_pyspy_json(proc.stdout)
+
+
+def parse_pyspy_json(text: str) -> dict[str, Any]:
+    """``py-spy dump --json`` output as a dump: threads with their frames (innermost first)."""
     try:
-        raw = json.loads(proc.stdout)
+        raw = json.loads(text)
     except ValueError:
         return {"method": None, "threads": [], "error": "py-spy printed no JSON"}
     threads = [
         {
             "name": t.get("thread_name") or str(t.get("thread_id")),
+            "active": bool(t.get("active")),
             "frames": [
                 {"file": f.get("filename"), "line": f.get("line"), "function": f.get("name")}
                 for f in t.get("frames") or []
