@@ -125,3 +125,99 @@ def test_optimizer_time_excludes_the_forward_and_backward_run_inside_it(tmp_path
     _write(tmp_path, 1, records)
     trace = load_run([tmp_path]).ranks[0]
     assert exclusive_durations(trace, "optimizer").tolist() == [300, 50]
+
+
+C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+GLOO_WORDS = [
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 676 vs 4. Received "
+    "data size doesn't match expected size. Is there a distributed collective mismatch in your code?",
+]
+
+
+def _stack(*frames: tuple[str, int, str], header: str = "Fatal Python error: Aborted") -> str:
+    """A faulthandler dump: a writer thread, then the main thread (innermost frame first)."""
+    lines = [header, "", "Thread 0x00007f19c71ff6c0 (most recent call first):"]
+    lines += ['  File "/usr/lib/python3.11/threading.py", line 331 in wait']
+    lines += ["", "Thread 0x00007f19ece1eb80 (most recent call first):"]
+    lines += [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]
+    lines += ['  File "/job/train.py", line 50 in <module>']
+    return "\n".join(lines) + "\n"
+
+
+def _ends(run_dir: Path, ranks: dict[int, dict]) -> None:
+    (run_dir / "ends.json").write_text(json.dumps({"schema": "ddpdoctor.ends/1", "ranks": ranks}))
+
+
+def test_a_rank_killed_inside_a_collective_its_peer_never_issued_is_the_root_not_a_failure(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 aborts (SIGABRT: gloo saw a size it did not expect) inside an all_reduce after its
+    last step; rank 1 was in its next step's gradient all-reduce when the launcher stopped it.
+    The traces hold neither in-flight call: the death stacks say where each rank was."""
+    _write(tmp_path, 0, _steps(3), end=False)  # 3 of its pass's 8 batches: not out of data
+    _write(tmp_path, 1, [*_steps(3), ["forward", 4000, 100, 3, 1, 1, 6, 0]], end=False)
+    abort = _stack((C10D, 3252, "all_reduce"), ("/job/train.py", 40, "main"))
+    term = _stack(
+        ("/venv/lib/python3.11/site-packages/torch/autograd/__init__.py", 395, "backward"),
+        ("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"),
+        ("/job/train.py", 22, "main"),
+        header="",
+    )
+    _ends(
+        tmp_path,
+        {
+            "0": {"how": "signal", "signal": "SIGABRT", "stack": abort, "words": GLOO_WORDS, "at_wall": 1.0},
+            "1": {"how": "signal", "signal": "SIGTERM", "stack": term, "words": [], "at_wall": 2.0},
+        },
+    )
+    ledgers = build(load_run([tmp_path]))
+    assert ledgers[0].points[-1].died_in and ledgers[0].points[-1].seq == 6
+    div = first_divergence(ledgers)
+    assert div is not None and div.what == "mismatch" and div.evidence["differs"] == "op"
+    found = _kinds(tmp_path)
+    assert "rank_failure" not in found
+    f = found["rank_only_collective"]
+    assert f["severity"] == "error" and f["details"]["root_rank"] == 0
+    assert f["details"]["place"] == "train.py:40" and "branch" in f["fix"]
+    assert "SIGABRT" in f["details"]["deaths"]["0"] and "SIGABRT inside it" in f["summary"]
+    assert any("SIGABRT" in c for c in f["details"]["consequences"])
+
+
+def test_ranks_killed_inside_the_same_collective_the_backend_says_disagree_are_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    """Both ranks die inside all_reduce #6 at different lines; sizes are not in a stack, but
+    the backend's last words say the sizes differ."""
+    for rank in (0, 1):
+        _write(tmp_path, rank, _steps(3, loader=False), end=False)
+    stacks = {r: _stack((C10D, 3252, "all_reduce"), ("/job/train.py", 40 + r, "main")) for r in (0, 1)}
+    _ends(
+        tmp_path,
+        {
+            "0": {"how": "signal", "signal": "SIGABRT", "stack": stacks[0], "words": GLOO_WORDS},
+            "1": {"how": "signal", "signal": "SIGTERM", "stack": stacks[1], "words": []},
+        },
+    )
+    f = _kinds(tmp_path)["collective_mismatch"]
+    assert "train.py:40" in f["summary"] and "train.py:41" in f["summary"] and "size" in f["fix"]
+    assert "collective mismatch" in f["details"]["backend_said"]
+
+
+def test_a_rank_killed_outside_any_collective_stays_a_rank_failure(tmp_path: Path) -> None:
+    """os.abort() in the user's own code: no sync point in its stack, so nothing diverged first."""
+    _write(tmp_path, 0, _steps(5, loader=False), end=False)
+    _write(tmp_path, 1, _steps(3, loader=False), end=False)
+    abort = _stack(("/job/train.py", 33, "main"))
+    backward = ("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward")
+    term = _stack(backward, ("/job/train.py", 22, "main"))
+    _ends(
+        tmp_path,
+        {
+            "0": {"how": "signal", "signal": "SIGTERM", "stack": term, "words": [], "at_wall": 2.0},
+            "1": {"how": "signal", "signal": "SIGABRT", "stack": abort, "words": [], "at_wall": 1.0},
+        },
+    )
+    findings = diagnose(load_run([tmp_path])).findings
+    assert any(f.kind == "rank_failure" and 1 in f.ranks and "SIGABRT" in f.summary for f in findings)
+    assert not any(f.kind in ("rank_only_collective", "collective_mismatch") for f in findings)

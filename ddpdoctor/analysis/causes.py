@@ -168,6 +168,24 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
 
 
 def _mismatch(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
+    """The cause at a sequence number where the ranks disagree; ranks killed inside that
+    collective (gloo aborts on a size it did not expect) are named as its consequences."""
+    found = _mismatch_cause(div, ledgers)
+    died = {
+        r: ledgers[r].ending
+        for r, p in div.points.items()
+        if p is not None and p.died_in and ledgers[r].ending.how == "signal"
+    }
+    if died:
+        deaths = "; ".join(f"rank {r} was killed by {e.signal} inside it" for r, e in sorted(died.items()))
+        found.summary += f". A consequence: {deaths}"
+        found.details["deaths"] = {str(r): e.describe() for r, e in died.items()}
+    if div.evidence.get("backend"):
+        found.details["backend_said"] = div.evidence["backend"]
+    return found
+
+
+def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     points = {r: p for r, p in div.points.items() if p is not None}
     seq = div.evidence.get("seq")
     said = "; ".join(f"rank {r}: {p.describe()}" for r, p in sorted(points.items()))

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import ddpdoctor
+from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -52,12 +53,14 @@ class Point:
     site: str  # the user's file:line, "" when unknown
     ts: int = 0
     in_flight: bool = False
+    died_in: bool = False  # the rank died inside it (its death stack), seq: the next after its last
 
     def describe(self) -> str:
         where = f" at {self.site}" if self.site else ""
         size = f", {self.nbytes} bytes" if self.nbytes else ""
         seq = f" #{self.seq}" if self.seq >= 0 else ""
-        return f"{self.op}{seq} (step {self.step}{size}){where}"
+        died = ", where it died" if self.died_in else ""
+        return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Ledger:
     passes: list[Pass] = field(default_factory=list)
     ending: Ending = field(default_factory=lambda: Ending("running"))
     place: str = ""  # where in the user's code it was last seen (a hang's stack, else its last site)
+    words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
 
 
 def is_consequence(error: dict[str, Any]) -> bool:
@@ -245,6 +249,47 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     return point, place
 
 
+_C10D = ("torch/distributed/distributed_c10d.py",)
+_BACKWARD = ("torch/_tensor.py", "torch/autograd/__init__.py")
+
+
+def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
+    """The sync point a rank was inside when a signal killed it, from the Python stack it left
+    (faulthandler's dump in ends.json: SIGABRT/SIGSEGV, or SIGTERM from the launcher), and the
+    stack's place in the user's code. Its sequence number is not in the stack: it is the one
+    after the last this rank recorded (a collective in flight has not been written yet), which
+    holds as long as nothing unrecorded ran on the group in between."""
+    end = run.ends.get(rank) or {}
+    if end.get("how") != "signal" or not end.get("stack"):
+        return None, ""
+    from ddpdoctor.supervisor.stacks import parse_faulthandler
+
+    threads = parse_faulthandler(str(end["stack"]))
+    main = next((t for t in threads if t.get("name") == "MainThread"), None)
+    if main is None:
+        return None, ""
+    frames = main.get("frames") or []
+    place = user_frame(frames)
+    op = None
+    for frame in reversed(frames):  # outermost first: the call the user made
+        file = str(frame.get("file", "")).replace(os.sep, "/")
+        if file.endswith(_C10D) and frame.get("function") in COLLECTIVE_OPS:
+            op = str(frame["function"])
+            break
+        if file.endswith(_BACKWARD) and frame.get("function") == "backward":
+            # a backward inside a training step's DDP forward: its gradient all-reduce
+            if ledger.forwards and ledger.forwards[-1][1]:
+                op = GRAD_ALLREDUCE
+            break
+    if op is None:
+        return None, place
+    seqs = [p.seq for p in ledger.points if p.group == "WORLD" and p.seq >= 0]
+    seq = max(seqs) + 1 if seqs else -1
+    site = place if op != GRAD_ALLREDUCE else (ledger.forwards[-1][3] or place)
+    step = max(ledger.last_step, max((p.step for p in ledger.points), default=-1))
+    return Point(seq, op, 0, "WORLD", step, site, in_flight=True, died_in=True), place
+
+
 def _passes(trace: RankTrace, world: int) -> list[Pass]:
     """Each DataLoader pass with the batches it would give and the batches the rank read."""
     loaders = trace.meta.get(schema.LOADER, [])
@@ -281,10 +326,13 @@ def build(run: Run) -> dict[int, Ledger]:
     ledgers: dict[int, Ledger] = {}
     for rank in range(run.world_size):
         ledger = Ledger(rank, ending=how_it_ended(run, rank, watch))
+        ledger.words = [str(w) for w in (run.ends.get(rank) or {}).get("words") or []]
         trace = run.ranks.get(rank)
         if trace is not None:
             _fill(ledger, trace, run.world_size)
         flight, place = _in_flight(run, rank)
+        if flight is None:
+            flight, place = died_in(run, rank, ledger)
         if flight is not None:
             ledger.points.append(flight)
         ledger.place = place or (ledger.points[-1].site if ledger.points else "")
@@ -359,6 +407,10 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
         kinds = {(p.op, p.nbytes if not p.in_flight else None) for p in have.values()}
         if len(have) == len(at) and len({k[0] for k in kinds}) == 1:
             sizes = {p.nbytes for p in have.values() if not p.in_flight}
+            said = _backend_says_mismatch(present, have) if not sizes else ""
+            if said:
+                evidence = {"seq": seq, "differs": "size", "backend": said}
+                return Divergence("mismatch", None, [], dict(at), evidence)
             if len(sizes) <= 1:
                 continue
             return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "size"})
@@ -369,6 +421,22 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
             gone = min(missing, key=lambda r: (present[r].last_step, r))
             return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
     return None
+
+
+# What a backend prints when the ranks' collectives disagree (gloo's enforce; NCCL's and the
+# collective-consistency check's wording), the words a rank leaves when it dies of it.
+_MISMATCH_WORDS = ("collective mismatch", "size doesn't match", "sizes don't match", "mismatch between")
+
+
+def _backend_says_mismatch(ledgers: dict[int, Ledger], at: dict[int, Point]) -> str:
+    """The line a rank that died inside this collective left saying the ranks disagree."""
+    for rank, point in sorted(at.items()):
+        if not point.died_in:
+            continue
+        for line in ledgers[rank].words:
+            if any(w in line.lower() for w in _MISMATCH_WORDS):
+                return line.strip()[:300]
+    return ""
 
 
 def forward_site(trace: RankTrace, step: int | None = None) -> str:
