@@ -34,6 +34,7 @@ class RunDir:
     ENDS = "ends.json"  # the supervisor: how each rank ended, its last stderr lines (ends.py)
 
     _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.jsonl$")
+    _PROC = re.compile(r"^proc-rank(\d+)(?:-attempt(\d+))?\.json$")
     _STATUS = re.compile(r"^status-rank(\d+)\.json$")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -49,6 +50,27 @@ class RunDir:
 
     def trace(self, rank: int, restart: int = 0) -> Path:
         return self.path / self.trace_name(rank, restart)
+
+    @staticmethod
+    def proc_name(rank: int, restart: int = 0) -> str:
+        """A rank's process record, written at its start, before init_process_group
+        (probes/early.py): what is known of a rank that never became one."""
+        return f"proc-rank{rank}-attempt{restart}.json" if restart else f"proc-rank{rank}.json"
+
+    def proc(self, rank: int, restart: int = 0) -> Path:
+        return self.path / self.proc_name(rank, restart)
+
+    def procs(self) -> dict[int, Path]:
+        """The newest attempt's process record of each rank."""
+        best: dict[int, tuple[int, Path]] = {}
+        for path in self.path.glob("proc-rank*.json"):
+            match = self._PROC.match(path.name)
+            if not match or not path.is_file():
+                continue
+            rank, attempt = int(match.group(1)), int(match.group(2) or 0)
+            if rank not in best or attempt > best[rank][0]:
+                best[rank] = (attempt, path)
+        return {rank: path for rank, (_, path) in sorted(best.items())}
 
     def status(self, rank: int) -> Path:
         """Rewritten by the rank's writer thread after every flush (probes/liveness.py)."""

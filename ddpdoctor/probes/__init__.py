@@ -23,6 +23,12 @@ def install() -> None:
         return
     _installed = True
     try:
+        from ddpdoctor.probes import early
+
+        early.install()
+    except Exception as exc:
+        sys.stderr.write(f"ddpdoctor: rank start record not written: {exc!r}\n")
+    try:
         from ddpdoctor.probes import startup
 
         startup.install()

@@ -37,6 +37,7 @@ from ddpdoctor.rundir import RunDir
 TEE_ENV = "DDPDOCTOR_TEE"  # "0": leave the rank's stderr as it is
 _TEE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_tee.py")
 _files: list[Any] = []  # kept open for faulthandler's C handlers
+_done: set[str] = set()  # steps already taken in this process (early, before init)
 
 
 def filename(kind: str, rank: int) -> str:
@@ -44,10 +45,16 @@ def filename(kind: str, rank: int) -> str:
     return RunDir("").last_words(kind, rank).name
 
 
-def install(c: _c.Collector) -> None:
+def install(c: _c.Collector | Any) -> None:
+    """Take every step not yet taken. ``probes/early.py`` calls this at a rank process's start
+    (with the rank from its environment), so a rank that never reaches init_process_group
+    leaves its stderr and its stack too; the collector's call at init then finds them done."""
     for name, step in (("fatal", _fatal), ("sigterm", _sigterm), ("os_exit", _os_exit), ("tee", _tee)):
+        if name in _done:
+            continue
         try:
             step(c)
+            _done.add(name)
         except Exception as exc:
             c.fail(f"lastwords.{name}", exc)
 

@@ -185,20 +185,49 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
             end.update(how="signal", signal=name, at_wall=last_wall or seen.get("seen_wall") or _mtime(path))
             end["inferred"] = seen.get("signal") is None
         ends[str(rank)] = end
+    _never_ranks(run_dir, ends, exits)
     _sources(ends)
     failed = [
         (e.get("at_wall") or 0.0, int(r))
         for r, e in ends.items()
-        if e["how"] != "exit" and not e["consequence"]
+        if (e["how"] != "exit" or e.get("initialised") is False) and not e["consequence"]
     ]
     return ends, (min(failed)[1] if failed else None)
+
+
+def _never_ranks(run_dir: Path, ends: dict[str, Any], exits: dict[str, Any]) -> None:
+    """Ranks whose process started (``proc-rank{R}.json``, probes/early.py) but left no trace:
+    they never got through init_process_group. How each ended, from the same files, and
+    ``initialised: False``; a process that went through Python's exit on its own ended there."""
+    for rank, path in RunDir(run_dir).procs().items():
+        if str(rank) in ends:
+            continue
+        try:
+            proc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(proc, dict):
+            continue
+        error = proc.get("error") if isinstance(proc.get("error"), dict) else None
+        end = _one_end(run_dir, rank, proc, bool(proc.get("exit_wall")) and error is None, error)
+        end.update(initialised=False, world_size=proc.get("world_size"), started=proc.get("started_wall"))
+        if end["how"] == "exit":
+            end.update(at_wall=proc.get("exit_wall"), source="it exited before init_process_group")
+        elif end["how"] is None:  # no Python exit, no stack, no exception: SIGKILL
+            sig = (exits.get(str(rank)) or {}).get("signal")
+            name = signal.Signals(sig).name if sig in signal.valid_signals() else "SIGKILL"
+            end.update(how="signal", signal=name, at_wall=_mtime(path), inferred=sig is None)
+        ends[str(rank)] = end
 
 
 def _sources(ends: dict[str, Any]) -> None:
     """Name who ended each killed rank where we can, and mark the consequences of a failure."""
     oom: set[int] | None | bool = False  # not read yet
     own = {
-        r: e.get("at_wall") or 0.0 for r, e in ends.items() if e["how"] in ("signal", "exception", "os_exit")
+        r: e.get("at_wall") or 0.0
+        for r, e in ends.items()
+        if e["how"] in ("signal", "exception", "os_exit")
+        or (e["how"] == "exit" and e.get("initialised") is False)  # left before the others could
     }
     for rank, end in ends.items():
         end["consequence"] = False
