@@ -20,8 +20,10 @@ from ddpdoctor.analysis.ledger import (
     Ledger,
     Point,
     build,
+    death_stack,
     first_divergence,
     forward_site,
+    user_frame,
 )
 from ddpdoctor.trace.reader import Run
 
@@ -286,19 +288,65 @@ def _rank_only_forwards(ledgers: dict[int, Ledger], found: Finding | None) -> It
         )
 
 
+_INIT = (
+    "init_process_group",
+    "_store_based_barrier",
+    "rendezvous",
+    "_create_c10d_store",
+    "_new_process_group_helper",
+)
+
+
 def _never_started(run: Run, ledgers: dict[int, Ledger], found: Finding | None) -> Iterable[Finding]:
+    """Ranks that never got through init_process_group. The supervisor's records say how each
+    process ended (probes/early.py, ends.json): the ranks that failed on their own are the
+    cause; those it stopped while they waited inside init_process_group for them are not."""
     missing = [r for r, lg in ledgers.items() if lg.ending.how == "never_started"]
-    if not missing or not run.ranks or found is not None or not run.exit_code:
+    if not missing or found is not None or not run.exit_code or not (run.ranks or run.ends):
         return
+    waiting: dict[int, str] = {}  # rank -> where in the user's code it waited in init
+    for r in missing:
+        frames = death_stack(run, r)
+        if any(str(f.get("function")) in _INIT for f in frames):
+            waiting[r] = user_frame(frames) or "?"
+    roots = [r for r in missing if r not in waiting and not ledgers[r].ending.consequence]
+    roots = roots or [r for r in missing if r not in waiting] or missing
+    parts, ranks_info = [], {}
+    for r in roots:
+        end = run.ends.get(r) or {}
+        words = [str(w).strip() for w in end.get("words") or [] if str(w).strip()]
+        if end.get("how") == "exception":
+            how = f"raised {end.get('source')}"
+        elif end.get("how") == "signal":
+            how = f"was killed by {end.get('signal')}"
+        elif end.get("how") == "exit":
+            how = "exited"
+        else:
+            how = "left no record of its process (was it started?)"
+        said = f" (its last stderr: {' | '.join(words[-3:])[:300]!r})" if words else ""
+        parts.append(f"rank {r} {how} before calling init_process_group{said}")
+        ranks_info[str(r)] = {"ended": end.get("how"), "source": end.get("source"), "words": words[-6:]}
+    others = []
+    for r, place in sorted(waiting.items()):
+        end = run.ends.get(r) or {}
+        stopped = f" until it was killed by {end.get('signal')}" if end.get("how") == "signal" else ""
+        if stopped and end.get("source"):
+            stopped += f" ({end['source']})"
+        others.append(f"rank {r} waited inside init_process_group at {place}{stopped}")
+        ranks_info[str(r)] = {"ended": end.get("how"), "waiting_in": "init_process_group", "place": place}
+    started = [r for r in sorted(ledgers) if r not in missing]
+    if started:
+        others.append(f"rank(s) {rank_list(started)} got through init and waited for them")
+    text = "; ".join(parts) + (f"; {'; '.join(others)}: a consequence" if others else "")
     yield Finding(
         "rank_never_started",
         "error",
-        missing,
-        f"rank(s) {rank_list(missing)} never called init_process_group (no trace) and the job "
-        f"exited with code {run.exit_code}",
-        fix="Read the first error in those ranks' output: they failed before init_process_group "
-        "(imports, configuration, devices), and the others waited at the rendezvous.",
-        details={"root_rank": missing[0], "missing": missing},
+        roots,
+        f"{text} (the job exited with code {run.exit_code})",
+        fix="Fix the error those ranks printed before init_process_group (configuration, "
+        "imports, files, devices): every rank must reach init_process_group, or the others "
+        "wait at the rendezvous until the launcher or the timeout stops them.",
+        details={"root_rank": roots[0], "missing": missing, "waiting": sorted(waiting), "ranks": ranks_info},
     )
 
 

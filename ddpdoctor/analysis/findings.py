@@ -64,7 +64,10 @@ def rank_list(ranks: Iterable[int]) -> str:
 
 @detector
 def missing_ranks(run: Run) -> Iterable[Finding]:
-    missing = sorted(set(range(run.world_size)) - set(run.ranks))
+    # A rank the supervisor saw start and end without initialising is no missing file:
+    # rank_never_started says what became of it.
+    known = {r for r, end in run.ends.items() if end.get("initialised") is False}
+    missing = sorted(set(range(run.world_size)) - set(run.ranks) - known)
     if missing:
         yield Finding(
             "missing_ranks",

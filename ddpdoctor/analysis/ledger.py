@@ -59,7 +59,7 @@ class Point:
         where = f" at {self.site}" if self.site else ""
         size = f", {self.nbytes} bytes" if self.nbytes else ""
         seq = f" #{self.seq}" if self.seq >= 0 else ""
-        died = ", where it died" if self.died_in else ""
+        died = ", where it ended" if self.died_in else ""
         return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
 
 
@@ -148,8 +148,15 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     watch = watch if watch is not None else _watch(run)
     trace = run.ranks.get(rank)
     exit_info = (watch.get("rank_exits") or {}).get(str(rank)) or {}
-    if trace is None:
-        return Ending("never_started", signal=signal_name(exit_info.get("signal")))
+    if trace is None:  # what the supervisor saw of its process, if it started (probes/early.py)
+        end = run.ends.get(rank) or {}
+        sig = end.get("signal") if end.get("how") == "signal" else None
+        return Ending(
+            "never_started",
+            signal=str(sig) if sig else signal_name(exit_info.get("signal")),
+            consequence=bool(end.get("consequence")),
+            wall_s=end.get("at_wall"),
+        )
     step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
     if isinstance(exit_info.get("step"), int):
         step = max(step, exit_info["step"])
@@ -255,20 +262,24 @@ _BACKWARD = ("torch/_tensor.py", "torch/autograd/__init__.py")
 
 def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     """The sync point a rank was inside when a signal killed it, from the Python stack it left
-    (faulthandler's dump in ends.json: SIGABRT/SIGSEGV, or SIGTERM from the launcher), and the
-    stack's place in the user's code. Its sequence number is not in the stack: it is the one
+    (faulthandler's dump in ends.json: SIGABRT/SIGSEGV, or SIGTERM from the launcher), or when
+    it raised (its exception's traceback), and the stack's place in the user's code. Its sequence number is not in the stack: it is the one
     after the last this rank recorded (a collective in flight has not been written yet), which
     holds as long as nothing unrecorded ran on the group in between."""
-    end = run.ends.get(rank) or {}
-    if end.get("how") != "signal" or not end.get("stack"):
+    if (run.ends.get(rank) or {}).get("how") == "signal":
+        frames = death_stack(run, rank)
+    elif ledger.ending.how == "exception" and ledger.ending.error:
+        # the traceback of what it raised (innermost last): raised inside a collective, it was there
+        raw = ledger.ending.error.get("frames") or []
+        frames = [
+            {"file": str(f[0]), "line": f[1], "function": str(f[2])}
+            for f in reversed(raw)
+            if isinstance(f, (list, tuple)) and len(f) >= 3
+        ]
+    else:
         return None, ""
-    from ddpdoctor.supervisor.stacks import parse_faulthandler
-
-    threads = parse_faulthandler(str(end["stack"]))
-    main = next((t for t in threads if t.get("name") == "MainThread"), None)
-    if main is None:
+    if not frames:
         return None, ""
-    frames = main.get("frames") or []
     place = user_frame(frames)
     op = None
     for frame in reversed(frames):  # outermost first: the call the user made
@@ -288,6 +299,18 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     site = place if op != GRAD_ALLREDUCE else (ledger.forwards[-1][3] or place)
     step = max(ledger.last_step, max((p.step for p in ledger.points), default=-1))
     return Point(seq, op, 0, "WORLD", step, site, in_flight=True, died_in=True), place
+
+
+def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
+    """The main thread's frames (innermost first) in the stack a rank left as it died, or []."""
+    end = run.ends.get(rank) or {}
+    if not end.get("stack"):
+        return []
+    from ddpdoctor.supervisor.stacks import parse_faulthandler
+
+    threads = parse_faulthandler(str(end["stack"]))
+    main = next((t for t in threads if t.get("name") == "MainThread"), None)
+    return list(main.get("frames") or []) if main else []
 
 
 def _passes(trace: RankTrace, world: int) -> list[Pass]:

@@ -38,7 +38,7 @@ class TimeBase:
 def time_base(run: Run) -> TimeBase:
     """Align every rank of ``run`` on rank 0's clock; note ranks whose offset is unknown."""
     offsets = {rank: run.offset_us(rank) for rank in run.ranks}
-    origin = min(offsets[rank] + _first_ts(trace) for rank, trace in run.ranks.items())
+    origin = min((offsets[rank] + _first_ts(trace) for rank, trace in run.ranks.items()), default=0)
     clock: dict[int, int | None] = {}
     rtt: dict[int, int | None] = {}
     for rank, trace in run.ranks.items():

@@ -218,7 +218,9 @@ class Run:
     @property
     def world_size(self) -> int:
         sizes = [int(t.header.get("world_size", 0)) for t in self.ranks.values()]
-        return max(sizes + [len(self.ranks)])
+        # ranks that never wrote a trace are known from the supervisor's ends.json
+        sizes += [int(e["world_size"]) for e in self.ends.values() if isinstance(e.get("world_size"), int)]
+        return max(sizes + [len(self.ranks), max(self.ends, default=-1) + 1])
 
     @property
     def hosts(self) -> list[str]:
@@ -260,7 +262,8 @@ def read_meta(run_dir: Path) -> dict[str, Any]:
 
 
 def load_run(dirs: Iterable[str | Path]) -> Run:
-    """Read one or more run directories into one Run; raises TraceError if none holds a trace."""
+    """Read one or more run directories into one Run; raises TraceError if none holds a trace
+    nor the supervisor's record of how its ranks ended (ends.json)."""
     paths = [Path(d) for d in dirs]
     ranks: dict[int, RankTrace] = {}
     metas: list[dict[str, Any]] = []
@@ -277,9 +280,6 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         if rank in ranks:
             notes.append(f"rank {rank} appears in {ranks[rank].path} and {path}; using the latter")
         ranks[rank] = trace
-    if not ranks:
-        where = ", ".join(str(p) for p in paths)
-        raise TraceError(f"no rank traces in {where}" + (f" ({'; '.join(notes)})" if notes else ""))
     skipped = sum(t.skipped_lines for t in ranks.values())
     if skipped:
         notes.append(f"skipped {skipped} truncated or corrupt trace line(s)")
@@ -294,6 +294,11 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         for rank, end in (found[0].get("ranks") or {} if found else {}).items():
             if str(rank).isdigit() and isinstance(end, dict):
                 ends[int(rank)] = end
+    if not ranks and not ends:
+        where = ", ".join(str(p) for p in paths)
+        raise TraceError(f"no rank traces in {where}" + (f" ({'; '.join(notes)})" if notes else ""))
+    if not ranks:  # every rank failed before init_process_group: the supervisor's records say how
+        notes.append("no rank wrote a trace: what is known comes from the supervisor (ends.json)")
     run = Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
     run.ends = ends
     return run
