@@ -88,7 +88,10 @@ events with seq above its count of event lines (a ``dropped`` record counts any 
 already overwritten), then removes the ring. A rank also leaves ``fatal-rank{R}.txt`` (fatal
 signal and Python stacks, from faulthandler), ``sigterm-rank{R}.txt``, ``exit-rank{R}.json``
 (``os._exit`` code) and ``stderr-rank{R}.txt`` (the last 64 KiB of its stderr); the supervisor
-sums them up per rank in ``ends.json`` (``supervisor/ends.py``).
+sums them up per rank in ``ends.json`` (``supervisor/ends.py``). A process started as a rank
+(``RANK`` set by the launcher) writes ``proc-rank{R}.json`` at its start, before
+``init_process_group``, and takes those last words then (``probes/early.py``): a rank that
+never initialises has no trace, and ``ends.json`` says how it ended (``initialised: false``).
 
 GPU samples (``gpu-<host>.jsonl``, schema ``ddpdoctor.gpu/1``) are written by the supervisor's
 NVML sampler (``supervisor/nvml.py``), one file per node, in the same line format. Its header
