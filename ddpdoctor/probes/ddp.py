@@ -18,6 +18,7 @@ from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
+from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.schema import LivePhase
@@ -256,7 +257,7 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         try:
             result = backward(*args, **kwargs)
         finally:
-            c.leave(prev, schema.BACKWARD)
+            c.leave(prev, schema.BACKWARD, run_queue_us())
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
         try:
