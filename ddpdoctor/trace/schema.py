@@ -159,6 +159,7 @@ DEVICE_KINDS = {
 HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
+BATCHES = "batches"  # digests of a DataLoader pass's first batches: what the rank actually read
 COMM_HOOK = "comm_hook"
 UNUSED = "unused"
 DDP_ERROR = "ddp_error"
@@ -241,7 +242,21 @@ def _forward_title(args: Mapping[str, Any]) -> str:
 KINDS: dict[str, EventKind] = {}
 PHASES: dict[str, Phase] = {}  # in drawing order: later phases draw over earlier ones
 META_KINDS = frozenset(
-    (HEADER, BUCKET, LOADER, COMM_HOOK, UNUSED, DDP_ERROR, SAVE, LOAD, PROBE_ERROR, DROPPED, END, CLOCK)
+    (
+        HEADER,
+        BUCKET,
+        LOADER,
+        BATCHES,
+        COMM_HOOK,
+        UNUSED,
+        DDP_ERROR,
+        SAVE,
+        LOAD,
+        PROBE_ERROR,
+        DROPPED,
+        END,
+        CLOCK,
+    )
     + (RANK_ERROR,)
 )
 
@@ -270,7 +285,11 @@ declare(
     EventKind(FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
     Phase("forward", FORWARD, "forward", colour="#4e79a7"),
 )
-declare(EventKind(BACKWARD, (), "", "backward"), Phase("backward", BACKWARD, "backward", colour="#59a14f"))
+# runq: the thread's run-queue delay so far (µs, -1 unknown; probes/cpuwait.py), read at its end.
+declare(
+    EventKind(BACKWARD, ("runq",), "i", "backward"),
+    Phase("backward", BACKWARD, "backward", colour="#59a14f"),
+)
 declare(
     EventKind(OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
     Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
