@@ -263,9 +263,10 @@ _BACKWARD = ("torch/_tensor.py", "torch/autograd/__init__.py")
 def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     """The sync point a rank was inside when a signal killed it, from the Python stack it left
     (faulthandler's dump in ends.json: SIGABRT/SIGSEGV, or SIGTERM from the launcher), or when
-    it raised (its exception's traceback), and the stack's place in the user's code. Its sequence number is not in the stack: it is the one
-    after the last this rank recorded (a collective in flight has not been written yet), which
-    holds as long as nothing unrecorded ran on the group in between."""
+    it raised (its exception's traceback), and the stack's place in the user's code. Its
+    sequence number is not in the stack: it is the one after the last this rank recorded (a
+    collective in flight has not been written yet), which holds as long as nothing unrecorded
+    ran on the group in between."""
     if (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
     elif ledger.ending.how == "exception" and ledger.ending.error:
