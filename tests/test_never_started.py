@@ -98,11 +98,13 @@ def test_a_run_dir_with_nothing_at_all_is_still_unreadable(tmp_path: Path) -> No
 
 
 def test_only_the_launchers_rank_processes_record_their_start() -> None:
-    assert is_rank_process({"RANK": "1"})  # a torchrun worker: its parent (the agent) has no RANK
-    assert is_rank_process({"RANK": "1", PARENT_RANK_ENV: ""})
-    assert not is_rank_process({"RANK": "1", PARENT_RANK_ENV: "1"})  # started by rank 1 itself
+    worker = {"RANK": "1", "WORLD_SIZE": "2"}
+    assert is_rank_process(worker)  # a torchrun worker: its parent (the agent) has no RANK
+    assert is_rank_process({**worker, PARENT_RANK_ENV: ""})
+    assert not is_rank_process({**worker, PARENT_RANK_ENV: "1"})  # started by rank 1 itself
     assert not is_rank_process({})  # torchrun's agent, mp.spawn's parent, a plain script
-    assert not is_rank_process({"RANK": "x"})
+    assert not is_rank_process({"RANK": "1"})  # a RANK exported in a shell, no launcher
+    assert not is_rank_process({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_a_rank_process_that_exits_before_init_leaves_its_start_end_and_last_words(tmp_path: Path) -> None:

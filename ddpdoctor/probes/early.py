@@ -46,9 +46,10 @@ class _Early:
 
 
 def is_rank_process(environ: Any = os.environ) -> bool:
-    """Started by the launcher as a rank: RANK set, and not by a process that was that rank."""
+    """Started by the launcher as a rank: RANK and WORLD_SIZE set (as torchrun sets them; a
+    RANK left in a shell alone is not enough), and not by a process that was that rank."""
     rank = environ.get("RANK", "")
-    return rank.isdigit() and environ.get(PARENT_RANK_ENV) != rank
+    return rank.isdigit() and environ.get("WORLD_SIZE", "").isdigit() and environ.get(PARENT_RANK_ENV) != rank
 
 
 def install() -> None:
