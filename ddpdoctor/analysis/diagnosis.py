@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import causes, frameworks, gpu, gpu_findings, views
+from ddpdoctor.analysis.failure import FailureView, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
 from ddpdoctor.analysis.models import ddp_models
@@ -35,6 +36,7 @@ class Diagnosis:
     lateness: Lateness | None = None  # at the gradient sync, rank x step
     bucket_layout: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> params, bytes
     framework: str | None = None  # "lightning", "accelerate", or None for plain DDP
+    failure: FailureView | None = None  # a hung or failed run, drawn where it happened
 
     @property
     def has_errors(self) -> bool:
@@ -56,6 +58,7 @@ def diagnose(run: Run) -> Diagnosis:
     findings = fold_consequences(gpu_findings.join_stragglers(run, find_all(run)))
     causes.annotate(run, findings)
     frameworks.adapt(findings, framework)
+    spans = views.step_spans(run, tb)
     return Diagnosis(
         run=run,
         phases=phases,
@@ -65,13 +68,14 @@ def diagnose(run: Run) -> Diagnosis:
         ddp=ddp_config(run),
         ddp_models=ddp_models(run),
         time_base=tb,
-        step_spans=views.step_spans(run, tb),
+        step_spans=spans,
         lateness=views.lateness(run, tb),
         bucket_layout=bucket_layout(run),
         buckets=bucket_stats(run),
         findings=findings,
         gpus=gpu.gpu_view(run),
         framework=framework,
+        failure=failure_view(run, findings, tb, spans),
     )
 
 

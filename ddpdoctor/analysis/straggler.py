@@ -241,7 +241,6 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
                 f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}: "
                 f"{100 * cost:.0f} % of the job's time",
-                fix=("" if costly else "Occasional noise unless those steps matter; ")
-                + _FIX[phase],
+                fix=("" if costly else "Occasional noise unless those steps matter; ") + _FIX[phase],
                 details=details,
             )
