@@ -177,16 +177,17 @@ def _verdict(findings: list[Finding], hang: dict[str, Any] | None) -> str:
 
 
 def _death_verdict(view: FailureView, first: int) -> str:
-    """ "The job failed: rank 1 raised ... at step 7, before its forward; then rank 0 ..."."""
+    """The first death in words, then the others in a word each: what the page opens with."""
     end = view.ranks[first]
     text = f"The job failed: rank {first} {end.how_text}, {end.step_text}"
-    others = [e for r, e in sorted(view.ranks.items()) if r != first and e.failed]
-    if others:
-        then = "; ".join(
-            f"rank {e.rank} {'raised ' if e.how == 'exception' else ''}{e.mark or e.how}" + (f" in {e.open_point}" if e.open_point else "")
-            for e in others
+    then = []
+    for e in (e for r, e in sorted(view.ranks.items()) if r != first and e.failed):
+        verb = "raised " if e.how == "exception" else ""
+        then.append(
+            f"rank {e.rank} {verb}{e.mark or e.how}" + (f" in {e.open_point}" if e.open_point else "")
         )
-        text += f". Then: {then} (waiting for it)"
+    if then:
+        text += f". Then: {'; '.join(then)} (waiting for it)"
     return text + "."
 
 
