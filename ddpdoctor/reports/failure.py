@@ -20,11 +20,12 @@ from ddpdoctor.trace import schema
 MARKER_COLOURS = {"verdict": "#d32f2f", "kill": "#6a1b9a", "death": "#b71c1c"}
 _CSS = (
     "<style>#failure{border:2px solid #d32f2f}#failure .verdict{font-size:15px;font-weight:600}"
-    "#failure table{border-collapse:collapse;font-size:12px;margin:6px 0}"
+    "#failure table{border-collapse:collapse;font-size:12px;margin:2px 0}"
     "#failure td,#failure th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}"
     "#failure th{background:#eceff1}#failure td.open{background:repeating-linear-gradient(45deg,#fff,"
     "#fff 4px,#fde0dc 4px,#fde0dc 8px);font-weight:600}#failure td.none{color:#999}"
-    "#failure pre b{color:#b71c1c}#failure details{margin:4px 0}</style>"
+    "#failure pre b{color:#b71c1c}#failure details{margin:2px 0}#failure h3{font-size:14px;margin:4px 0 2px}"
+    "#failure .cols{display:flex;flex-wrap:wrap;gap:16px}#failure p{margin:4px 0}</style>"
 )
 
 
@@ -109,19 +110,15 @@ def failure_section(diag: Diagnosis) -> str:
     if view is None:
         return ""
     title = "The job hung" if view.kind == "hang" else "The job failed"
-    moments = "".join(
-        f"<li><b>{m.time_s:.3f} s</b> {esc(m.label)}</li>"
-        for m in sorted(view.markers, key=lambda m: m.time_s)
+    moments = "; ".join(
+        f"<b>{m.time_s:.3f} s</b> {esc(m.label)}" for m in sorted(view.markers, key=lambda m: m.time_s)
     )
     return (
         f'{_CSS}<section id="failure"><h2>{title}</h2><p class="verdict">{esc(view.verdict)}</p>'
-        + (f"<ul>{moments}</ul>" if moments else "")
-        + _ranks_table(view)
-        + _parting(view)
+        + (f"<p class=hint>{moments} (dashed lines in the timeline below)</p>" if moments else "")
+        + f'<div class="cols"><div>{_ranks_table(view)}</div><div>{_parting(view)}</div></div>'
         + _stacks(view)
-        + "<p class=hint>In the timeline below, spans a rank entered and never left are hatched and "
-        "labelled 'did not finish'; dashed lines mark the moments above; an x ends a rank that died. "
-        "It opens on the last steps and the failure: 'whole run' shows everything.</p></section>"
+        + "</section>"
     )
 
 
@@ -154,8 +151,8 @@ def _stacks(view: FailureView) -> str:
             f"&middot; {len(group.frames)} frame(s)</summary><pre>{chr(10).join(lines)}</pre></details>"
         )
     return (
-        "<h3>Stacks</h3><p class=hint>Main thread, innermost frame first, grouped by identical stack "
-        "(click to unfold); ddpdoctor's own frames and threads left out; the user's frame in bold.</p>"
+        "<h3>Stacks <small class=hint>(grouped by identical stack, click to unfold: main thread, "
+        "innermost frame first, the user's in bold; ddpdoctor's own frames and threads left out)</small></h3>"
         + "".join(parts)
     )
 

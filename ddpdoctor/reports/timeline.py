@@ -273,11 +273,18 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
         '<button type=submit>zoom</button><button type=button id="step_all">whole run</button>'
         f"<br>slowest steps: {buttons}</form>"
     )
-    return (
-        '<section id="timeline-section"><h2>Timeline</h2>'
-        f"<p class=hint>One row per rank; the thin lane under each row holds its bucket all-reduces "
+    hint = (
+        f"One row per rank; the thin lane under each row holds its bucket all-reduces "
         f"and buffer broadcasts, so their overlap with backward shows{gpu}. Showing {esc(scope)}. "
-        "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters.</p>"
+        "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters."
+    )
+    if window is not None:  # a failed run: the failure above needs the room
+        hint = (
+            "Hatched: spans a rank entered and never left (did not finish); dashed: the moments above; "
+            "x: where a rank ended. Opens on the last steps and the failure; 'whole run' shows it all."
+        )
+    return (
+        f'<section id="timeline-section"><h2>Timeline</h2><p class=hint>{hint}</p>'
         f"{controls}{figure_html(fig, 'timeline')}{json_script('step-spans', span_json)}"
         f"<script>{asset('zoom.js')}</script></section>"
     )
