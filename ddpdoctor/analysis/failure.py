@@ -96,11 +96,11 @@ def failure_view(
     run: Run, findings: list[Finding], tb: TimeBase, steps: dict[int, tuple[float, float]]
 ) -> FailureView | None:
     """The failure of a hung or failed run, or None for a run that went well (or still runs)."""
-    books = ledgers.build(run)
     hang = _live_hang(run, findings)
+    if hang is None and not any(ledgers.how_it_ended(run, r).how in _FAILED for r in run.ranks):
+        return None  # a healthy run (the common case) pays for no ledger
+    books = ledgers.build(run)
     failed = {r: lg.ending for r, lg in books.items() if lg.ending.how in _FAILED}
-    if hang is None and not failed:
-        return None
     clock = Clock(run, tb)
     view = FailureView("hang" if hang else "failure", _verdict(findings, hang), None)
     killed = bool(hang and hang.get("action") == "kill" and any(w.get("killed_on_hang") for w in run.watches))
