@@ -264,3 +264,12 @@ def test_a_healthy_run_has_no_failure_view(tmp_path: Path) -> None:
     assert 'id="failure"' not in page and "did not finish" not in page and "folded-notes" not in page
     assert not [e for e in chrome.document(diag)["traceEvents"] if e["ph"] == "i"]
     assert json_report.document(diag)["failure"] is None
+
+
+def test_the_exported_open_spans_keep_perfetto_nesting(tmp_path: Path) -> None:
+    from test_export import check_structure
+
+    for run_dir in (hang_run(tmp_path / "hang"), raise_run(tmp_path / "raise")):
+        trace = chrome.document(diagnose(load_run([run_dir])))
+        by_thread = check_structure(trace, [0, 1], {0: "node0", 1: "node0"})
+        assert any(e["args"].get("did_not_finish") for evs in by_thread.values() for e in evs)

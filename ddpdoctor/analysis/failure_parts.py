@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis import ledger as ledgers
-from ddpdoctor.analysis.hang import is_user_frame
+from ddpdoctor.analysis.hang import group_ranks, is_user_frame
 
 if TYPE_CHECKING:
     from ddpdoctor.analysis.failure_spans import OpenSpan
@@ -46,16 +46,14 @@ def short_file(path: str) -> str:
 
 def stack_groups(stacks: dict[int, list[dict[str, Any]]], where: dict[int, str]) -> list[StackGroup]:
     """Group ranks by identical stack (frames innermost first, ddpdoctor's own left out)."""
-    groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    keys: dict[int, tuple[str, tuple[str, ...]]] = {}
     users: dict[tuple[str, tuple[str, ...]], int] = {}
-    for rank, frames in sorted(stacks.items()):
+    for rank, frames in stacks.items():
         kept = [f for f in frames if not str(f.get("file", "")).startswith(_DOCTOR_DIR)]
         lines = tuple(f"{short_file(str(f.get('file')))}:{f.get('line')} {f.get('function')}" for f in kept)
-        key = (where.get(rank, ""), lines)
-        groups.setdefault(key, []).append(rank)
-        users[key] = next((i for i, f in enumerate(kept) if is_user_frame(str(f.get("file", "")))), -1)
-    out = [StackGroup(sorted(r), w, list(lines), users[(w, lines)]) for (w, lines), r in groups.items()]
-    return sorted(out, key=lambda g: g.ranks[0])
+        keys[rank] = (where.get(rank, ""), lines)
+        users[keys[rank]] = next((i for i, f in enumerate(kept) if is_user_frame(str(f.get("file", "")))), -1)
+    return [StackGroup(ranks, w, list(lines), users[(w, lines)]) for ranks, (w, lines) in group_ranks(keys)]
 
 
 def _cell(point: ledgers.Point, in_flight: bool) -> dict[str, Any]:

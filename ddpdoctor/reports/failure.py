@@ -94,7 +94,7 @@ def draw_failure(fig: Any, view: FailureView, rows: dict[int, int], lane_offsets
                 y=[rows[e.rank] for e in ends],
                 mode="markers+text",
                 marker={"symbol": "x", "size": 13, "color": "#b71c1c", "line": {"width": 1, "color": "#fff"}},
-                text=[esc(e.mark) for e in ends],
+                text=[esc(f"{e.mark}, step {e.step}") for e in ends],
                 textposition="top center",
                 textfont={"color": "#b71c1c", "size": 11},
                 hovertext=[esc(f"rank {e.rank} {e.how_text}, {e.step_text}") for e in ends],
