@@ -23,8 +23,8 @@ DOCTOR = str(Path(reports.__file__).resolve().parent.parent / "probes" / "ddp.py
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
 
-def _base(tmp_path: Path) -> Path:
-    job = SyntheticJob(ranks=2, steps=STEPS, ranks_per_host=2, buckets=1, barrier_every=0)
+def _base(tmp_path: Path, ranks: int = 2) -> Path:
+    job = SyntheticJob(ranks=ranks, steps=STEPS, ranks_per_host=ranks, buckets=1, barrier_every=0)
     (run_dir,) = write_run(job, tmp_path / "runs")
     return run_dir
 
@@ -50,12 +50,13 @@ def _frames(*frames: tuple[str, int, str]) -> list[dict]:
     return [{"file": f, "line": line, "function": fn} for f, line, fn in frames]
 
 
-def hang_run(tmp_path: Path) -> Path:
+def hang_run(tmp_path: Path, ranks: int = 2) -> Path:
     """The eval trap after the last step: rank 0 in the buffer broadcast of an eval forward,
-    rank 1 in a barrier, both at #SEQ; proven after 2 s, killed 0.1 s after the verdict."""
-    run_dir = _base(tmp_path)
+    the others in a barrier, all at #SEQ; proven after 2 s, killed 0.1 s after the verdict."""
+    run_dir = _base(tmp_path, ranks)
     seq = STEPS + 1
-    wall = max(_last(run_dir, r)[0] for r in (0, 1))
+    every = range(ranks)
+    wall = max(_last(run_dir, r)[0] for r in every)
     detected = wall + 2.0
     phases = {
         0: {"name": "sync_buffers", "op": "broadcast (eval)", "seq": seq, "since_s": 1.9, "group": "WORLD"},
@@ -70,9 +71,11 @@ def hang_run(tmp_path: Path) -> Path:
         ),
         1: _frames((TORCH, 5356, "barrier"), ("/home/u/train.py", 71, "main")),
     }
+    phases.update({r: phases[1] for r in every if r > 1})
+    stacks.update({r: stacks[1] for r in every if r > 1})
     statuses = {
         str(r): {"rank": r, "pid": 10 + r, "heartbeat_wall": detected, "step": STEPS - 1, "phase": phases[r]}
-        for r in (0, 1)
+        for r in every
     }
     threads = {
         str(r): {
@@ -82,7 +85,7 @@ def hang_run(tmp_path: Path) -> Path:
                 {"name": "MainThread", "frames": stacks[r]},
             ],
         }
-        for r in (0, 1)
+        for r in every
     }
     proof = f"ranks disagree on the op of collective #{seq}: rank(s) 0 broadcast vs rank(s) 1 barrier"
     summary = {
@@ -91,7 +94,7 @@ def hang_run(tmp_path: Path) -> Path:
         "detected_wall": detected,
         "threshold_s": 10.0,
         "quiet_s": 1.9,
-        "world_size": 2,
+        "world_size": ranks,
         "action": "kill",
         "hang_dir": str(RunDir(run_dir).hang(1)),
         "statuses": statuses,
@@ -103,7 +106,7 @@ def hang_run(tmp_path: Path) -> Path:
     }
     _write(RunDir(run_dir).hang(1) / RunDir.HANG_SUMMARY, summary)
     _write(run_dir / RunDir.WATCH, {"hangs": [summary["hang_dir"]], "killed_on_hang": True})
-    ends = {str(r): {"how": "signal", "signal": "SIGKILL", "at_wall": wall, "inferred": True} for r in (0, 1)}
+    ends = {str(r): {"how": "signal", "signal": "SIGKILL", "at_wall": wall, "inferred": True} for r in every}
     _write(run_dir / RunDir.ENDS, {"schema": "ddpdoctor.ends/1", "ranks": ends})
     _meta(run_dir, 124)
     return run_dir
@@ -273,3 +276,13 @@ def test_the_exported_open_spans_keep_perfetto_nesting(tmp_path: Path) -> None:
         trace = chrome.document(diagnose(load_run([run_dir])))
         by_thread = check_structure(trace, [0, 1], {0: "node0", 1: "node0"})
         assert any(e["args"].get("did_not_finish") for evs in by_thread.values() for e in evs)
+
+
+def test_ranks_that_ended_alike_share_a_row_a_column_and_a_stack(tmp_path: Path) -> None:
+    diag = diagnose(load_run([hang_run(tmp_path, ranks=8)]))
+    assert [g.ranks for g in diag.failure.stacks] == [[0], list(range(1, 8))]
+    page = html_report.render(diag)
+    ends = re.search(r"<table class=ends>(.*?)</table>", page, re.S).group(1)
+    assert ends.count("<tr>") == 3 and "<td>1-7</td>" in ends  # the header, rank 0, ranks 1-7
+    parting = re.search(r"<table class=parting>(.*?)</table>", page, re.S).group(1)
+    assert "<th>rank 0</th><th>rank 1-7</th>" in parting

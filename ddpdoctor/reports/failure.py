@@ -9,11 +9,13 @@ rank that died ends in a marker that names how (signal, exception type, exit cod
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.failure import FailureView
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.analysis.hang import group_ranks
 from ddpdoctor.reports.markup import esc
 from ddpdoctor.trace import schema
 
@@ -123,12 +125,17 @@ def failure_section(diag: Diagnosis) -> str:
 
 
 def _ranks_table(view: FailureView) -> str:
+    """One row per set of ranks that ended alike (a thousand ranks in one barrier are one row)."""
+    alike = {
+        e.rank: (e.how_text, e.step_text, e.last_completed, e.open_point, e.user_frame)
+        for e in view.ranks.values()
+    }
     rows = "".join(
-        f"<tr><td>{e.rank}</td><td>{esc(e.how_text)}</td><td>{esc(e.step_text)}</td>"
-        f"<td>{esc(e.last_completed or '-')}</td>"
-        f'<td class="{"open" if e.open_point else ""}">{esc(e.open_point or "no sync point")}</td>'
-        f"<td>{esc(e.user_frame or '-')}</td></tr>"
-        for e in sorted(view.ranks.values(), key=lambda e: e.rank)
+        f"<tr><td>{esc(rank_list(ranks))}</td><td>{esc(how)}</td><td>{esc(step)}</td>"
+        f"<td>{esc(last or '-')}</td>"
+        f'<td class="{"open" if point else ""}">{esc(point or "no sync point")}</td>'
+        f"<td>{esc(user or '-')}</td></tr>"
+        for ranks, (how, step, last, point, user) in group_ranks(alike)
     )
     return (
         "<h3>Each rank at the end</h3><table class=ends><tr><th>rank</th><th>how it ended</th>"
@@ -162,11 +169,17 @@ def _parting(view: FailureView) -> str:
     if not table or not table.get("rows"):
         return ""
     ranks = sorted({int(r) for cells in table["rows"].values() for r in cells})
-    head = "".join(f"<th>rank {r}</th>" for r in ranks)
+    # One column per set of ranks whose cells are all alike.
+    alike = {
+        r: tuple(json.dumps(table["rows"][str(q)].get(str(r)), sort_keys=True) for q in table["seqs"])
+        for r in ranks
+    }
+    columns = [group for group, _ in group_ranks(alike)]
+    head = "".join(f"<th>rank {esc(rank_list(group))}</th>" for group in columns)
     body = []
     for seq in table["seqs"]:
         cells = []
-        for r in ranks:
+        for r in (group[0] for group in columns):
             cell = table["rows"][str(seq)].get(str(r))
             if cell is None:
                 cells.append('<td class="none">never issued</td>')
