@@ -167,6 +167,8 @@ def _startup_text(run_dir: Path) -> str:
         return ""
 
 
+
+
 def _summary_text(run_dir: Path) -> str:
     """The closing summary and report.html; never lets a reporting problem hide the job's own
     exit code."""

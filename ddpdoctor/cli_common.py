@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -17,8 +19,12 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False) -> Any:
     """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read (as a JSON error
     object on stdout too when the caller scripts against JSON)."""
     from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.supervisor.ends import settle_unsupervised
     from ddpdoctor.trace.reader import TraceError, load_run
 
+    for run_dir in run_dirs:  # recorded without `ddpdoctor run`: complete dead ranks' traces
+        if os.path.isdir(run_dir):
+            settle_unsupervised(Path(run_dir))
     try:
         return diagnose_run(load_run(run_dirs))
     except TraceError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -318,3 +319,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_instrument_without_the_cli_keeps_a_killed_ranks_steps(tmp_path: Path, write_script) -> None:
+    """No supervisor settles the run: `diagnose` completes the dead rank's trace from its ring."""
+    script = write_script(
+        "opt_in_killed.py",
+        """
+        import os, signal
+        import ddpdoctor; ddpdoctor.instrument()
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        model = DDP(torch.nn.Linear(8, 2))
+        for step in range(9):
+            if step == 7 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            model(torch.randn(4, 8)).sum().backward()
+        dist.destroy_process_group()
+        """,
+    )
+    proc = run_plain(tmp_path, torchrun(2, script), DDPDOCTOR_FLUSH_S="60")  # nothing flushed
+    assert proc.returncode != 0
+    (run_dir,) = (tmp_path / "ddpdoctor-runs").iterdir()
+    assert counts(run_dir, 1).get("backward", 0) < 7  # the file alone has lost the steps
+    diagnose_json(run_dir)
+    assert counts(run_dir, 1)["backward"] == 7  # every step before the kill, from the ring
+    ends = json.loads((run_dir / "ends.json").read_text())["ranks"]
+    assert ends["1"]["how"] == "signal" and ends["1"]["signal"] == "SIGKILL"

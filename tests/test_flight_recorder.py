@@ -122,4 +122,35 @@ def test_rank0_evaluation_hang_names_each_ranks_pending_collective(tmp_path: Pat
     assert r0["last_completed"]["op"] == r1["last_completed"]["op"] == "all_reduce"
     assert r0["first_pending"]["sizes"] and r0["first_pending"]["sizes"][0]  # the buffer's shape
     assert "first not completed broadcast #" in hang["summary"]
+    assert hang["details"]["proof"] and hang["details"]["flight_recorder_confirms"] is True
+    assert "The Flight Recorder confirms the proof" in hang["summary"]
     assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "evaluate"  # stacks kept
+
+
+def _fr(op: str | None, seq: int = 5, sizes: list | None = None, done: int = 4) -> dict:
+    last = {"op": "all_reduce", "seq": done, "sizes": [[4]]}
+    return {"last_completed": last, "first_pending": op and {"op": op, "seq": seq, "sizes": sizes}}
+
+
+def test_the_flight_recorder_confirms_where_the_ranks_parted() -> None:
+    from ddpdoctor.analysis.flight import parting
+
+    assert "rank 0 broadcast #5" in parting({0: _fr("broadcast"), 1: _fr("barrier")})
+    assert parting({0: _fr("all_reduce", sizes=[[4]]), 1: _fr("all_reduce", sizes=[[8]])})
+    assert "rank 1 all_reduce #6" in parting({0: _fr("all_reduce"), 1: _fr("all_reduce", seq=6)})
+    assert "rank(s) 1 have no unfinished" in parting({0: _fr("all_reduce"), 1: _fr(None)})
+    # Every rank in the same collective, or none waiting: the records show no parting.
+    assert parting({0: _fr("all_reduce", sizes=[[4]]), 1: _fr("all_reduce", sizes=[[4]])}) is None
+    assert parting({0: _fr(None), 1: _fr(None)}) is None
+
+
+def test_merge_says_when_the_flight_recorder_does_not_back_the_proof(tmp_path: Path) -> None:
+    entry = {"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "input_sizes": [[4]]}
+    for rank in (0, 1):
+        (tmp_path / f"fr-rank{rank}.json").write_text(json.dumps({"entries": [entry]}))
+    proven = Finding("hang", "error", [0], "x", details={"proof": "ranks disagree on the op of #5"})
+    f = flight.merge(proven, tmp_path)
+    assert f.details["flight_recorder_confirms"] is False
+    assert "does not show the ranks parting" in f.summary
+    busy = Finding("hang", "error", [0], "x", details={"proof": "busy: rank 0 evaluates"})
+    assert "flight_recorder_confirms" not in flight.merge(busy, tmp_path).details

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.ledger import build, first_divergence
@@ -125,3 +126,15 @@ def test_optimizer_time_excludes_the_forward_and_backward_run_inside_it(tmp_path
     _write(tmp_path, 1, records)
     trace = load_run([tmp_path]).ranks[0]
     assert exclusive_durations(trace, "optimizer").tolist() == [300, 50]
+
+
+def test_periodic_work_is_timed_once_not_once_per_bucket() -> None:
+    # Rank 1 spends 40 ms more every 9th step; rank 0 waits for it in each of 3 overlapping
+    # bucket all-reduces, which summed said 80 ms.
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.trace.simulate import Slowdown, simulate_run
+
+    run = simulate_run(world=2, steps=40, slow=Slowdown(1, "backward", 40.0, {6, 15, 24, 33}))
+    (f,) = [f for f in diagnose(run).findings if f.kind == "periodic_rank_work"]
+    assert f.ranks == [1] and f.details["period_steps"] == 9
+    assert f.details["ms_each"] == pytest.approx(40.0, rel=0.1)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, diagnose_json, job_env, run_doctor, torchrun
+from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -64,6 +64,10 @@ def test_two_models_header_and_findings_name_the_same_model(tmp_path: Path) -> N
     (f,) = serious(diag["findings"])
     assert f["kind"] == "find_unused_parameters_unneeded" and f["details"]["models"] == [1]
     assert f["summary"].startswith("Linear (DDP model #1): find_unused_parameters=True")
+    # 12 iterations, each through both models: 12 steps, not 24 (the first model sets the pace).
+    forwards = [r for r in read_lines(job.run_dir / "trace-rank0.jsonl") if r[0] == "forward" and r[4] == 1]
+    assert len(forwards) == 24 and sorted({r[3] for r in forwards}) == list(range(12))
+    assert len([r for r in read_lines(job.run_dir / "trace-rank0.jsonl") if r[0] == "optimizer"]) == 12
 
 
 def test_missing_distributed_sampler(tmp_path: Path) -> None:

@@ -41,6 +41,28 @@ def test_occasional_straggler_is_told_apart_and_names_its_steps() -> None:
     assert f.details["phase"] == "data_wait"
 
 
+def test_a_costly_occasional_stall_is_a_warning_unless_the_rank_waited_for_a_cpu() -> None:
+    # 4 stalls of 300 ms in 40 steps of 30 ms: 1.2 s, half the job's time, lost by every rank.
+    stalls = {5, 17, 22, 36}  # irregular: not periodic rank work
+    run = simulate_run(world=2, steps=40, slow=Slowdown(1, "backward", 300.0, stalls))
+    (f,) = stragglers(run)
+    assert (f.kind, f.severity, f.ranks) == ("straggler_occasional", "warning", [1])
+    assert f.details["cpu_wait_ms"] == pytest.approx(0, abs=0.5)
+    # The same stalls spent in the run queue: the host had no CPU for it, the code is not at fault.
+    run = simulate_run(world=2, steps=40, slow=Slowdown(1, "backward", 300.0, stalls, starved=True))
+    (f,) = stragglers(run)
+    assert (f.kind, f.severity, f.ranks) == ("straggler_occasional", "info", [1])
+    assert f.details["cpu_wait_ms"] == pytest.approx(300, rel=0.05)
+    assert "waiting for a CPU" in f.summary and "OMP_NUM_THREADS" in f.fix
+
+
+def test_occasional_stalls_of_a_few_ms_in_all_are_no_warning() -> None:
+    # 4 stalls of 25 ms in a 40-step job: 100 ms lost, 8 % of a short job: noise-sized.
+    run = simulate_run(world=2, steps=40, slow=Slowdown(0, "backward", 25.0, {5, 17, 22, 36}))
+    (f,) = stragglers(run)
+    assert (f.kind, f.severity) == ("straggler_occasional", "info")
+
+
 def test_too_few_steps_says_nothing() -> None:
     assert stragglers(simulate_run(world=4, steps=4, slow=Slowdown(1, "forward", 30.0))) == []
 

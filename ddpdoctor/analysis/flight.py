@@ -116,8 +116,34 @@ def on_hang(
     )
 
 
+def parting(summaries: dict[int, dict[str, Any]]) -> str | None:
+    """Where the process group's own records show the ranks parted (None where they do not):
+    first unfinished collectives that differ in op or sizes at one sequence number, that sit at
+    different sequence numbers, or a rank with nothing unfinished while others wait on it."""
+    pending = {r: s.get("first_pending") for r, s in sorted(summaries.items())}
+    waiting = {r: e for r, e in pending.items() if e is not None}
+    if not waiting:
+        return None
+    idle = sorted(r for r, e in pending.items() if e is None)
+    if idle:
+        r = idle[0]
+        return (
+            f"rank(s) {', '.join(map(str, idle))} have no unfinished collective (rank {r}'s last: "
+            f"{_entry_text(summaries[r].get('last_completed'))}) while rank(s) "
+            f"{', '.join(map(str, waiting))} wait in {_entry_text(next(iter(waiting.values())))}"
+        )
+    seqs = {e.get("seq") for e in waiting.values()}
+    kinds = {(e.get("op"), json.dumps(e.get("sizes"))) for e in waiting.values()}
+    if len(seqs) > 1 or len(kinds) > 1:
+        return "first unfinished collectives: " + "; ".join(
+            f"rank {r} {_entry_text(e)}" for r, e in waiting.items()
+        )
+    return None
+
+
 def merge(finding: Any, hang_dir: str | Path) -> Any:
-    """Add the Flight Recorder's per-rank state to a hang finding (its details and message)."""
+    """Add the Flight Recorder's per-rank state to a hang finding (its details and message), and
+    say whether the process group's own records confirm a hang the status files proved."""
     summaries = read_dumps(hang_dir) if hang_dir else {}
     if not summaries:
         return finding
@@ -126,4 +152,14 @@ def merge(finding: Any, hang_dir: str | Path) -> Any:
         ranks.setdefault(str(rank), {})["flight_recorder"] = s
     finding.details["flight_recorder"] = {str(r): s for r, s in sorted(summaries.items())}
     finding.summary = finding.summary.rstrip() + " Flight Recorder: " + "; ".join(lines(summaries)) + "."
+    proof = str(finding.details.get("proof") or "")
+    if proof and not proof.startswith("busy: "):  # a proven hang, not a busy rank past the timeout
+        parted = parting(summaries)
+        finding.details["flight_recorder_confirms"] = parted is not None
+        finding.summary += (
+            f" The Flight Recorder confirms the proof ({parted})."
+            if parted
+            else " The Flight Recorder does not show the ranks parting: its entries may predate the "
+            "stall or the proof may rest on a transient state; read the stacks."
+        )
     return finding

@@ -18,7 +18,7 @@ from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.phases import training_forwards
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.reader import RankTrace, Run
 
 COST_WARNING = 0.05  # of the job's training time
 COST_NOTE = 0.01  # below this, not worth a line
@@ -62,8 +62,8 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     rows = []
     for r in ranks:
         trace = run.ranks[r]
-        coll, ar = trace.kind(schema.COLLECTIVE), trace.kind(schema.ALLREDUCE)
-        parts = [(coll.step, coll.dur), (ar.step, ar.dur)]
+        coll = trace.kind(schema.COLLECTIVE)
+        parts = [(coll.step, coll.dur), _last_buckets(trace)]
         steps = np.concatenate([p[0] for p in parts]).astype(np.int64)
         durs = np.concatenate([p[1] for p in parts]).astype(np.float64)
         keep = steps >= 0
@@ -74,6 +74,21 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     if n < MIN_STEPS:
         return None
     return ranks, np.vstack([row[:n] for row in rows])
+
+
+def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+    """(step, µs) of each step's last gradient bucket: the one the step waits for. The buckets'
+    all-reduces overlap the backward and each other; summing them counts one wait many times."""
+    ar = trace.kind(schema.ALLREDUCE)
+    steps, index = ar.step.astype(np.int64), ar.ints(0, default=0)
+    if not len(steps):
+        return steps, ar.dur.astype(np.float64)
+    lo = int(steps.min())
+    top = np.full(int(steps.max()) - lo + 1, np.iinfo(np.int64).min)
+    np.maximum.at(top, steps - lo, index)
+    last = np.flatnonzero(index == top[steps - lo])
+    _, first = np.unique(steps[last], return_index=True)  # a repeated index: its first event
+    return steps[last[first]], ar.dur[last[first]].astype(np.float64)
 
 
 @detector

@@ -105,9 +105,16 @@ def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
 
 
 def training_forwards(trace: RankTrace) -> Events:
-    """The DDP forwards in grad mode: one per training step."""
+    """The DDP forwards in grad mode, the first of each step: the one that opened it (with two
+    DDP models, a GAN's say, the other model's forwards run inside the step)."""
     fwd = trace.kind(schema.FORWARD)
-    return fwd.select(fwd.ints(0) == 1) if len(fwd) else fwd
+    if not len(fwd):
+        return fwd
+    grad = np.flatnonzero(fwd.ints(0) == 1)
+    step = fwd.step[grad]
+    opens = np.ones(len(grad), bool)
+    opens[1:] = step[1:] != step[:-1]
+    return fwd.select(grad if opens.all() else grad[opens])
 
 
 def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
 COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
+COST_WARNING_S = 0.5  # and in all: a few ms of stalls in a short job are not worth one
 CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
 _FIX = {
     "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
@@ -43,6 +44,12 @@ _FIX = {
     "host-device syncs like .item()) on that rank: move it off the step or do it on every rank "
     "asynchronously.",
 }
+_CPU_FIX = (
+    "The rank was ready to run and had no CPU: the host runs more busy threads than it has cores "
+    "(ranks x torch threads, DataLoader workers, other jobs). Give each rank its share: "
+    "OMP_NUM_THREADS or torch.set_num_threads(cores // ranks per host), fewer loader workers, "
+    "or pin ranks to cores (taskset, numactl)."
+)
 
 
 @dataclass
@@ -54,6 +61,9 @@ class SyncTable:
     lateness: np.ndarray  # (ranks, steps): arrival at the last bucket after the earliest rank
     phases: dict[str, np.ndarray]  # phase -> (ranks, steps)
     step_us: float  # median step period
+    # (ranks, steps): the training thread's run-queue delay since the previous step's backward
+    # ended (probes/cpuwait.py), NaN where unknown: time it was ready to run and had no CPU.
+    cpu_wait: np.ndarray | None = None
 
 
 def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
@@ -85,6 +95,10 @@ def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, 
     }
     parts["other"] = np.maximum(0.0, (ready - prev_end) - sum(parts.values()))
     parts["last_dur"] = last_dur
+    runq, has_runq = grid.put(bwd.step, bwd.ints(0, default=-1).astype(np.float64))
+    has_runq &= runq >= 0
+    known = has_runq & np.roll(has_runq, 1)
+    parts["cpu_wait"] = np.where(known & has_prev, runq - np.roll(runq, 1), np.nan)
     return has_fwd & has_bwd & has_prev & has_ar, parts
 
 
@@ -99,7 +113,9 @@ def sync_table(run: Run) -> SyncTable | None:
         return None
     spanned = StepGrid.spanning(training_forwards(run.ranks[r]).step for r in ranks)
     grid = StepGrid(spanned.lo - 1, spanned.n + 1)  # and the step before: its backward's end
-    matrices = {name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur")}
+    matrices = {
+        name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur", "cpu_wait")
+    }
     common = np.ones(grid.n, bool)
     for i, r in enumerate(ranks):
         rows = _rank_rows(run.ranks[r], grid)
@@ -113,12 +129,13 @@ def sync_table(run: Run) -> SyncTable | None:
         return None
     for name in list(matrices):  # one at a time: a single copy's worth of memory at a time
         matrices[name] = matrices[name][:, common]
-    last_dur = matrices.pop("last_dur")
+    last_dur, cpu_wait = matrices.pop("last_dur"), matrices.pop("cpu_wait")
     lateness = last_dur.max(axis=0, keepdims=True) - last_dur
     del last_dur
     periods = np.concatenate([np.diff(training_forwards(run.ranks[r]).ts) for r in ranks])
     step_us = float(np.median(periods)) if len(periods) else 0.0
-    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us)
+    known = not np.isnan(cpu_wait).all()
+    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait if known else None)
 
 
 def cached_sync_table(run: Run) -> SyncTable | None:
@@ -137,6 +154,18 @@ def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, f
         diff = values[row, late_steps] - np.median(others, axis=1)
         excess[phase] = float(np.median(diff))
     return excess
+
+
+def cpu_wait_excess(table: SyncTable, row: int, late_steps: np.ndarray) -> float | None:
+    """Median run-queue delay (µs) of the late rank over the others' on its late steps; None
+    where the kernel did not say."""
+    if table.cpu_wait is None:
+        return None
+    values = table.cpu_wait[:, late_steps]
+    if np.isnan(values).any():
+        return None
+    others = np.median(np.delete(values, row, axis=0), axis=0)
+    return float(np.median(values[row] - others))
 
 
 def by_chance(n_late: int, n_steps: int, world: int) -> float:
@@ -216,15 +245,21 @@ def stragglers(run: Run) -> Iterable[Finding]:
             # The rank's own phases are no longer than the others': the "lateness" is noise in
             # when completions were observed (a descheduled callback thread), not a straggler.
             continue
+        waited = cpu_wait_excess(table, row, late_steps)
+        # Late because it had no CPU, not because of its own work: the host's doing.
+        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3
+        if waited is not None:
+            details["cpu_wait_ms"] = round(waited / 1e3, 3)
+        starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
         if persistent:
             yield Finding(
                 "straggler",
                 "warning",
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
-                f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step), mostly in "
+                f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
                 f"{phase}; the job would run {speedup:.2f}x faster if it kept up",
-                fix=_FIX[phase],
+                fix=_CPU_FIX if starved else _FIX[phase],
                 details=details,
             )
         elif n_late >= 2:
@@ -233,14 +268,22 @@ def stragglers(run: Run) -> Iterable[Finding]:
             cost = excess_ms * n_late / max(step_ms * len(table.steps), 1e-9)
             details["cost_share"] = round(cost, 4)
             # A stall (half a step or more each time), not jitter, that costs the job 5 %.
-            costly = cost >= COST_WARNING and excess_ms >= 0.5 * step_ms
+            # Not when it waited for a CPU: now and then one rank of an oversubscribed host.
+            lost_s = excess_ms * n_late / 1e3
+            costly = (
+                cost >= COST_WARNING
+                and lost_s >= COST_WARNING_S
+                and excess_ms >= 0.5 * step_ms
+                and not starved
+            )
             yield Finding(
                 "straggler_occasional",
                 "warning" if costly else "info",
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
-                f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms, mostly in {phase}: "
-                f"{100 * cost:.0f} % of the job's time",
-                fix=("" if costly else "Occasional noise unless those steps matter; ") + _FIX[phase],
+                f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms{starving}, mostly in "
+                f"{phase}: {100 * cost:.0f} % of the job's time",
+                fix=("" if costly else "Occasional noise unless those steps matter; ")
+                + (_CPU_FIX if starved else _FIX[phase]),
                 details=details,
             )

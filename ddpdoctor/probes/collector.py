@@ -46,7 +46,11 @@ class Collector:
         self.optimizer_t0 = 0
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far
-        self.step_model: Any = None  # the DDP model state whose forward opened this step
+        self.step_model: Any = None  # the DDP model state of the last grad-mode forward
+        # The model whose grad-mode forwards count steps: the first to run one since the last
+        # DDP construction. With a generator and a discriminator (or a teacher) each iteration
+        # runs several DDP forwards; counting them all would split one step into several.
+        self.pace_model: Any = None
         self.disabled: set[str] = set()
         # Live progress, published by the writer thread as status-rank{R}.json (liveness.py):
         # (phase, op, seq at entry, t0 monotonic ns) of the sync point the rank is inside, or None.

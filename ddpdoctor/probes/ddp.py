@@ -18,6 +18,7 @@ from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.collectives import group_info
+from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.schema import LivePhase
@@ -71,6 +72,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         try:
             state = _ModelState(self)
             state.index, c.ddp_models = c.ddp_models, c.ddp_models + 1
+            c.pace_model = None  # a model wrapped anew (each epoch, say) may set the pace now
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
             _ct.start(c, self.module)  # device spans when the model is on CUDA
@@ -133,10 +135,14 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or PROBE in c.disabled:
             return forward(self, *inputs, **kwargs)
         grad = is_grad_enabled()
+        new_step = False
         try:
             state = getattr(self, _STATE, None)
             if grad:
-                c.step += 1
+                if c.pace_model is None:
+                    c.pace_model = state
+                new_step = state is c.pace_model
+                c.step += new_step
                 c.awaiting_backward = True
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.builtin_hook:
@@ -147,7 +153,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
         t0 = _now()
-        if grad:
+        if new_step:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
@@ -256,7 +262,7 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         try:
             result = backward(*args, **kwargs)
         finally:
-            c.leave(prev, schema.BACKWARD)
+            c.leave(prev, schema.BACKWARD, run_queue_us())
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
         try:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Any
 from ddpdoctor.probes.lastwords import filename
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.ring import complete_trace
+from ddpdoctor.trace.ring import complete_trace, ring_path
 
 ENDS_FILE = RunDir.ENDS
 ENDS_SCHEMA = "ddpdoctor.ends/1"
@@ -66,6 +68,45 @@ def settle(run_dir: Path, wait_s: float = 5.0) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         write_atomic(run_dir / ENDS_FILE, json.dumps(out, indent=1))
     return out
+
+
+def settle_unsupervised(run_dir: Path) -> bool:
+    """Settle a run that no ``ddpdoctor run`` settled (``ddpdoctor.instrument()`` in the script,
+    or a supervisor that was itself killed), once its ranks are gone: without this, a rank that
+    died keeps its last events in its ring and ``diagnose`` would not see them. Only when no
+    ends.json exists and every unfinished trace's process is on this host and no longer alive
+    (a rank on another host, or alive here, may still be writing); never raises."""
+    try:
+        if (run_dir / ENDS_FILE).exists():
+            return False
+        unfinished = []
+        for trace in RunDir(run_dir).all_traces():
+            if not os.path.exists(ring_path(trace)):
+                continue
+            header, clean, _, _ = _trace_facts(trace)
+            if not clean:
+                unfinished.append(header)
+        if not unfinished:
+            return False
+        for header in unfinished:
+            if header.get("host") != socket.gethostname() or _alive(int(header.get("pid") or 0)):
+                return False
+        settle(run_dir, wait_s=0.0)
+        return True
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # unknown: assume it may still be writing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _read(path: Path, limit: int = 1 << 20) -> str:

@@ -275,7 +275,11 @@ declare(
     EventKind(FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
     Phase("forward", FORWARD, "forward", colour="#4e79a7"),
 )
-declare(EventKind(BACKWARD, (), "", "backward"), Phase("backward", BACKWARD, "backward", colour="#59a14f"))
+# runq: the thread's run-queue delay so far (µs, -1 unknown; probes/cpuwait.py), read at its end.
+declare(
+    EventKind(BACKWARD, ("runq",), "i", "backward"),
+    Phase("backward", BACKWARD, "backward", colour="#59a14f"),
+)
 declare(
     EventKind(OPTIMIZER, ("optimizer",), "s", "optimizer {optimizer}"),
     Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),

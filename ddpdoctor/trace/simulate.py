@@ -27,6 +27,7 @@ class Slowdown:
     phase: str  # one of BASE_MS
     delay_ms: float
     steps: set[int] | None = None  # None: every step
+    starved: bool = False  # the delay is spent ready to run with no CPU (the run queue)
 
 
 def simulate_run(
@@ -52,6 +53,7 @@ def simulate_run(
         c[3].append(tuple(fields))
 
     sync_end = [0.0] * world
+    runq = [0.0] * world  # each rank's run-queue delay so far, ms (what BACKWARD records)
     for step in range(steps):
         ready = np.zeros((world, buckets))
         bwd_start = [0.0] * world
@@ -59,6 +61,7 @@ def simulate_run(
             d = {p: max(0.0, v * (1 + jitter * rng.gauss(0, 1))) for p, v in base.items()}
             if slow and slow.rank == r and (slow.steps is None or step in slow.steps):
                 d[slow.phase] += slow.delay_ms
+                runq[r] += slow.delay_ms if slow.starved else 0.0
             t = sync_end[r]
             if step:
                 add(r, schema.OPTIMIZER, t, d["optimizer"], step - 1, "SGD")
@@ -77,7 +80,7 @@ def simulate_run(
             for b in range(buckets):
                 add(r, schema.ALLREDUCE, ready[r, b], done[b] - ready[r, b], step, b, 1 << 20, step)
             end = done[-1] + 0.05
-            add(r, schema.BACKWARD, bwd_start[r], end - bwd_start[r], step)
+            add(r, schema.BACKWARD, bwd_start[r], end - bwd_start[r], step, int(runq[r] * 1e3))
             sync_end[r] = end
     ranks = {}
     for r in range(world):
