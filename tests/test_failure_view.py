@@ -286,3 +286,23 @@ def test_ranks_that_ended_alike_share_a_row_a_column_and_a_stack(tmp_path: Path)
     assert ends.count("<tr>") == 3 and "<td>1-7</td>" in ends  # the header, rank 0, ranks 1-7
     parting = re.search(r"<table class=parting>(.*?)</table>", page, re.S).group(1)
     assert "<th>rank 0</th><th>rank 1-7</th>" in parting
+
+
+def test_each_nodes_hang_summary_gives_its_own_ranks_open_spans(tmp_path: Path) -> None:
+    node0 = hang_run(tmp_path)
+    node1 = node0.parent / "node1"
+    node1.mkdir()
+    RunDir(node0).trace(1).rename(RunDir(node1).trace(1))
+    path = RunDir(node0).hang(1) / RunDir.HANG_SUMMARY
+    summary = json.loads(path.read_text())
+    mine = {k: {"0": summary[k]["0"]} for k in ("statuses", "stacks")}
+    theirs = {k: {"1": summary[k]["1"]} for k in ("statuses", "stacks")}
+    _write(path, dict(summary, **mine))
+    _write(RunDir(node1).hang(1) / RunDir.HANG_SUMMARY, dict(summary, **theirs))
+    view = diagnose(load_run([node0, node1])).failure
+    assert view is not None
+    assert {(s.rank, s.kind) for s in view.open_spans} == {
+        (0, "forward"),
+        (0, "sync_buffers"),
+        (1, "collective"),
+    }

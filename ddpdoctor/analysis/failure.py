@@ -146,10 +146,19 @@ def failure_view(
 
 
 def _live_hang(run: Run, findings: list[Finding]) -> dict[str, Any] | None:
-    """The last hang summary the diagnosis stands by (a hang finding was given)."""
+    """The last hang summary the diagnosis stands by (a hang finding was given). Each node's
+    supervisor keeps its own ranks' statuses and stacks: the other nodes' fill in theirs."""
     if not any(f.kind == "hang" for f in findings) or not run.hangs:
         return None
-    return next((h for h in reversed(run.hangs) if not h.get("recovered")), None)
+    standing = [h for h in run.hangs if not h.get("recovered")]
+    if not standing:
+        return None
+    merged = dict(standing[-1])
+    for key in ("statuses", "stacks"):
+        merged[key] = {}
+        for summary in standing:  # the latest word on each rank last
+            merged[key].update(summary.get(key) or {})
+    return merged
 
 
 def _culprits(findings: list[Finding]) -> list[int]:
