@@ -306,3 +306,19 @@ def test_each_nodes_hang_summary_gives_its_own_ranks_open_spans(tmp_path: Path) 
         (0, "sync_buffers"),
         (1, "collective"),
     }
+
+
+def test_a_training_forward_never_left_belongs_to_the_next_step(tmp_path: Path) -> None:
+    run_dir = hang_run(tmp_path)
+    path = RunDir(run_dir).hang(1) / RunDir.HANG_SUMMARY
+    summary = json.loads(path.read_text())
+    summary["statuses"]["0"]["phase"]["op"] = "broadcast"  # a training forward's buffer broadcast
+    summary["statuses"]["0"]["step"] = STEPS  # the probe counts the step on entering its forward
+    _write(path, summary)
+    view = diagnose(load_run([run_dir])).failure
+    end = view.ranks[0]
+    assert (end.step, end.step_text) == (STEPS, f"at step {STEPS}, in its forward")
+    assert {s.label: s.step for s in view.open_spans if s.rank == 0} == {
+        "forward": STEPS,
+        f"buffer broadcast #{STEPS + 1}": STEPS,
+    }

@@ -230,10 +230,12 @@ def _rank_end(
     backwards = trace.kind(schema.BACKWARD)
     pairs = zip(backwards.step.tolist(), backwards.ts.tolist())
     finished = any(s == last and (schema.BACKWARD, t) not in cut for s, t in pairs)
-    in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE) for s in spans) or any(
-        s.kind == schema.FORWARD and s.label == "forward" for s in spans
-    )
-    if last < 0 and not in_step:
+    # A training forward the trace never recorded: the step it began (the trace's last + 1).
+    entering = any(s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None for s in spans)
+    in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE, schema.FORWARD) for s in spans)
+    if entering:
+        step, text = last + 1, f"at step {last + 1}, in its forward"
+    elif last < 0 and not in_step:
         step, text = 0, "before its first step"
     elif finished and not in_step:
         step, text = last + 1, f"at step {last + 1}, before its forward (step {last} had finished)"

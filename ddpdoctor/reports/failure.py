@@ -50,7 +50,8 @@ def draw_failure(fig: Any, view: FailureView, rows: dict[int, int], lane_offsets
                 esc(part)
                 for part in (
                     f"{s.label}: {schema.DID_NOT_FINISH}",
-                    f"rank {s.rank}, step {s.step}",
+                    f"rank {s.rank}, "
+                    + (view.ranks[s.rank].step_text if s.rank in view.ranks else f"step {s.step}"),
                     f"{s.op} #{s.seq}" if s.op and s.seq is not None else "",
                     f"at {s.user_frame}" if s.user_frame else "",
                     f"{s.seconds:.3f} s until {s.ended_by}",
