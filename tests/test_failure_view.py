@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from ddpdoctor import reports
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.failure_parts import stack_groups
@@ -322,3 +324,19 @@ def test_a_training_forward_never_left_belongs_to_the_next_step(tmp_path: Path) 
         "forward": STEPS,
         f"buffer broadcast #{STEPS + 1}": STEPS,
     }
+
+
+def test_a_hang_left_alone_is_drawn_to_the_end_of_the_job(tmp_path: Path) -> None:
+    run_dir = hang_run(tmp_path)
+    path = RunDir(run_dir).hang(1) / RunDir.HANG_SUMMARY
+    summary = dict(json.loads(path.read_text()), action="dump")
+    summary.pop("killed_wall")
+    _write(path, summary)
+    _write(run_dir / RunDir.WATCH, {"hangs": [summary["hang_dir"]], "killed_on_hang": False})
+    meta = json.loads((run_dir / RunDir.RUN_META).read_text())
+    _write(run_dir / RunDir.RUN_META, dict(meta, ended_ns=int((summary["detected_wall"] + 5) * 1e9)))
+    view = diagnose(load_run([run_dir])).failure
+    assert [m.kind for m in view.markers] == ["verdict"], "no kill"
+    verdict = view.markers[0].time_s
+    for span in view.open_spans:  # Ctrl-C 5 s after the verdict ended the job
+        assert span.end_s == pytest.approx(verdict + 5, abs=1e-3) and span.ended_by == "the end of the job"

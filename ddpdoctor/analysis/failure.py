@@ -162,9 +162,11 @@ def _live_hang(run: Run, findings: list[Finding]) -> dict[str, Any] | None:
 
 
 def _culprits(findings: list[Finding]) -> list[int]:
+    """The ranks the first error blames: its root rank when it names one, else its ranks."""
     for f in findings:
         if f.severity == "error" and f.ranks:
-            return list(f.details.get("root_rank") is not None and [f.details["root_rank"]] or f.ranks)
+            root = f.details.get("root_rank")
+            return [root] if isinstance(root, int) else list(f.ranks)
     return []
 
 
@@ -206,10 +208,18 @@ def _end_of(
     """When the rank's record ended (common base) and what ended it."""
     trace = run.ranks[rank]
     last = clock.last_end(rank, trace)
-    if hang is not None and (killed or ending.how in ("stopped_on_hang", "running")):
-        wall = hang.get("killed_wall") or hang.get("reported_wall") if killed else hang.get("detected_wall")
-        at = clock.wall(None, wall)
-        return max(last, at if at is not None else last), "killed by ddpdoctor" if killed else "hang verdict"
+    if hang is not None:  # stuck until the kill, or until the job ended some other way (Ctrl-C)
+        if killed:
+            at, what = (
+                clock.wall(None, hang.get("killed_wall") or hang.get("reported_wall")),
+                "killed by ddpdoctor",
+            )
+        else:
+            ended = [m["ended_ns"] / 1e9 for m in run.metas if isinstance(m.get("ended_ns"), int)]
+            at, what = clock.wall(None, max(ended)) if ended else None, "the end of the job"
+        if at is None:
+            at, what = clock.wall(None, hang.get("detected_wall")), "hang verdict"
+        return max(last, at if at is not None else last), what
     if ending.how == "exception":
         at = clock.wall(rank, ending.wall_s)
         kind = (ending.error or {}).get("type") or "an exception"
