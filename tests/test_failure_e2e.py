@@ -96,3 +96,6 @@ def test_a_dying_rank_is_drawn_to_its_death_at_the_loops_step(tmp_path: Path, mo
     assert [s["kind"] for s in survivor] == ["backward"] and survivor[0]["step"] == 7
     assert view["ranks"]["0"]["step_text"].startswith("at step 7, in its backward")
     assert survivor[0]["seconds"] > 0 and dead["end_s"] < survivor[0]["end_s"]
+    # Where they parted: rank 0 entered the next gradient all-reduce, rank 1 never issued it.
+    row = view["parting"]["rows"][str(view["parting"]["seq"])]
+    assert row["0"]["op"] == "gradient all-reduce" and row["0"]["in_flight"] and row["1"] is None

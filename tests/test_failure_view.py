@@ -224,6 +224,13 @@ def test_a_raise_is_drawn_where_it_happened_with_the_step_counted_as_the_loop_co
     assert spans[0].kind == schema.BACKWARD and spans[0].recorded_ts is not None
     assert abs(spans[0].seconds - 0.905) < 1e-3 and spans[0].ended_by == "raised RuntimeError"
     assert (0, schema.BACKWARD, spans[0].recorded_ts) in view.hidden()
+    # They parted at the collective after the last one both completed: rank 0's gradient
+    # all-reduce, in its backward that never ended; rank 1 never issued it.
+    parting = view.parting
+    last = max(int(s) for s in parting["rows"] if all(parting["rows"][s].values()))
+    assert parting["seq"] == last + 1 and parting["seqs"][-1] == last + 1
+    row = parting["rows"][str(last + 1)]
+    assert row["0"]["op"] == "gradient all-reduce" and row["0"]["in_flight"] and row["1"] is None
 
 
 def test_the_renderers_draw_the_view_and_only_draw_it(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis import ledger as ledgers
 from ddpdoctor.analysis.hang import group_ranks, is_user_frame
+from ddpdoctor.trace import schema
 
 if TYPE_CHECKING:
     from ddpdoctor.analysis.failure_spans import OpenSpan
@@ -66,10 +67,34 @@ def _cell(point: ledgers.Point, in_flight: bool) -> dict[str, Any]:
     }
 
 
+def _next_point(
+    by_seq: dict[int, dict[int, dict[str, Any]]], present: list[int], spans: list[OpenSpan]
+) -> int:
+    """Every rank completed every collective on record: the ranks parted at the next one, which
+    the ranks inside a sync point (that the trace could not number) entered and the others never
+    issued. Returns its number, with its row filled in; the last number when no rank was inside."""
+    last = max(by_seq)
+    inside = {
+        s.rank: s
+        for s in spans
+        if s.seq is None
+        and s.kind in (schema.BACKWARD, schema.ALLREDUCE, schema.COLLECTIVE, schema.SYNC_BUFFERS)
+    }
+    if not inside:
+        return last
+    row = by_seq.setdefault(last + 1, {})
+    for rank, span in inside.items():
+        op = ledgers.GRAD_ALLREDUCE if span.kind in (schema.BACKWARD, schema.ALLREDUCE) else span.label
+        row[rank] = _cell(ledgers.Point(last + 1, op, 0, "WORLD", span.step, span.user_frame), True)
+    return last + 1
+
+
 def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) -> dict[str, Any]:
     """The collectives (default group) around where the ranks parted: ``{"seq": the parting
     sequence number, "seqs": [...], "rows": {seq: {rank: cell or None}}}`` where a cell is
-    ``{op, bytes, site, step, in_flight}`` (in_flight: the rank entered it and never left)."""
+    ``{op, bytes, site, step, in_flight}`` (in_flight: the rank entered it and never left; a
+    rank's sync point that the trace could not number counts as the next number after the last
+    collective every rank completed)."""
     by_seq: dict[int, dict[int, dict[str, Any]]] = {}
     for rank, book in books.items():
         for p in book.points:
@@ -94,7 +119,7 @@ def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) 
             for s, cells in by_seq.items()
             if len(cells) < len(present) or any(c["in_flight"] for c in cells.values())
         ]
-        parting = min(partial) if partial else max(by_seq)
+        parting = min(partial) if partial else _next_point(by_seq, present, open_spans)
     seqs = [s for s in sorted(by_seq) if parting - AROUND <= s <= parting + 1]
     rows = {str(s): {str(r): by_seq[s].get(r) for r in sorted(present)} for s in seqs}
     return {"seq": parting, "seqs": seqs, "rows": rows}

@@ -98,7 +98,7 @@ def draw_failure(fig: Any, view: FailureView, rows: dict[int, int], lane_offsets
                 mode="markers+text",
                 marker={"symbol": "x", "size": 13, "color": "#b71c1c", "line": {"width": 1, "color": "#fff"}},
                 text=[esc(f"{e.mark}, step {e.step}") for e in ends],
-                textposition="top center",
+                textposition="top left",
                 textfont={"color": "#b71c1c", "size": 11},
                 hovertext=[esc(f"rank {e.rank} {e.how_text}, {e.step_text}") for e in ends],
                 hovertemplate="%{hovertext}<extra></extra>",
@@ -152,11 +152,12 @@ def _stacks(view: FailureView) -> str:
     for group in view.stacks:
         lines = [
             f"<b>{esc(line)}</b>" if k == group.user else esc(line) for k, line in enumerate(group.frames)
-        ] or ["(no stack: nothing was left to read it from)"]
+        ] or ["(no stack: a SIGKILL or os._exit leaves none, and no hang dump was taken)"]
         user = f" &middot; at {esc(group.frames[group.user])}" if group.user >= 0 else ""
+        count = f"{len(group.frames)} frame(s)" if group.frames else "no stack left"
         parts.append(
             f"<details><summary>rank {esc(rank_list(group.ranks))} &middot; {esc(group.where)}{user} "
-            f"&middot; {len(group.frames)} frame(s)</summary><pre>{chr(10).join(lines)}</pre></details>"
+            f"&middot; {count}</summary><pre>{chr(10).join(lines)}</pre></details>"
         )
     return (
         "<h3>Stacks <small class=hint>(grouped by identical stack, click to unfold: main thread, "
