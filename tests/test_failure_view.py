@@ -13,7 +13,7 @@ import pytest
 from ddpdoctor import reports
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.failure_parts import stack_groups
-from ddpdoctor.reports import chrome, json_report
+from ddpdoctor.reports import chrome, json_report, terminal
 from ddpdoctor.reports import html as html_report
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
@@ -178,6 +178,12 @@ def test_a_hang_is_drawn_to_the_kill_with_its_moments_and_stacks(tmp_path: Path)
         f"at step {STEPS}, before its forward (step {STEPS - 1} had finished)",
     )
     assert end.how_text == "killed by ddpdoctor (--on-hang kill) while hung" and end.failed
+    # An evaluation forward runs between steps: rank 0 too stopped before step STEPS's forward.
+    assert view.ranks[0].step_text == end.step_text
+    # The terminal says the same, ranks that stopped alike on one line.
+    text = terminal.render(diag)
+    assert "Where each rank stopped (the report opens on it):" in text
+    assert f"barrier #{STEPS + 1} did not finish (2 s)" in " ".join(text.split())
     # Stacks: one group per distinct stack, ddpdoctor's frames and threads left out.
     assert [g.ranks for g in view.stacks] == [[0], [1]]
     assert view.stacks[0].frames[0] == "torch/nn/parallel/distributed.py:2425 _sync_buffers"
@@ -276,6 +282,7 @@ def test_a_healthy_run_has_no_failure_view(tmp_path: Path) -> None:
     assert 'id="failure"' not in page and "did not finish" not in page and "folded-notes" not in page
     assert not [e for e in chrome.document(diag)["traceEvents"] if e["ph"] == "i"]
     assert json_report.document(diag)["failure"] is None
+    assert "Where each rank stopped" not in terminal.render(diag)
 
 
 def test_the_exported_open_spans_keep_perfetto_nesting(tmp_path: Path) -> None:

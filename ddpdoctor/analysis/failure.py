@@ -242,7 +242,8 @@ def _rank_end(
     finished = any(s == last and (schema.BACKWARD, t) not in cut for s, t in pairs)
     # A training forward the trace never recorded: the step it began (the trace's last + 1).
     entering = any(s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None for s in spans)
-    in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE, schema.FORWARD) for s in spans)
+    # An evaluation forward (no grad) runs between steps: it does not make a step.
+    in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE) or s.label == "forward" for s in spans)
     if entering:
         step, text = last + 1, f"at step {last + 1}, in its forward"
     elif last < 0 and not in_step:
