@@ -95,7 +95,7 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
                     ts.tolist(), ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields, strict=True
                 )
                 for t, raw, d, s, f in rows:
-                    if (rank, kind, raw) in hidden:
+                    if hidden and (rank, kind, raw) in hidden:
                         continue
                     name, args = _args(kind, s, f, buckets)
                     events.append((t, max(d, 0), name, dict(args, cat=kind)))

@@ -69,7 +69,9 @@ def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget:
 
 def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | None) -> dict[str, Segments]:
     out: dict[str, Segments] = {}
-    hidden = diag.failure.hidden() if diag.failure is not None else set()  # drawn as open spans
+    hidden: dict[tuple[int, str], list[int]] = {}  # (rank, kind) -> ts of spans drawn as open ones
+    for rank, kind, ts in diag.failure.hidden() if diag.failure is not None else ():
+        hidden.setdefault((rank, kind), []).append(ts)
     chosen = None if steps is None else np.array(sorted(steps), dtype=np.int64)
     for phase, style in schema.PHASES.items():
         parts: list[tuple[np.ndarray, ...]] = []
@@ -78,7 +80,7 @@ def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | No
             if chosen is not None:  # select before materialising times: few steps of many
                 shift = 1 if style.kind == schema.DATA_WAIT else 0  # the wait before a chosen step
                 ev = ev.select(np.isin(ev.step + shift, chosen, kind="table") & style.per_step)
-            cut = [ts for r, kind, ts in hidden if r == rank and kind == style.kind]
+            cut = hidden.get((rank, style.kind))
             if cut and len(ev):
                 ev = ev.select(~np.isin(ev.ts, cut))
             if not len(ev):
