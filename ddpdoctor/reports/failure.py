@@ -87,7 +87,7 @@ def draw_failure(fig: Any, view: FailureView, rows: dict[int, int], lane_offsets
             x=marker.time_s,
             line={"color": MARKER_COLOURS.get(marker.kind, "#d32f2f"), "width": 2, "dash": "dash"},
             annotation={"text": esc(marker.title or marker.kind), "textangle": 0, "font": {"size": 11}},
-            annotation_position="top left" if marker.kind == "verdict" else "top right",
+            annotation_position="bottom left" if marker.kind == "verdict" else "bottom right",
         )
     ends = [e for e in view.ranks.values() if e.failed and e.rank in rows]
     if ends:
