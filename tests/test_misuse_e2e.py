@@ -77,7 +77,8 @@ def test_missing_distributed_sampler(tmp_path: Path) -> None:
     assert f["kind"] == "missing_distributed_sampler" and f["ranks"] == [0, 1]
     assert f["details"]["sampler"] == "RandomSampler" and f["details"]["dataset_len"] == 96
     # Judged by effect: each rank's pass gives 12 batches of 8, the whole 96-sample dataset.
-    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:51"
+    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:62"
+    assert f["details"]["same_batches"] is True  # one seed everywhere: the same order on each rank
 
 
 def test_missing_set_epoch(tmp_path: Path) -> None:
@@ -85,7 +86,31 @@ def test_missing_set_epoch(tmp_path: Path) -> None:
     assert code == 0
     (f,) = serious(found)
     assert f["kind"] == "missing_set_epoch"
-    assert f["details"] == {"epoch": 0, "passes": 2, "ranks": [0, 1], "place": "misuse.py:51"}
+    assert f["details"] == {
+        "epoch": 0,
+        "passes": 2,
+        "ranks": [0, 1],
+        "place": "misuse.py:62",
+        "same_batches": True,  # each epoch began with the same batches, not only the same epoch
+    }
+
+
+def test_what_each_rank_read_decides_sharding_not_the_sampler(tmp_path: Path) -> None:
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    # A hard-coded rank=0 in DistributedSampler: half the data per rank by count, the same half.
+    _, found = findings(tmp_path / "a", "same_shard")
+    (f,) = serious(found)
+    assert f["kind"] == "missing_distributed_sampler" and f["details"]["same_batches"] is True
+    assert "identical batches" in f["summary"]
+    # Each rank loads its own split with a plain shuffling loader: different data, no warning.
+    _, found = findings(tmp_path / "b", "presplit")
+    assert serious(found) == []
+    (f,) = [f for f in found if f["kind"] == "missing_distributed_sampler"]
+    assert f["severity"] == "info" and f["details"]["same_batches"] is False
+    # No set_epoch, but the seed moves each epoch: the order changes, nothing replays.
+    _, found = findings(tmp_path / "c", "reseeded")
+    assert serious(found) == []
 
 
 @pytest.mark.parametrize(("kind", "phase"), [("data", "data_wait"), ("forward", "forward")])

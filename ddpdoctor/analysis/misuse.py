@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis import reads
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.models import ddp_models, label, model_of
 from ddpdoctor.analysis.phases import step_times
@@ -154,31 +155,58 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
         return
     missing: dict[int, dict[str, Any]] = {}
     no_epoch: dict[int, dict[str, Any]] = {}
+    first: dict[int, reads.Digests | None] = {}  # each rank's first training pass
     for rank, trace in sorted(run.ranks.items()):
         fed = training_loaders(trace)
-        passes: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for _, _, info in trace.meta.get(schema.LOADER, []):
+        by_sampler: dict[Any, list[tuple[dict[str, Any], reads.Digests | None]]] = defaultdict(list)
+        for info, digests in reads.passes(trace):
             if info.get("id") in fed:
-                passes[info.get("sampler_id", info.get("id"))].append(info)
-        for infos in passes.values():
+                by_sampler[info.get("sampler_id", info.get("id"))].append((info, digests))
+                first.setdefault(rank, digests)
+        for entries in by_sampler.values():
+            infos = [info for info, _ in entries]
             info = infos[-1]
             if reads_everything(info):
                 missing[rank] = info
-            elif "DistributedSampler" in str(info.get("sampler")) and info.get("shuffle"):
-                epochs = {i.get("epoch") for i in infos}
-                if len(infos) >= 2 and len(epochs) == 1:
-                    no_epoch[rank] = dict(info, passes=len(infos))
+            elif info.get("shuffle") and len(infos) >= 2:
+                # By effect: a pass that begins as the one before did replays its order. By
+                # the sampler's epoch only where the batches cannot tell.
+                again = reads.replayed([d for _, d in entries])
+                if again is None:
+                    again = (
+                        "DistributedSampler" in str(info.get("sampler"))
+                        and len({i.get("epoch") for i in infos}) == 1
+                    )
+                if again:
+                    no_epoch[rank] = dict(
+                        info, passes=len(infos), proven=bool(reads.replayed([d for _, d in entries]))
+                    )
+    identical = reads.same_data(first)
+    if identical and not missing:  # sharded by count, yet every rank read the same batches
+        missing = {rank: infos for rank, infos in _first_infos(run).items()}
     if missing:
         info = next(iter(missing.values()))
+        differ = identical is False
+        evidence = (
+            "every rank's passes begin with identical batches"
+            if identical
+            else f"every rank reads all {info.get('dataset_len', '?')} samples"
+        )
         yield Finding(
             "missing_distributed_sampler",
-            "warning",
+            "info" if differ else "warning",
             sorted(missing),
             f"the training DataLoader uses a {info['sampler']} on rank(s) {rank_list(missing)}: "
-            f"every rank reads all {info.get('dataset_len', '?')} samples, so the ranks train on "
-            "the same data (unless your dataset is already split per rank)",
+            + (
+                f"each rank's pass covers all {info.get('dataset_len', '?')} samples of its dataset, "
+                "but the ranks read different batches: fine if the dataset is already split per rank"
+                if differ
+                else f"{evidence}, so the ranks train on the same data"
+                + ("" if identical else " (unless your dataset is already split per rank)")
+            ),
             fix="Pass sampler=DistributedSampler(dataset) to the DataLoader (and drop shuffle=True "
-            "there), then call sampler.set_epoch(epoch) at the start of every epoch.",
+            "there; it takes rank and num_replicas from the process group), then call "
+            "sampler.set_epoch(epoch) at the start of every epoch.",
             details={
                 "place": info.get("site"),
                 "batches_per_rank": info.get("batches"),
@@ -186,6 +214,7 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 "dataset_len": info.get("dataset_len"),
                 "batch_size": info.get("batch_size"),
                 "ranks": sorted(missing),
+                "same_batches": identical,  # null: the batches were not digested
             },
         )
     if no_epoch:
@@ -194,16 +223,34 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             "missing_set_epoch",
             "warning",
             sorted(no_epoch),
-            f"the shuffling DistributedSampler stayed at epoch {info.get('epoch')} for all "
-            f"{info['passes']} passes over the data: every epoch replays the same order",
+            f"the shuffling {info.get('sampler')} "
+            + (
+                f"began {info['passes']} passes over the data with the same batches"
+                if info["proven"]
+                else f"stayed at epoch {info.get('epoch')} for all {info['passes']} passes over the data"
+            )
+            + ": every epoch replays the same order",
             fix="Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
             details={
                 "epoch": info.get("epoch"),
                 "passes": info["passes"],
                 "ranks": sorted(no_epoch),
                 "place": info.get("site"),
+                "same_batches": info["proven"],  # False: judged by the sampler's epoch alone
             },
         )
+
+
+def _first_infos(run: Run) -> dict[int, dict[str, Any]]:
+    """Each rank's first training pass's loader description."""
+    out = {}
+    for rank, trace in sorted(run.ranks.items()):
+        fed = training_loaders(trace)
+        for info, _ in reads.passes(trace):
+            if info.get("id") in fed:
+                out[rank] = info
+                break
+    return out
 
 
 @detector

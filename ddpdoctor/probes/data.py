@@ -1,7 +1,9 @@
-"""DataLoader waits and DataLoader passes (sampler, epoch, batch size)."""
+"""DataLoader waits and DataLoader passes (sampler, epoch, batch size, what the first batches
+held)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,10 @@ from ddpdoctor.trace.schema import LivePhase
 PROBE = "data"
 _now = time.monotonic_ns
 _LOADER_ID = "_ddpdoctor_loader"
+_PASSES = "_ddpdoctor_passes"  # on the DataLoader: passes begun so far
+_PASS = "_ddpdoctor_pass"  # on the iterator: (pass number, batches given so far)
+DIGESTED = 2  # first batches of each pass digested: enough to tell orders and ranks apart
+SAMPLE = 4096  # elements of each tensor hashed, evenly spaced: microseconds, whatever its size
 
 
 def install() -> None:
@@ -35,6 +41,15 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             c.leave(prev, None)
             raise
         c.leave(prev, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0))
+        counted = getattr(self, _PASS, None)
+        if counted is not None and counted[1] < DIGESTED:
+            try:
+                setattr(self, _PASS, (counted[0], counted[1] + 1))
+                info = {"id": getattr(self, _LOADER_ID, 0), "pass": counted[0], "batch": counted[1]}
+                info["digest"] = digest(batch)
+                c.meta(schema.BATCHES, info)
+            except Exception as exc:
+                c.fail(PROBE, exc)
         return batch
 
     return __next__
@@ -48,6 +63,9 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return it
         try:
             setattr(it, _LOADER_ID, id(self))
+            passes = getattr(self, _PASSES, 0)
+            setattr(self, _PASSES, passes + 1)
+            setattr(it, _PASS, (passes, 0))
             info = describe_loader(self)
             where = _caller()
             if where:
@@ -58,6 +76,42 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return it
 
     return __iter__
+
+
+def digest(batch: Any) -> str | None:
+    """A short hash of what a batch holds: each CPU tensor's dtype, shape and up to ``SAMPLE``
+    evenly spaced elements, and plain values (labels, paths). Two ranks that read the same
+    samples in the same order get the same digest. None when nothing in it can be read without
+    a device sync (tensors already on a GPU)."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=8)
+    seen = [0]
+
+    def visit(x: Any, depth: int) -> None:
+        if depth > 4 or seen[0] > 32:
+            return
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu" or x.is_sparse:
+                return
+            flat = x.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+            seen[0] += 1
+        elif isinstance(x, dict):
+            for key in sorted(x, key=str):
+                h.update(str(key).encode())
+                visit(x[key], depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for item in x[:64]:
+                visit(item, depth + 1)
+        elif isinstance(x, (str, bytes, int, float, bool)):
+            h.update(repr(x)[:256].encode())
+            seen[0] += 1
+
+    visit(batch, 0)
+    return h.hexdigest() if seen[0] else None
 
 
 def describe_loader(loader: Any) -> dict[str, Any]:

@@ -156,6 +156,7 @@ DEVICE_KINDS = {
 HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
+BATCHES = "batches"  # digests of a DataLoader pass's first batches: what the rank actually read
 COMM_HOOK = "comm_hook"
 UNUSED = "unused"
 DDP_ERROR = "ddp_error"
@@ -246,7 +247,21 @@ def _forward_title(args: Mapping[str, Any]) -> str:
 KINDS: dict[str, EventKind] = {}
 PHASES: dict[str, Phase] = {}  # in drawing order: later phases draw over earlier ones
 META_KINDS = frozenset(
-    (HEADER, BUCKET, LOADER, COMM_HOOK, UNUSED, DDP_ERROR, SAVE, LOAD, PROBE_ERROR, DROPPED, END, CLOCK)
+    (
+        HEADER,
+        BUCKET,
+        LOADER,
+        BATCHES,
+        COMM_HOOK,
+        UNUSED,
+        DDP_ERROR,
+        SAVE,
+        LOAD,
+        PROBE_ERROR,
+        DROPPED,
+        END,
+        CLOCK,
+    )
     + (RANK_ERROR,)
 )
 

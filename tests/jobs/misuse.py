@@ -1,6 +1,7 @@
 """Small DDP jobs with one classic mistake each (or none).
 
-Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch|two_models}
+Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch|two_models|
+                  presplit|same_shard|reseeded}
 """
 
 import sys
@@ -34,6 +35,14 @@ def main() -> None:
     if mode == "no_sampler":
         loader = DataLoader(data, batch_size=8, shuffle=True)
         sampler = None
+    elif mode == "presplit":  # each rank loads its own half (its own file, say): no sampler needed
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        data = TensorDataset(torch.randn(48, 16, generator=gen), torch.randint(0, 4, (48,), generator=gen))
+        loader = DataLoader(data, batch_size=8, shuffle=True)
+        sampler = None
+    elif mode == "same_shard":  # a hard-coded rank: every process reads rank 0's shard
+        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=8, sampler=sampler)
     else:
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=8, sampler=sampler)
@@ -46,7 +55,9 @@ def main() -> None:
     opt = torch.optim.SGD(params, lr=0.05)
     step = 0
     for epoch in range(2):
-        if sampler is not None and mode != "no_set_epoch":
+        if mode == "reseeded":  # no set_epoch, yet a new order each epoch: the seed moves instead
+            sampler.seed = epoch
+        elif sampler is not None and mode != "no_set_epoch":
             sampler.set_epoch(epoch)
         for x, y in loader:
             opt.zero_grad()
