@@ -172,14 +172,14 @@ def test_a_hang_is_drawn_to_the_kill_with_its_moments_and_stacks(tmp_path: Path)
     assert spans[(0, "forward (no grad)")].user_frame == "evaluate() train.py:28"
     end = view.ranks[1]
     assert end.open_point == f"barrier #{STEPS + 1}" and end.user_frame == "main() train.py:71"
-    # Between steps (the last step's backward had finished): the next step, before its forward.
+    # In a sync point after the last step's backward: that step, and the point it was in.
     assert (end.step, end.step_text) == (
-        STEPS,
-        f"at step {STEPS}, before its forward (step {STEPS - 1} had finished)",
+        STEPS - 1,
+        f"at step {STEPS - 1}, in barrier #{STEPS + 1} after its backward",
     )
     assert end.how_text == "killed by ddpdoctor (--on-hang kill) while hung" and end.failed
-    # An evaluation forward runs between steps: rank 0 too stopped before step STEPS's forward.
-    assert view.ranks[0].step_text == end.step_text
+    # An evaluation forward is no step of its own: rank 0 stopped in it after the same step.
+    assert view.ranks[0].step == STEPS - 1 and "after its backward" in view.ranks[0].step_text
     # The terminal says the same, ranks that stopped alike on one line.
     text = terminal.render(diag)
     assert "Where each rank stopped (the report opens on it):" in text

@@ -59,6 +59,8 @@ def diagnose(run: Run) -> Diagnosis:
     causes.annotate(run, findings)
     frameworks.adapt(findings, framework)
     spans = views.step_spans(run, tb)
+    failure = failure_view(run, findings, tb, spans)
+    _one_step_rule(findings, failure)
     return Diagnosis(
         run=run,
         phases=phases,
@@ -75,8 +77,25 @@ def diagnose(run: Run) -> Diagnosis:
         findings=findings,
         gpus=gpu.gpu_view(run),
         framework=framework,
-        failure=failure_view(run, findings, tb, spans),
+        failure=failure,
     )
+
+
+def _one_step_rule(findings: list[Finding], failure: FailureView | None) -> None:
+    """The first failure's step as the failure view counts it (a rank that raises before step
+    7's forward died at step 7), so the finding and the report's failure section agree; the
+    last step the rank started stays in ``last_step_started``."""
+    if failure is None:
+        return
+    for f in findings:
+        rank = f.details.get("first_rank") if f.kind == "rank_failure" else None
+        end = failure.ranks.get(rank) if isinstance(rank, int) else None
+        if end is None or "at_step" not in f.details:
+            continue
+        old = f.details["at_step"]
+        f.details.update(last_step_started=old, at_step=end.step)
+        said = f"at step {old}" if isinstance(old, int) and old >= 0 else "before its first recorded step"
+        f.summary = f.summary.replace(said, end.step_text, 1)
 
 
 # Findings that report a symptom (another rank's error, the live hang verdict), not a cause.

@@ -248,8 +248,18 @@ def _rank_end(
         step, text = last + 1, f"at step {last + 1}, in its forward"
     elif last < 0 and not in_step:
         step, text = 0, "before its first step"
+    elif finished and not in_step and any(s.kind != schema.USER_CODE for s in spans):
+        # In a collective after its backward (a metrics all_reduce, a barrier): still step k.
+        point = next(s.label for s in reversed(spans) if s.kind != schema.USER_CODE)
+        step, text = last, f"at step {last}, in {point} after its backward"
     elif finished and not in_step:
-        step, text = last + 1, f"at step {last + 1}, before its forward (step {last} had finished)"
+        # Between two steps' sync points: the end of iteration k or the start of k + 1 look
+        # alike to them; counted as k + 1 (a rank that raises before step 7's forward died at
+        # step 7), said both ways so the user can match it to their loop.
+        step, text = (
+            last + 1,
+            f"at step {last + 1}, before its forward (step {last}'s backward had finished)",
+        )
     else:
         step = max(last, 0)
         inner = next((s.label for s in reversed(spans) if s.kind in (schema.FORWARD, schema.BACKWARD)), "")
