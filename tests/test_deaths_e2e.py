@@ -85,7 +85,9 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: 
     assert ends["first"] == rank, ends
     failure = next(f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "rank_failure")
     assert failure["ranks"] == [rank], failure
-    assert failure["details"]["at_step"] == DIE_AT - (mode != "abort"), failure
+    # Counted as the report counts: before step 9's forward, or inside step 9, is step 9.
+    assert failure["details"]["at_step"] == DIE_AT, failure
+    assert failure["details"]["last_step_started"] == DIE_AT - (mode != "abort"), failure
     if sig is not None:
         assert f"rank {rank} was killed by {sig}" in failure["summary"], failure["summary"]
     if mode != "raise":  # an exception's finding quotes its traceback instead

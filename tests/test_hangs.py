@@ -99,7 +99,10 @@ def test_rank_that_raises_is_the_first_failure(tmp_path: Path, record: bool) -> 
     assert "HANG" not in job.stderr
     [failure] = findings(job.run_dir, "rank_failure")
     d = failure["details"]
-    assert failure["ranks"] == [1] and d["first_rank"] == 1 and d["at_step"] == 3
+    # It raises after step 3's optimizer step, in no sync point: counted as step 4, before its
+    # forward, as a raise at the top of the next iteration would be (they look alike).
+    assert failure["ranks"] == [1] and d["first_rank"] == 1 and d["at_step"] == 4
+    assert d["last_step_started"] == 3 and "step 3's backward had finished" in failure["summary"]
     assert d["exception"]["type"] == "ValueError"
     assert "bad batch at step 3" in d["exception"]["traceback"]
     assert d["exception"]["frames"][-1][2] == "main"
@@ -112,7 +115,7 @@ def test_rank_killed_by_sigkill(tmp_path: Path) -> None:
     assert job.returncode == 1, job.stderr[-3000:]
     [failure] = findings(job.run_dir, "rank_failure")
     d = failure["details"]
-    assert failure["ranks"] == [1] and d["killed_by_signal"] is True and d["at_step"] == 3
+    assert failure["ranks"] == [1] and d["killed_by_signal"] is True and d["at_step"] == 4
     assert "killed by" in failure["summary"] and "exception" not in d
     assert "OOM" in failure["fix"]
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import causes, frameworks, gpu, gpu_findings, views
+from ddpdoctor.analysis.failure import FailureView, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
 from ddpdoctor.analysis.models import ddp_models
@@ -35,6 +36,7 @@ class Diagnosis:
     lateness: Lateness | None = None  # at the gradient sync, rank x step
     bucket_layout: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> params, bytes
     framework: str | None = None  # "lightning", "accelerate", or None for plain DDP
+    failure: FailureView | None = None  # a hung or failed run, drawn where it happened
 
     @property
     def has_errors(self) -> bool:
@@ -56,6 +58,9 @@ def diagnose(run: Run) -> Diagnosis:
     findings = fold_consequences(gpu_findings.join_stragglers(run, find_all(run)))
     causes.annotate(run, findings)
     frameworks.adapt(findings, framework)
+    spans = views.step_spans(run, tb)
+    failure = failure_view(run, findings, tb, spans)
+    _one_step_rule(findings, failure)
     return Diagnosis(
         run=run,
         phases=phases,
@@ -65,14 +70,32 @@ def diagnose(run: Run) -> Diagnosis:
         ddp=ddp_config(run),
         ddp_models=ddp_models(run),
         time_base=tb,
-        step_spans=views.step_spans(run, tb),
+        step_spans=spans,
         lateness=views.lateness(run, tb),
         bucket_layout=bucket_layout(run),
         buckets=bucket_stats(run),
         findings=findings,
         gpus=gpu.gpu_view(run),
         framework=framework,
+        failure=failure,
     )
+
+
+def _one_step_rule(findings: list[Finding], failure: FailureView | None) -> None:
+    """The first failure's step as the failure view counts it (a rank that raises before step
+    7's forward died at step 7), so the finding and the report's failure section agree; the
+    last step the rank started stays in ``last_step_started``."""
+    if failure is None:
+        return
+    for f in findings:
+        rank = f.details.get("first_rank") if f.kind == "rank_failure" else None
+        end = failure.ranks.get(rank) if isinstance(rank, int) else None
+        if end is None or "at_step" not in f.details:
+            continue
+        old = f.details["at_step"]
+        f.details.update(last_step_started=old, at_step=end.step)
+        said = f"at step {old}" if isinstance(old, int) and old >= 0 else "before its first recorded step"
+        f.summary = f.summary.replace(said, end.step_text, 1)
 
 
 # Findings that report a symptom (another rank's error, the live hang verdict), not a cause.

@@ -8,8 +8,9 @@ of `ddpdoctor run` and `diagnose` afterwards, and unit tests feed it synthetic d
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
@@ -185,6 +186,18 @@ def _where(state_phase: dict[str, Any] | None, frames: list[Frame]) -> tuple[str
     return where, user
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+def group_ranks(keys: dict[int, K]) -> list[tuple[list[int], K]]:
+    """Ranks that share a key (where they wait; their stack), by their lowest rank: how the
+    terminal's hang report and the report's stacks list ranks that stand in the same place."""
+    grouped: dict[K, list[int]] = {}
+    for rank, key in sorted(keys.items()):
+        grouped.setdefault(key, []).append(rank)
+    return sorted(((sorted(r), k) for k, r in grouped.items()), key=lambda g: g[0][0])
+
+
 def analyse(
     statuses: dict[int, dict[str, Any]],
     stacks: dict[int, dict[str, Any]],
@@ -203,10 +216,7 @@ def analyse(
         phase = status.get("phase") or None
         where, user = _where(phase, frames)
         states[rank] = RankState(rank, phase, _since(status, now), frames, where, user, dump.get("method"))
-    grouped: dict[str, list[int]] = {}
-    for rank, st in states.items():
-        grouped.setdefault(st.where, []).append(rank)
-    groups = sorted(((sorted(r), w) for w, r in grouped.items()), key=lambda g: g[0][0])
+    groups = group_ranks({rank: st.where for rank, st in states.items()})
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)
     pattern, culprits, explanation, fix = _judge(states, world_size, busy=proof.startswith("busy: "))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
+from ddpdoctor.analysis.failure import FailureView
 from ddpdoctor.trace import schema
 
 COMPUTE_TID, COMM_TID, DEVICE_TID, DEVICE_COMM_TID = 1, 100, 200, 300  # extra lanes count up
@@ -67,6 +68,8 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
     run, tb = diag.run, diag.time_base
     assert tb is not None
     buckets = {i: [str(p) for p in info.get("params", [])] for i, info in diag.bucket_layout.items()}
+    view = diag.failure
+    hidden = view.hidden() if view is not None else set()  # exported as open spans instead
     out: list[dict[str, Any]] = []
     for rank, trace in sorted(run.ranks.items()):
         pid = rank
@@ -88,9 +91,15 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
                 if not len(ev):
                     continue
                 ts = tb.rel(rank, ev.ts)
-                for t, d, s, f in zip(ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields, strict=True):
+                rows = zip(
+                    ts.tolist(), ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields, strict=True
+                )
+                for t, raw, d, s, f in rows:
+                    if hidden and (rank, kind, raw) in hidden:
+                        continue
                     name, args = _args(kind, s, f, buckets)
                     events.append((t, max(d, 0), name, dict(args, cat=kind)))
+            events.extend(_open_spans(view, rank, lane))
             used: set[int] = set()
             for tid, (t, d, name, args) in _lanes(events, base):
                 used.add(tid)
@@ -124,6 +133,47 @@ def trace_events(diag: Diagnosis) -> list[dict[str, Any]]:
                         "args": {"sort_index": tid},
                     }
                 )
+    return out + _instants(view)
+
+
+def _open_spans(view: FailureView | None, rank: int, lane: schema.Lane) -> list[tuple[int, int, str, dict]]:
+    """The spans this rank entered and never left, as complete events up to its record's end."""
+    out: list[tuple[int, int, str, dict]] = []
+    for span in view.open_spans if view is not None else []:
+        if span.rank != rank or span.lane != lane:
+            continue
+        args: dict[str, Any] = {"did_not_finish": True, "step": span.step, "ended_by": span.ended_by}
+        args.update(
+            {k: v for k, v in (("op", span.op), ("seq", span.seq), ("user_frame", span.user_frame)) if v}
+        )
+        start = round(span.start_s * 1e6)
+        name = f"{span.label} ({schema.DID_NOT_FINISH})"
+        out.append((start, max(round(span.end_s * 1e6) - start, 0), name, dict(args, cat=span.kind)))
+    return out
+
+
+def _instants(view: FailureView | None) -> list[dict[str, Any]]:
+    """The moments (hang verdict, kill, first death) across the trace, and each failed rank's end."""
+    if view is None:
+        return []
+    out: list[dict[str, Any]] = [
+        {"name": m.label, "cat": m.kind, "ph": "i", "s": "g", "ts": round(m.time_s * 1e6), "pid": 0, "tid": 0}
+        for m in view.markers
+    ]
+    for end in sorted(view.ranks.values(), key=lambda e: e.rank):
+        if end.failed:
+            out.append(
+                {
+                    "name": f"rank {end.rank} {end.how_text}",
+                    "cat": "rank_end",
+                    "ph": "i",
+                    "s": "p",
+                    "ts": round(end.end_s * 1e6),
+                    "pid": end.rank,
+                    "tid": COMPUTE_TID,
+                    "args": {"how": end.how, "step": end.step, "step_text": end.step_text},
+                }
+            )
     return out
 
 

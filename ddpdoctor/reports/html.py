@@ -33,6 +33,7 @@ import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.models import label
+from ddpdoctor.reports.failure import failure_section
 from ddpdoctor.reports.gpu_panels import gpu_section
 from ddpdoctor.reports.markup import asset, esc, figure_html, kv_table
 from ddpdoctor.reports.timeline import MAX_SEGMENTS, rank_label, timeline_section
@@ -153,17 +154,37 @@ def _steps_text(diag: Diagnosis) -> str:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (ranks differ)"
 
 
+def _finding_item(f: Any) -> str:
+    evidence = json.dumps(f.details, indent=1, default=str, ensure_ascii=False)
+    ranks = f" <span class=ranks>rank {esc(rank_list(f.ranks))}</span>" if f.ranks else ""
+    return (
+        f'<li class="finding {esc(f.severity)}"><span class="sev">{esc(f.severity)}</span> '
+        f"<b>{esc(f.kind)}</b>{ranks}<p>{esc(f.summary)}</p>"
+        + (f'<p class="fix"><b>fix:</b> {esc(f.fix)}</p>' if f.fix else "")
+        + f"<details><summary>evidence</summary><pre>{esc(evidence)}</pre></details></li>"
+    )
+
+
 def findings_section(diag: Diagnosis, notes: list[str]) -> str:
-    items = []
-    for f in diag.findings:
-        evidence = json.dumps(f.details, indent=1, default=str, ensure_ascii=False)
-        ranks = f" <span class=ranks>rank {esc(rank_list(f.ranks))}</span>" if f.ranks else ""
-        items.append(
-            f'<li class="finding {esc(f.severity)}"><span class="sev">{esc(f.severity)}</span> '
-            f"<b>{esc(f.kind)}</b>{ranks}<p>{esc(f.summary)}</p>"
-            + (f'<p class="fix"><b>fix:</b> {esc(f.fix)}</p>' if f.fix else "")
-            + f"<details><summary>evidence</summary><pre>{esc(evidence)}</pre></details></li>"
+    if diag.failure is not None:  # the failure comes first; its info notes wait, folded
+        shown = [f for f in diag.findings if f.severity != "info"]
+        folded = [f for f in diag.findings if f.severity == "info"]
+        infos = (
+            f'<details id="folded-notes"><summary>{len(folded)} info note(s), folded while the run '
+            f'failed</summary><ul class="findings">{"".join(_finding_item(f) for f in folded)}</ul></details>'
+            if folded
+            else ""
         )
+        note_html = "".join(f"<li>{esc(n)}</li>" for n in notes)
+        return (
+            f'<section id="findings"><h2>Findings ({len(diag.findings)})</h2><ul class="findings">'
+            + "".join(_finding_item(f) for f in shown)
+            + "</ul>"
+            + infos
+            + (f'<ul class="notes">{note_html}</ul>' if note_html else "")
+            + "</section>"
+        )
+    items = [_finding_item(f) for f in diag.findings]
     if not any(f.severity in ("error", "warning") for f in diag.findings):
         items.insert(0, '<li class="finding ok">No problems found.</li>')
     note_html = "".join(f"<li>{esc(n)}</li>" for n in notes)
@@ -250,11 +271,14 @@ def render(diag: Diagnosis, *, max_segments: int = MAX_SEGMENTS) -> str:
         f"{len(run.hosts)} host(s) · generated {time.strftime('%Y-%m-%d %H:%M:%S')} by ddpdoctor "
         f"{ddpdoctor.__version__}"
     )
+    failed = diag.failure is not None  # the failure and its timeline first, then the findings
     body = "".join(
         [
+            failure_section(diag),  # "" unless the run failed or hung
+            timeline_section(diag, max_segments) if failed else "",
             findings_section(diag, run.notes + tb.notes),
             header_section(diag),
-            timeline_section(diag, max_segments),
+            "" if failed else timeline_section(diag, max_segments),
             gpu_section(diag),  # under the rank rows, on the same x axis
             heatmap_section(diag),
             phase_table(diag),

@@ -36,6 +36,8 @@ def document(diag: Diagnosis) -> dict[str, Any]:
         "buckets": diag.buckets,
         "findings": [f.to_json() for f in diag.findings],
         "gpus": _gpu.summary(diag.gpus),
+        # a hung or failed run drawn where it happened (analysis/failure.py); null otherwise
+        "failure": diag.failure.to_json() if diag.failure is not None else None,
     }
 
 

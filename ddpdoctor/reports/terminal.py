@@ -51,6 +51,7 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
         )
     lines.extend(gpu_lines(diag))
     lines.append("")
+    lines.extend(failure_lines(diag))
     shown = diag.findings[:max_findings]
     if not any(f.severity in ("error", "warning") for f in diag.findings):
         lines.append("  No problems found." + (" Notes:" if shown else ""))
@@ -77,6 +78,41 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     if report:
         lines.append(f"  report: {report}")
     return "\n".join(lines)
+
+
+def failure_lines(diag: Diagnosis, max_lines: int = 8) -> list[str]:
+    """On a hung or failed run, where each rank stopped (ranks that stopped alike on one line):
+    what the report's failure section opens with. Nothing for a healthy run."""
+    view = diag.failure
+    if view is None:
+        return []
+    from ddpdoctor.analysis.hang import group_ranks
+
+    seconds = {}
+    for span in view.open_spans:
+        seconds[span.rank] = max(seconds.get(span.rank, 0.0), span.seconds)
+    alike = {
+        e.rank: (
+            e.mark or e.how_text,
+            e.step_text,
+            e.open_point,
+            round(seconds.get(e.rank, 0.0), 1),
+            e.user_frame,
+        )
+        for e in view.ranks.values()
+    }
+    lines = ["  Where each rank stopped (the report opens on it):"]
+    groups = group_ranks(alike)
+    for ranks, (how, step, point, secs, user) in groups[:max_lines]:
+        text = f"rank {rank_list(ranks)}: {how}, {step}"
+        if point:
+            text += f"; {point} did not finish ({secs:g} s)"
+        if user:
+            text += f"  <- {user}"
+        lines.extend(textwrap.wrap(text, WIDTH - 2, initial_indent="    ", subsequent_indent="      "))
+    if len(groups) > max_lines:
+        lines.append(f"    ... and {len(groups) - max_lines} more (diagnose --json)")
+    return [*lines, ""]
 
 
 def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.device import clock as device_clock
 from ddpdoctor.analysis.phases import phase_events
+from ddpdoctor.reports.failure import draw_failure
 from ddpdoctor.reports.markup import asset, esc, figure_html, json_script
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import Events
@@ -68,6 +69,9 @@ def choose_steps(spans: dict[int, tuple[float, float]], per_step: float, budget:
 
 def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | None) -> dict[str, Segments]:
     out: dict[str, Segments] = {}
+    hidden: dict[tuple[int, str], list[int]] = {}  # (rank, kind) -> ts of spans drawn as open ones
+    for rank, kind, ts in diag.failure.hidden() if diag.failure is not None else ():
+        hidden.setdefault((rank, kind), []).append(ts)
     chosen = None if steps is None else np.array(sorted(steps), dtype=np.int64)
     for phase, style in schema.PHASES.items():
         parts: list[tuple[np.ndarray, ...]] = []
@@ -76,6 +80,9 @@ def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | No
             if chosen is not None:  # select before materialising times: few steps of many
                 shift = 1 if style.kind == schema.DATA_WAIT else 0  # the wait before a chosen step
                 ev = ev.select(np.isin(ev.step + shift, chosen, kind="table") & style.per_step)
+            cut = hidden.get((rank, style.kind))
+            if cut and len(ev):
+                ev = ev.select(~np.isin(ev.ts, cut))
             if not len(ev):
                 continue
             bucket, nbytes = _field(ev, phase, "bucket", -1), _field(ev, phase, "bytes", 0)
@@ -201,6 +208,8 @@ def timeline_figure(diag: Diagnosis, rows: dict[int, int], steps: set[int] | Non
                     with_bytes=varies,
                 )
             )
+    if diag.failure is not None:
+        draw_failure(fig, diag.failure, rows, LANE_OFFSETS)
     ticktext = [rank_label(diag.run.ranks[r]) for r in sorted(rows, key=rows.get)]
     height = int(n_rows * max(14.0, min(60.0, 700.0 / max(n_rows, 1))) + 150)
     fig.update_layout(
@@ -235,7 +244,10 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
     per_step = total / max(len(spans), 1)
     chosen = choose_steps(spans, per_step, max_segments)
     fig = timeline_figure(diag, rows, chosen)
-    if spans and chosen is None:  # open on the training steps, not on a long init
+    window = diag.failure.window_s if diag.failure is not None else None
+    if window is not None:  # open on the last steps and the failure ("whole run": everything)
+        fig.update_xaxes(range=list(window))
+    elif spans and chosen is None:  # open on the training steps, not on a long init
         a, b = min(a for a, _ in spans.values()), max(b for _, b in spans.values())
         fig.update_xaxes(range=[a - 0.02 * (b - a), b + 0.02 * (b - a)])
     elif spans:  # only some steps are drawn: open on the slowest one
@@ -263,11 +275,18 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
         '<button type=submit>zoom</button><button type=button id="step_all">whole run</button>'
         f"<br>slowest steps: {buttons}</form>"
     )
-    return (
-        '<section id="timeline-section"><h2>Timeline</h2>'
-        f"<p class=hint>One row per rank; the thin lane under each row holds its bucket all-reduces "
+    hint = (
+        f"One row per rank; the thin lane under each row holds its bucket all-reduces "
         f"and buffer broadcasts, so their overlap with backward shows{gpu}. Showing {esc(scope)}. "
-        "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters.</p>"
+        "Drag to zoom, double-click to reset, hover for step, duration, bytes and parameters."
+    )
+    if window is not None:  # a failed run: the failure above needs the room
+        hint = (
+            "Hatched: spans a rank entered and never left (did not finish); dashed: the moments above; "
+            "x: where a rank ended. Opens on the last steps and the failure; 'whole run' shows it all."
+        )
+    return (
+        f'<section id="timeline-section"><h2>Timeline</h2><p class=hint>{hint}</p>'
         f"{controls}{figure_html(fig, 'timeline')}{json_script('step-spans', span_json)}"
         f"<script>{asset('zoom.js')}</script></section>"
     )

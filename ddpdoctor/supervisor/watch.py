@@ -301,6 +301,8 @@ class Watcher:
         if self.on_hang == "kill" and self.kill_job is not None:
             self.killed = True
             self.report("ddpdoctor: --on-hang kill: stopping the job")
+            summary["killed_wall"] = time.time()  # where the report draws the kill
+            self._save_hang(summary)
             self.kill_job([int(s.get("pid") or 0) for s in statuses.values()])
         return summary
 

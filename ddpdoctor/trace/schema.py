@@ -172,6 +172,14 @@ CLOCK = "clock"
 RANK_ERROR = "rank_error"
 SITE = "site"
 
+# Not a record: the time a rank spent outside every sync point (its own code between them). A
+# failure view draws it when a rank hung or died there; nothing is ever recorded under this name.
+USER_CODE = "user_code"
+USER_CODE_LABEL = "user code"
+USER_CODE_COLOUR = "#8c8c8c"
+# What a span is called that a rank entered and never left (a hang, a death, an exception).
+DID_NOT_FINISH = "did not finish"
+
 # The supervisor's GPU samples (gpu-<host>.jsonl).
 GPU = "gpu"
 GPU_PROCS = "gpu_procs"

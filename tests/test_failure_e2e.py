@@ -1,0 +1,101 @@
+"""Real jobs through the real CLI: a hang (the eval trap, killed on hang), a rank that raises and
+a rank killed by a signal each leave a report, an export and ``diagnose --json`` that draw the
+failure where it happened: open spans to the verdict, the kill or the death, the moments, and
+the failure section first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, diagnose_json, job_env, run_doctor, torchrun
+
+pytestmark = pytest.mark.e2e
+
+
+def export(run_dir: Path) -> list[dict]:
+    out = run_dir / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(run_dir), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=job_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())["traceEvents"]
+
+
+def check_everywhere(run_dir: Path) -> dict:
+    """The failure in the JSON, the export and the page agree; returns the JSON's view."""
+    view = diagnose_json(run_dir)["failure"]
+    assert view is not None and view["schema"] == "ddpdoctor.failure/1"
+    ends = {int(r): e["end_s"] for r, e in view["ranks"].items()}
+    for span in view["open_spans"]:  # each drawn to the end of its rank's record
+        assert span["did_not_finish"] and abs(span["end_s"] - ends[span["rank"]]) < 1e-3, span
+    events = export(run_dir)
+    open_x = [e for e in events if e["ph"] == "X" and e["args"].get("did_not_finish")]
+    assert len(open_x) == len(view["open_spans"])
+    for e in open_x:
+        assert abs((e["ts"] + e["dur"]) / 1e6 - ends[e["pid"]]) < 1e-3, e
+    moments = {e["cat"] for e in events if e["ph"] == "i" and e["s"] == "g"}
+    assert moments == {m["kind"] for m in view["markers"]}
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert page.index('id="failure"') < page.index('id="timeline-section"') < page.index('id="findings"')
+    assert "did not finish" in page
+    return view
+
+
+def test_the_eval_trap_is_drawn_to_the_kill(tmp_path: Path) -> None:
+    job = run_doctor(
+        tmp_path,
+        torchrun(2, JOBS / "faulty_train.py", "--mode", "eval0"),
+        "--hang-timeout",
+        "10",
+        "--on-hang",
+        "kill",
+        timeout=120,
+    )
+    assert job.returncode == 124, job.stderr[-3000:]
+    view = check_everywhere(job.run_dir)
+    assert view["kind"] == "hang" and view["verdict"].startswith("The job hung (proven")
+    kill = next(m["time_s"] for m in view["markers"] if m["kind"] == "kill")
+    verdict = next(m["time_s"] for m in view["markers"] if m["kind"] == "verdict")
+    assert verdict <= kill < verdict + 5
+    spans = {(s["rank"], s["kind"]): s for s in view["open_spans"]}
+    assert set(spans) == {(0, "forward"), (0, "sync_buffers"), (1, "collective")}
+    seq = spans[(1, "collective")]["seq"]
+    assert spans[(0, "sync_buffers")]["seq"] == seq and spans[(1, "collective")]["op"] == "barrier"
+    assert spans[(0, "forward")]["label"] == "forward (no grad)"
+    assert spans[(0, "sync_buffers")]["user_frame"] == "evaluate() faulty_train.py:28"
+    assert spans[(1, "collective")]["user_frame"] == "main() faulty_train.py:71"
+    assert all(s["seconds"] > 1.0 and s["end_s"] == pytest.approx(kill, abs=1e-3) for s in spans.values())
+    assert view["parting"]["seq"] == seq
+    assert [g["ranks"] for g in view["stacks"]] == [[0], [1]]
+
+
+@pytest.mark.parametrize("mode", ["raise", "sigkill"])
+def test_a_dying_rank_is_drawn_to_its_death_at_the_loops_step(tmp_path: Path, mode: str) -> None:
+    job = run_doctor(
+        tmp_path, torchrun(2, JOBS / "dying_train.py", "--mode", mode, "--die-at", "7", "--steps", "20")
+    )
+    assert job.returncode != 0
+    view = check_everywhere(job.run_dir)
+    assert view["kind"] == "failure" and view["first_rank"] == 1
+    dead = view["ranks"]["1"]
+    # It died before step 7's forward (the loop's step 7, counted from 0 as the trace counts).
+    assert dead["step"] == 7 and "before its forward" in dead["step_text"], dead
+    assert dead["mark"] == ("RuntimeError" if mode == "raise" else "SIGKILL")
+    death = next(m for m in view["markers"] if m["kind"] == "death")
+    assert death["rank"] == 1 and death["time_s"] == pytest.approx(dead["end_s"], abs=1e-3)
+    # The survivor's wait for its dead peer: its step 7 backward, which did not finish.
+    survivor = [s for s in view["open_spans"] if s["rank"] == 0]
+    assert [s["kind"] for s in survivor] == ["backward"] and survivor[0]["step"] == 7
+    assert view["ranks"]["0"]["step_text"].startswith("at step 7, in its backward")
+    assert survivor[0]["seconds"] > 0 and dead["end_s"] < survivor[0]["end_s"]
+    # Where they parted: rank 0 entered the next gradient all-reduce, rank 1 never issued it.
+    row = view["parting"]["rows"][str(view["parting"]["seq"])]
+    assert row["0"]["op"] == "gradient all-reduce" and row["0"]["in_flight"] and row["1"] is None
