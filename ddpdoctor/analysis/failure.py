@@ -110,7 +110,8 @@ def failure_view(
         if trace is None:
             continue
         end_s, ended_by = _end_of(run, clock, rank, book.ending, hang, killed)
-        spans, frames = open_spans(run, clock, rank, trace, book.ending, hang, end_s, ended_by)
+        died_in = next((p for p in book.points if p.died_in), None)
+        spans, frames = open_spans(run, clock, rank, trace, book.ending, hang, end_s, ended_by, died_in)
         stacks[rank] = frames
         view.open_spans.extend(spans)
         view.ranks[rank] = _rank_end(rank, trace, book, spans, end_s)

@@ -83,8 +83,10 @@ def open_spans(
     hang: dict[str, Any] | None,
     end_s: float,
     ended_by: str,
+    died_in: ledgers.Point | None = None,
 ) -> tuple[list[OpenSpan], list[dict[str, Any]]]:
-    """The spans the rank never left, and its stack (innermost first) at the end."""
+    """The spans the rank never left, and its stack (innermost first) at the end; ``died_in``:
+    the sync point a signal killed it in, as its ledger read it from its death stack."""
     if not ended_by:
         return [], []
     step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
@@ -120,6 +122,10 @@ def open_spans(
         return [_user_code(rank, last, end_s, step, user, ended_by)], frames
     end = run.ends.get(rank) or {}
     frames = _fatal_frames(str(end.get("stack") or ""))
+    if died_in is not None:  # its death stack shows it inside a collective (ledger.died_in)
+        grad = died_in.op == ledgers.GRAD_ALLREDUCE
+        phase = {"name": "backward" if grad else "collective", "op": died_in.op, "seq": died_in.seq}
+        return _from_phase(rank, phase, last, end_s, step, _user(frames), ended_by), frames
     return [_user_code(rank, last, end_s, step, _user(frames), ended_by)], frames
 
 
