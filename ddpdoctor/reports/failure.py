@@ -20,15 +20,6 @@ from ddpdoctor.reports.markup import esc
 from ddpdoctor.trace import schema
 
 MARKER_COLOURS = {"verdict": "#d32f2f", "kill": "#6a1b9a", "death": "#b71c1c"}
-_CSS = (
-    "<style>#failure{border:2px solid #d32f2f}#failure .verdict{font-size:15px;font-weight:600}"
-    "#failure table{border-collapse:collapse;font-size:12px;margin:2px 0}"
-    "#failure td,#failure th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}"
-    "#failure th{background:#eceff1}#failure td.open{background:repeating-linear-gradient(45deg,#fff,"
-    "#fff 4px,#fde0dc 4px,#fde0dc 8px);font-weight:600}#failure td.none{color:#999}"
-    "#failure pre b{color:#b71c1c}#failure details{margin:2px 0}#failure h3{font-size:14px;margin:4px 0 2px}"
-    "#failure .cols{display:flex;flex-wrap:wrap;gap:16px}#failure p{margin:4px 0}</style>"
-)
 
 
 def _colour(phase: str) -> str:
@@ -117,7 +108,7 @@ def failure_section(diag: Diagnosis) -> str:
         f"<b>{m.time_s:.3f} s</b> {esc(m.label)}" for m in sorted(view.markers, key=lambda m: m.time_s)
     )
     return (
-        f'{_CSS}<section id="failure"><h2>{title}</h2><p class="verdict">{esc(view.verdict)}</p>'
+        f'<section id="failure"><h2>{title}</h2><p class="verdict">{esc(view.verdict)}</p>'
         + (f"<p class=hint>{moments} (dashed lines in the timeline below)</p>" if moments else "")
         + f'<div class="cols"><div>{_ranks_table(view)}</div><div>{_parting(view)}</div></div>'
         + _stacks(view)
