@@ -38,9 +38,11 @@ def test_summary_uses_state_on_nccl_and_retired_on_gloo() -> None:
         ]
     }
     s = flight.summarise(nccl)
-    assert (s["last_completed"]["seq"], s["last_completed"]["op"]) == (2, "all_reduce")
+    # In ddpdoctor's numbering (the count before it began): the Flight Recorder's id minus 1.
+    assert (s["last_completed"]["seq"], s["last_completed"]["op"]) == (1, "all_reduce")
     assert s["first_pending"] == {
-        "seq": 3,
+        "seq": 2,
+        "fr_seq": 3,
         "op": "broadcast",
         "sizes": [[64]],
         "dtypes": ["Float"],
@@ -52,7 +54,7 @@ def test_summary_uses_state_on_nccl_and_retired_on_gloo() -> None:
         "entries": [entry(1, "gloo:barrier", "scheduled", True), entry(2, "gloo:barrier", "scheduled", False)]
     }
     s = flight.summarise(gloo)
-    assert s["last_completed"]["seq"] == 1 and s["first_pending"]["seq"] == 2
+    assert s["last_completed"]["seq"] == 0 and s["first_pending"]["seq"] == 1
     assert flight.summarise({"entries": []}) == {"last_completed": None, "first_pending": None, "entries": 0}
 
 
@@ -92,7 +94,7 @@ def test_merge_adds_each_ranks_state_to_the_finding(tmp_path: Path) -> None:
     (tmp_path / "fr-rank0.json").write_text(json.dumps(dump))
     f = flight.merge(Finding("hang", "error", [0], "Ranks disagree.", details={"ranks": {"0": {}}}), tmp_path)
     assert f.details["ranks"]["0"]["flight_recorder"]["first_pending"]["op"] == "broadcast"
-    assert "rank 0: last completed all_reduce #1 [[4]], first not completed broadcast #2" in f.summary
+    assert "rank 0: last completed all_reduce #0 [[4]], first not completed broadcast #1" in f.summary
     untouched = Finding("hang", "error", [0], "x")
     assert flight.merge(untouched, tmp_path / "absent").summary == "x"
 

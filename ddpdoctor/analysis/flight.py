@@ -27,8 +27,12 @@ def _op(entry: dict[str, Any]) -> str:
 
 def _describe(entry: dict[str, Any]) -> dict[str, Any]:
     pg = entry.get("process_group") or ["?", "?"]
+    fr_seq = entry.get("collective_seq_id")
     return {
-        "seq": entry.get("collective_seq_id"),
+        # ddpdoctor's number: the group's count before the collective began (the status files'
+        # and the ledger's), one less than the Flight Recorder's own id, which counts from 1
+        "seq": fr_seq - 1 if isinstance(fr_seq, int) else None,
+        "fr_seq": fr_seq,
         "op": _op(entry),
         "sizes": entry.get("input_sizes"),
         "dtypes": entry.get("input_dtypes"),
