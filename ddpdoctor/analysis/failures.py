@@ -69,14 +69,17 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         if recs:
             errors[rank] = recs[0]
             candidates.append((recs[0].get("wall_ns", 0) / 1e9, rank, recs[0], None, is_consequence(recs[0])))
+    ends = _ends(run)
     for key, exit_info in (watch.get("rank_exits") or {}).items():
         rank = int(key)
         trace = run.ranks.get(rank)
         if rank in errors or (trace is not None and trace.ended_cleanly):
             continue  # raised (reported above) or closed its trace: it was not killed outright
+        end = ends.get(key) or {}
+        if end.get("how") == "exit" and end.get("initialised") is not False:
+            continue  # a clean exit whose trace could not be written or read (a full disk)
         when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
         candidates.append((when, rank, None, exit_info.get("signal") or None, False))
-    ends = _ends(run)
     known = {c[1] for c in candidates}
     for key, end in ends.items():
         rank = int(key)

@@ -31,6 +31,7 @@ Progress = tuple[Any, ...]
 _RING_ENV = "DDPDOCTOR_RING"  # "0": no memory-mapped ring (trace/ring.py) beside the trace
 
 ACTIVE: Collector | None = None
+INITIALISED = False  # init_process_group succeeded in this process (recorded or not)
 _activation_lock = threading.Lock()
 
 
@@ -162,7 +163,8 @@ def activate(dist: Any) -> Collector | None:
     Returns None (and records nothing) in DataLoader workers, when disabled, or when no run
     directory can be agreed on. Never raises.
     """
-    global ACTIVE
+    global ACTIVE, INITIALISED
+    INITIALISED = True
     with _activation_lock:
         if ACTIVE is not None:
             return ACTIVE

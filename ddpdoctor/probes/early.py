@@ -103,5 +103,5 @@ def _at_exit(path: Any, record: dict[str, Any]) -> None:
         from ddpdoctor.probes import collector
 
         record["exit_wall"] = time.time()
-        record["initialised"] = collector.ACTIVE is not None
+        record["initialised"] = collector.INITIALISED  # even where its trace could not be opened
         write_atomic(path, json.dumps(record))

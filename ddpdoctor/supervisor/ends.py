@@ -237,9 +237,10 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
 
 
 def _never_ranks(run_dir: Path, ends: dict[str, Any], exits: dict[str, Any]) -> None:
-    """Ranks whose process started (``proc-rank{R}.json``, probes/early.py) but left no trace:
-    they never got through init_process_group. How each ended, from the same files, and
-    ``initialised: False``; a process that went through Python's exit on its own ended there."""
+    """Ranks whose process started (``proc-rank{R}.json``, probes/early.py) but left no trace
+    that can be read: most never got through init_process_group (``initialised: False``); one
+    whose record says it did had a trace it could not write (a full disk). How each ended, from
+    the same files; a process that went through Python's exit on its own ended there."""
     for rank, path in RunDir(run_dir).procs().items():
         if str(rank) in ends:
             continue
@@ -251,8 +252,13 @@ def _never_ranks(run_dir: Path, ends: dict[str, Any], exits: dict[str, Any]) -> 
             continue
         error = proc.get("error") if isinstance(proc.get("error"), dict) else None
         end = _one_end(run_dir, rank, proc, bool(proc.get("exit_wall")) and error is None, error)
-        end.update(initialised=False, world_size=proc.get("world_size"), started=proc.get("started_wall"))
-        if end["how"] == "exit":
+        initialised = proc.get("initialised") is True  # written at its Python exit
+        end.update(
+            initialised=initialised, world_size=proc.get("world_size"), started=proc.get("started_wall")
+        )
+        if end["how"] == "exit" and initialised:
+            end.update(at_wall=proc.get("exit_wall"), source="a clean exit; its trace could not be read")
+        elif end["how"] == "exit":
             end.update(at_wall=proc.get("exit_wall"), source="it exited before init_process_group")
         elif end["how"] is None:  # no Python exit, no stack, no exception: SIGKILL
             sig = (exits.get(str(rank)) or {}).get("signal")

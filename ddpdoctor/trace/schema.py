@@ -316,7 +316,8 @@ declare(
     Phase("allreduce", ALLREDUCE, "bucket all-reduce", Lane.COMM, "#edc948"),
 )
 declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
-# Device spans: the fields and titles of their CPU twins, drawn under them.
+# Device spans: the fields and titles of their CPU twins (less backward's runq, a host thread's
+# measure), drawn under them.
 declare(
     EventKind(DEV_FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
     Phase("dev_forward", DEV_FORWARD, "forward (GPU)", Lane.DEVICE, "#2b4a6b"),
