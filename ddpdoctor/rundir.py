@@ -62,9 +62,14 @@ class RunDir:
 
     def procs(self) -> dict[int, Path]:
         """The newest attempt's process record of each rank."""
+        return self._newest("proc-rank*.json", self._PROC)
+
+    def _newest(self, pattern: str, name: re.Pattern[str]) -> dict[int, Path]:
+        """Per rank, the file of its newest attempt (rank and attempt from ``name``'s groups);
+        regular files only."""
         best: dict[int, tuple[int, Path]] = {}
-        for path in self.path.glob("proc-rank*.json"):
-            match = self._PROC.match(path.name)
+        for path in self.path.glob(pattern):
+            match = name.match(path.name)
             if not match or not path.is_file():
                 continue
             rank, attempt = int(match.group(1)), int(match.group(2) or 0)
@@ -110,15 +115,7 @@ class RunDir:
     def traces(self) -> dict[int, Path]:
         """The newest attempt's trace of each rank (regular files only: a trace name pointing
         at a device such as /dev/full or a FIFO would never end)."""
-        best: dict[int, tuple[int, Path]] = {}
-        for path in self.path.glob("trace-rank*.jsonl"):
-            match = self._TRACE.match(path.name)
-            if not match or not path.is_file():
-                continue
-            rank, attempt = int(match.group(1)), int(match.group(2) or 0)
-            if rank not in best or attempt > best[rank][0]:
-                best[rank] = (attempt, path)
-        return {rank: path for rank, (_, path) in sorted(best.items())}
+        return self._newest("trace-rank*.jsonl", self._TRACE)
 
     def statuses(self) -> Iterator[tuple[int, Path]]:
         for path in self.path.glob("status-rank*.json"):
