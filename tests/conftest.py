@@ -89,14 +89,19 @@ def run_plain(cwd: Path, command: list[str], timeout: float = 180, **env: str) -
     )
 
 
-def diagnose_json(*run_dirs: Path) -> dict:
-    proc = subprocess.run(
+def diagnose_proc(*run_dirs: Path) -> subprocess.CompletedProcess:
+    """`ddpdoctor diagnose --json RUN_DIRS` as a user runs it, whatever it exits with."""
+    return subprocess.run(
         [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", *map(str, run_dirs)],
         capture_output=True,
         text=True,
         timeout=120,
         env=job_env(),
     )
+
+
+def diagnose_json(*run_dirs: Path) -> dict:
+    proc = diagnose_proc(*run_dirs)
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import job_env
+from conftest import diagnose_proc, job_env
 
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.probes.early import PARENT_RANK_ENV, is_rank_process
@@ -73,13 +73,7 @@ def test_a_run_with_no_trace_is_diagnosed_from_the_supervisors_records(tmp_path:
     assert "config not found" in f.summary and "train.py:19" in f.summary
     assert "init_process_group" in f.fix
     assert not any(f.kind == "missing_ranks" for f in findings)  # known: they never initialised
-    out = subprocess.run(
-        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=job_env(),
-    )
+    out = diagnose_proc(tmp_path)
     assert out.returncode == 1, out.stderr  # an error finding, not unreadable input (2)
     kinds = [f["kind"] for f in json.loads(out.stdout)["findings"]]
     assert "rank_never_started" in kinds
@@ -87,13 +81,7 @@ def test_a_run_with_no_trace_is_diagnosed_from_the_supervisors_records(tmp_path:
 
 def test_a_run_dir_with_nothing_at_all_is_still_unreadable(tmp_path: Path) -> None:
     (tmp_path / "ends.json").write_text(json.dumps({"schema": "ddpdoctor.ends/1", "ranks": {}}))
-    out = subprocess.run(
-        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=job_env(),
-    )
+    out = diagnose_proc(tmp_path)
     assert out.returncode == 2 and "no rank traces" in out.stdout
 
 

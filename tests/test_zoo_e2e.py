@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, job_env
+from conftest import REPO, diagnose_proc
 
 _spec = importlib.util.spec_from_file_location(
     "diagnosis_accuracy", REPO / "benchmarks" / "diagnosis_accuracy.py"
@@ -84,13 +83,7 @@ def test_zoo_case(name: str, tmp_path: Path) -> None:
 
 
 def test_diagnose_json_prints_an_error_object_when_nothing_can_be_read(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=job_env(),
-    )
+    proc = diagnose_proc(tmp_path)
     assert proc.returncode == 2
     out = json.loads(proc.stdout)
     assert out["error"] and out["findings"] == [] and out["run"]["run_dirs"] == [str(tmp_path)]
