@@ -239,6 +239,10 @@ def test_instrument_one_liner_without_the_cli(tmp_path: Path, write_script) -> N
         "trace-rank1.jsonl",
     ]
     assert counts(run_dir, 1)["backward"] == 3
+    # Each backward carries the thread's run-queue delay so far (µs; probes/cpuwait.py), never
+    # decreasing: this kernel keeps schedstats, so none is the -1 of "unknown".
+    runq = [r[4] for r in read_lines(run_dir / "trace-rank1.jsonl") if r[0] == "backward"]
+    assert all(isinstance(v, int) and v >= 0 for v in runq) and runq == sorted(runq), runq
 
 
 def test_dataloader_workers_and_forks_write_no_traces(tmp_path: Path, write_script) -> None:
