@@ -348,7 +348,10 @@ def build(run: Run) -> dict[int, Ledger]:
     """A ledger for every rank of the run, those that left no trace included."""
     watch = _watch(run)
     ledgers: dict[int, Ledger] = {}
+    elsewhere = run.elsewhere  # on a node whose run dir was not given: nothing to judge it by
     for rank in range(run.world_size):
+        if rank in elsewhere:
+            continue
         ledger = Ledger(rank, ending=how_it_ended(run, rank, watch))
         ledger.words = [str(w) for w in (run.ends.get(rank) or {}).get("words") or []]
         trace = run.ranks.get(rank)

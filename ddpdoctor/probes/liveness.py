@@ -59,6 +59,8 @@ class _Liveness:
         self.host = socket.gethostname()
         local_rank = os.environ.get("LOCAL_RANK", "")
         self.local_rank = int(local_rank) if local_rank.isdigit() else None
+        node = os.environ.get("GROUP_RANK", "")  # torchrun's node rank: which node's watcher reads us
+        self.node = int(node) if node.isdigit() else None
         self.recent = RecentSteps()
         self.seen_events = -1
         self.progress_wall = time.time()  # when the event count last moved
@@ -91,6 +93,7 @@ class _Liveness:
             "rank": c.rank,
             "world_size": self.world_size,
             "local_rank": self.local_rank,
+            "node": self.node,
             "host": self.host,
             "pid": self.pid,
             "heartbeat_wall": wall,

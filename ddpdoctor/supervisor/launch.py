@@ -95,7 +95,7 @@ def run_job(
     write_meta(run_dir, meta)
     result = JobResult(exit_code=0)
     terminal = _ForegroundTerminal(proc.pid)
-    watcher = _start_watcher(run_dir, proc.pid, watch)
+    watcher = _start_watcher(run_dir, proc.pid, watch, command)
     previous = {sig: signal.getsignal(sig) for sig in _FORWARDED}
 
     def forward(signum: int, frame: Any) -> None:
@@ -126,6 +126,7 @@ def run_job(
         if watcher is not None:
             watcher.stop()
             result.hangs, result.killed_on_hang = len(watcher.hangs), watcher.killed
+            meta["job"] = watcher.job_layout()
         if sampler is not None:
             sampler.stop()
         for sig, handler in previous.items():
@@ -151,11 +152,14 @@ def run_job(
     return result
 
 
-def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None) -> Any:
-    """Start the hang watcher; a failure here costs the watching, never the job."""
+def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None, command: list[str]) -> Any:
+    """Start the hang watcher, sharing with the other nodes' watchers through the job's own
+    rendezvous store when the launcher says the job spans nodes; a failure here costs the
+    watching, never the job."""
     if watch is None:
         return None
     try:
+        from ddpdoctor.supervisor.board import Board, parse_layout
         from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher, stop_job
 
         watcher = Watcher(
@@ -165,6 +169,7 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None)
             floor_s=watch.floor_s if watch.floor_s is not None else DEFAULT_FLOOR_S,
             report=eprint,
             kill_job=lambda pids: stop_job(launcher_pid, pids),
+            board=Board(parse_layout(command, dict(os.environ)), report=eprint),
         )
         watcher.start()
         return watcher

@@ -223,6 +223,26 @@ class Run:
         return max(sizes + [len(self.ranks), max(self.ends, default=-1) + 1])
 
     @property
+    def elsewhere(self) -> dict[int, str]:
+        """Ranks of the job whose node's run dir is not among those read, with where they ran:
+        no trace and no record of their process here, and the job spans nodes (the watchers'
+        shared node map in run.json, else the launcher's --nnodes)."""
+        jobs = [m.get("job") or {} for m in self.metas]
+        here = {int(job["node"]) for job in jobs if isinstance(job.get("node"), int)}
+        where: dict[int, str] = {}
+        multi = False
+        for job in jobs:
+            multi = multi or int(job.get("nnodes") or 1) > 1
+            for node, info in (job.get("nodes") or {}).items():
+                if str(node).isdigit() and int(node) not in here:
+                    for r in info.get("ranks") or []:
+                        where[int(r)] = f"node {node} ({info.get('host')}, run dir {info.get('run_dir')})"
+        if not multi and not where:
+            return {}
+        absent = set(range(self.world_size)) - set(self.ranks) - set(self.ends)
+        return {r: where.get(r, "another node") for r in sorted(absent)}
+
+    @property
     def hosts(self) -> list[str]:
         return sorted({t.host for t in self.ranks.values()})
 
@@ -289,6 +309,7 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         for path in RunDir(run_dir).hang_summaries():
             hangs.extend(_json_object(path))
         watches.extend(_json_object(run_dir / RunDir.WATCH))
+    hangs = _one_per_job_verdict(hangs)
     ends: dict[int, dict[str, Any]] = {}
     for found in (_json_object(run_dir / RunDir.ENDS) for run_dir in paths):
         for rank, end in (found[0].get("ranks") or {} if found else {}).items():
@@ -302,6 +323,29 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
     run = Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
     run.ends = ends
     return run
+
+
+def _one_per_job_verdict(hangs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every node writes the job's hang n (supervisor/board.py): one summary of it, with every
+    node's stacks and the earliest kill. Summaries of one node's own verdict stay apart."""
+    out: list[dict[str, Any]] = []
+    shared: dict[int, dict[str, Any]] = {}
+    for h in hangs:
+        if len(h.get("nodes") or {}) < 2 or not isinstance(h.get("n"), int):
+            out.append(h)
+            continue
+        first = shared.get(h["n"])
+        if first is None:
+            shared[h["n"]] = first = dict(h)
+            out.append(first)
+            continue
+        first["stacks"] = {**(h.get("stacks") or {}), **(first.get("stacks") or {})}
+        first["statuses"] = {**(h.get("statuses") or {}), **(first.get("statuses") or {})}
+        kills = [k for k in (first.get("killed_wall"), h.get("killed_wall")) if k is not None]
+        if kills:
+            first["killed_wall"] = min(kills)
+        first["recovered"] = bool(first.get("recovered")) and bool(h.get("recovered"))
+    return out
 
 
 def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
