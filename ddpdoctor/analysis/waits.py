@@ -81,9 +81,15 @@ def _point(phase: dict[str, Any]) -> str:
 
 def _episodes(run: Run) -> Iterable[dict[str, Any]]:
     """Every wait on a busy rank: noted live, or a hang verdict the job then outlived."""
+    seen: set[tuple[Any, ...]] = set()
     for watch in run.watches:
         for ep in watch.get("waits") or []:
-            yield {**ep, "live_verdict": None}
+            # Every node of a multi-node job notes the job's wait (supervisor/board.py): once.
+            points = sorted((r, _point(p)) for r, p in (ep.get("phases") or {}).items())
+            key = (tuple(ep.get("waiting") or ()), tuple(ep.get("busy") or ()), tuple(points))
+            if key not in seen:
+                seen.add(key)
+                yield {**ep, "live_verdict": None}
     for summary in run.hangs:
         if not went_on(summary, run):
             continue

@@ -283,7 +283,8 @@ class Board:
         self.report = report or (lambda text: None)
         self._store: Any = None
         self._gone = False  # the store was reached once and then lost, or never: judge alone
-        self._started = time.monotonic()
+        self._started: float | None = None  # when this node's ranks were first seen running
+        self._why = "no answer"
         self._seen: dict[int, tuple[float, float]] = {}  # node -> (its wall, our time first seen)
         self._views: dict[int, NodeView] = {}
         self._known: set[int] = set()  # nodes whose key exists
@@ -321,7 +322,8 @@ class Board:
                     wait_for_workers=False,
                 )
                 return
-            except Exception:
+            except Exception as exc:
+                self._why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                 time.sleep(0.5)
 
     def _lose(self, why: str, ranks_running: bool) -> None:
@@ -338,9 +340,11 @@ class Board:
             self.leading = True
             return JobView({mine.node: mine})
         if self._store is None:
-            if ranks_running and time.monotonic() - self._started > CONNECT_PATIENCE_S:
+            if ranks_running and self._started is None:
+                self._started = time.monotonic()
+            if ranks_running and time.monotonic() - (self._started or 0.0) > CONNECT_PATIENCE_S:
                 host, port = self.layout.endpoint or ("?", 0)
-                self._lose(f"the job's store at {host}:{port} cannot be reached", True)
+                self._lose(f"the job's store at {host}:{port} cannot be reached ({self._why})", True)
             self.leading = True
             return JobView({mine.node: mine})
         try:
