@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -60,6 +61,12 @@ def _once_more_on_exit_abort(launch, before_retry=lambda: None):
         before_retry()
         proc = launch()
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_doctor(cwd: Path, command: list[str], *options: str, timeout: float = 180, **env: str) -> Job:

@@ -30,6 +30,7 @@ from ddpdoctor.trace.reader import Run
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
+    "node_lost",
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",

@@ -67,22 +67,7 @@ def missing_ranks(run: Run) -> Iterable[Finding]:
     # A rank the supervisor saw start and end without initialising is no missing file:
     # rank_never_started says what became of it.
     known = {r for r, end in run.ends.items() if end.get("initialised") is False}
-    elsewhere = run.elsewhere
-    if elsewhere:
-        nodes: dict[str, list[int]] = {}
-        for rank, where in elsewhere.items():
-            nodes.setdefault(where, []).append(rank)
-        text = "; ".join(f"rank(s) {rank_list(rs)} on {where}" for where, rs in nodes.items())
-        yield Finding(
-            "other_nodes",
-            "info",
-            sorted(elsewhere),
-            f"this diagnosis covers the ranks of {len(run.dirs)} node(s); the job's other ranks ran "
-            f"elsewhere: {text}",
-            fix="For the whole job, pass every node's run directory: ddpdoctor diagnose DIR1 DIR2 ...",
-            details={"world_size": run.world_size, "elsewhere": {str(r): w for r, w in elsewhere.items()}},
-        )
-    missing = sorted(set(range(run.world_size)) - set(run.ranks) - known - set(elsewhere))
+    missing = sorted(set(range(run.world_size)) - set(run.ranks) - known - set(run.elsewhere))
     if missing:
         yield Finding(
             "missing_ranks",

@@ -290,6 +290,7 @@ class Board:
         self._known: set[int] = set()  # nodes whose key exists
         self._job_seen: tuple[bytes, float] = (b"", time.time())
         self.leading = False
+        self.last_ok: float | None = None  # the last look that read every node (our clock)
         self.node: int | None = self.layout.node_rank
         if self.layout.multi_node:
             threading.Thread(target=self._connect, name="ddpdoctor-board", daemon=True).start()
@@ -353,7 +354,9 @@ class Board:
             self.leading = self._should_lead(mine.node, now)
             if not self.leading:
                 return JobView({mine.node: mine})
-            return self._read_nodes(mine, now)
+            view = self._read_nodes(mine, now)
+            self.last_ok = now
+            return view
         except Exception as exc:
             self._lose(f"lost the job's store ({type(exc).__name__})", ranks_running)
             self.leading = True
@@ -399,6 +402,11 @@ class Board:
             self._views[mine.node] = mine
             lost.pop(mine.node, None)
         return JobView(dict(self._views), lost)
+
+    def last_seen(self, node: int) -> float | None:
+        """When (on this node's clock) ``node``'s report last changed."""
+        seen = self._seen.get(node)
+        return seen[1] if seen else None
 
     def _get(self, key: str) -> bytes | None:
         assert self._store is not None

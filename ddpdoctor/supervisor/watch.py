@@ -127,6 +127,7 @@ class Watcher:
         self._lost: dict[int, dict[str, Any]] = {}
         self._nodes: dict[str, Any] = {}  # the job's node map, as the leader last posted it
         self._layout_v = 0
+        self._nodes_seen: dict[str, dict[str, Any]] = {}  # the leader's last look at each node
 
     def start(self) -> None:
         self._thread.start()
@@ -285,6 +286,15 @@ class Watcher:
                 changed = True
         if changed:
             self._last_change = now
+        for n, v in view.nodes.items():
+            seen = now if n == self.board.node else self.board.last_seen(n)
+            self._nodes_seen[str(n)] = {
+                "host": v.host,
+                "ranks": sorted(v.statuses),
+                "seen_wall": seen,
+                "steps": {str(r): st.get("step") for r, st in v.statuses.items()},
+                "running": any(not st.get("exited") and not st.get("error") for st in v.statuses.values()),
+            }
         self._lost = {
             n: {"host": view.nodes[n].host, "ranks": sorted(view.nodes[n].statuses), "silent_s": round(s, 3)}
             for n, s in view.lost.items()
@@ -438,6 +448,8 @@ class Watcher:
                 "waits": self._notes.episodes,
                 "node": self.board.node,
                 "lost_nodes": {str(n): v for n, v in self._lost.items()},
+                "nodes": self._nodes_seen if self.board.leading else {},
+                "nodes_read_wall": self.board.last_ok if self.board.leading else None,
             },
         )
 
