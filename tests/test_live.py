@@ -83,7 +83,7 @@ def test_top_sees_no_straggler_when_the_latest_rank_changes(tmp_path: Path) -> N
     assert not [f for f in frame["findings"] if f["kind"] == "straggler"]
 
 
-def test_top_reports_a_hang_with_the_watchers_verdict(tmp_path: Path) -> None:
+def test_top_judges_a_hang_by_the_watchers_own_rule(tmp_path: Path) -> None:
     now = time.time()
     sync = {"name": "sync_buffers", "op": "broadcast", "seq": 40, "since_s": 45.0}
     barrier = {"name": "collective", "op": "barrier", "seq": 40, "since_s": 45.0}
@@ -93,13 +93,18 @@ def test_top_reports_a_hang_with_the_watchers_verdict(tmp_path: Path) -> None:
     frame = live_top.Top([tmp_path]).snapshot(now)
     [hang] = [f for f in frame["findings"] if f["kind"] == "hang"]
     assert hang["pattern"] == "rank_only_forward" and hang["ranks"] == [0]
-    assert "no progress for 45 s (threshold 30 s)" in hang["text"]
+    assert hang["text"].startswith("proven: ranks disagree on the op of collective #40")
     assert frame["job"]["since_progress_s"] == 45.0
-    # The same job 10 s earlier: waiting, not yet a hang.
+    # The same job 20 s earlier: the statuses prove it already, as the watcher's proof.judge says.
     _write(
         tmp_path,
         [{**s, "progress_wall": now - 25, "phase": {**s["phase"], "since_s": 25.0}} for s in statuses],
     )
+    [hang] = [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
+    assert hang["pattern"] == "rank_only_forward"
+    # One consistent barrier for 25 s: nothing on record says why, so only the threshold decides.
+    waiting = {**barrier, "since_s": 25.0}
+    _write(tmp_path, [{**s, "phase": waiting, "progress_wall": now - 25} for s in statuses])
     assert not [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
 
 

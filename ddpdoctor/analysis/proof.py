@@ -109,6 +109,31 @@ class Verdict:
         )
 
 
+def is_hang(
+    verdict: Verdict,
+    threshold: float,
+    *,
+    hang_timeout: float | None,
+    longest: float,
+    quiet: float,
+    started: bool,
+) -> bool:
+    """The one live rule (the watcher, `top`, `attach`): proven now; stalled or blocked past the
+    threshold; busy only past an explicit ``--hang-timeout``; unmeasured by the clock alone."""
+    state = verdict.state
+    if state == "proven":
+        return True
+    if state in ("stalled", "quiet"):
+        return verdict.idle_s >= threshold
+    if state == "busy":
+        return hang_timeout is not None and verdict.wait_s >= hang_timeout
+    if state == "blocked":
+        return verdict.wait_s >= threshold
+    if state == "unmeasured":  # no /proc, no stack: the wait alone decides
+        return longest > threshold or (started and quiet > threshold)
+    return False
+
+
 def phase_since(status: dict[str, Any], now: float) -> float:
     """Seconds in the current phase, as of ``now`` (the status was written a little earlier)."""
     phase = status.get("phase") or {}

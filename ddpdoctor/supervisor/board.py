@@ -362,6 +362,15 @@ class Board:
             self.leading = True
             return JobView({mine.node: mine})
 
+    def read(self, now: float) -> JobView | None:
+        """Every node's latest look, for a reader that is no node (`ddpdoctor top`)."""
+        if not self.shared:
+            return None
+        try:
+            return self._read_nodes(None, now)
+        except Exception:
+            return None
+
     def _should_lead(self, node: int, now: float) -> bool:
         """The node of rank 0 leads; another node takes over once the job state stops moving."""
         if node == 0:
@@ -416,7 +425,7 @@ class Board:
 
     def job_state(self) -> dict[str, Any] | None:
         """The leader's latest state of the job (None on the leader itself, or without a store)."""
-        if not self.shared or self.leading:
+        if not self.shared or (self.leading and self.node is not None):
             return None
         try:
             raw = self._get(JOB_KEY)

@@ -24,6 +24,7 @@ import ddpdoctor
 from ddpdoctor import _env
 from ddpdoctor.probes import flight_recorder
 from ddpdoctor.rundir import RunDir, write_atomic
+from ddpdoctor.supervisor.board import Layout, parse_layout
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
 RUN_SCHEMA = "ddpdoctor.run/1"
@@ -81,6 +82,8 @@ def run_job(
         "started_ns": time.time_ns(),
         "status": "running",
     }
+    layout = parse_layout(command, dict(os.environ))
+    meta["job"] = layout.to_json()  # where `top` finds the job's store while it runs
     write_meta(run_dir, meta)
     sampler = _start_sampler(run_dir, nvml_interval)
     try:
@@ -95,7 +98,7 @@ def run_job(
     write_meta(run_dir, meta)
     result = JobResult(exit_code=0)
     terminal = _ForegroundTerminal(proc.pid)
-    watcher = _start_watcher(run_dir, proc.pid, watch, command)
+    watcher = _start_watcher(run_dir, proc.pid, watch, layout)
     previous = {sig: signal.getsignal(sig) for sig in _FORWARDED}
 
     def forward(signum: int, frame: Any) -> None:
@@ -152,14 +155,14 @@ def run_job(
     return result
 
 
-def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None, command: list[str]) -> Any:
+def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None, layout: Layout) -> Any:
     """Start the hang watcher, sharing with the other nodes' watchers through the job's own
     rendezvous store when the launcher says the job spans nodes; a failure here costs the
     watching, never the job."""
     if watch is None:
         return None
     try:
-        from ddpdoctor.supervisor.board import Board, parse_layout
+        from ddpdoctor.supervisor.board import Board
         from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher, stop_job
 
         watcher = Watcher(
@@ -169,7 +172,7 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None,
             floor_s=watch.floor_s if watch.floor_s is not None else DEFAULT_FLOOR_S,
             report=eprint,
             kill_job=lambda pids: stop_job(launcher_pid, pids),
-            board=Board(parse_layout(command, dict(os.environ)), report=eprint),
+            board=Board(layout, report=eprint),
         )
         watcher.start()
         return watcher

@@ -29,7 +29,7 @@ from typing import Any
 
 from ddpdoctor.analysis import flight
 from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
-from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
+from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
@@ -314,12 +314,10 @@ class Watcher:
             (s.get("phase") or {}).get("name") in SYNC and phase_since(s, now) >= 1.0
             for s in statuses.values()
         )
-        if (
-            detect
-            and self._armed
-            and not failing
-            and self._is_hang(verdict, threshold, longest, quiet, started)
-        ):
+        hang = is_hang(
+            verdict, threshold, hang_timeout=self.hang_timeout, longest=longest, quiet=quiet, started=started
+        )
+        if detect and self._armed and not failing and hang:
             self._armed = False
             self._declared += 1
             self._hang_payload = {
@@ -350,23 +348,6 @@ class Watcher:
     @staticmethod
     def _world(statuses: dict[int, dict[str, Any]]) -> int | None:
         return max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
-
-    def _is_hang(
-        self, verdict: Verdict, threshold: float, longest: float, quiet: float, started: bool
-    ) -> bool:
-        """Proven: now. Stalled or blocked: past the threshold. Busy: only past --hang-timeout."""
-        state = verdict.state
-        if state == "proven":
-            return True
-        if state in ("stalled", "quiet"):
-            return verdict.idle_s >= threshold
-        if state == "busy":
-            return self.hang_timeout is not None and verdict.wait_s >= self.hang_timeout
-        if state == "blocked":
-            return verdict.wait_s >= threshold
-        if state == "unmeasured":  # no /proc, no stack: the wait alone decides, as it always did
-            return longest > threshold or (started and quiet > threshold)
-        return False
 
     def _on_hang(self, hang: dict[str, Any], now: float) -> dict[str, Any]:
         """Every node: dump its own ranks' stacks, share them, gather the others', and print the
