@@ -52,6 +52,24 @@ def hang_key(hang: int) -> str:
     return f"{PREFIX}hang/{hang}"
 
 
+def compact(verdict: dict[str, Any], keep: int = 16) -> dict[str, Any]:
+    """A verdict as every node reads it four times a second: the culprits' places and phases,
+    and one waiting rank per distinct place, not a thousand copies of "barrier #500"."""
+    culprits = [str(r) for r in verdict.get("culprits") or []][:keep]
+    chosen, points = list(culprits), set()
+    for r, phase in (verdict.get("phases") or {}).items():
+        point = (phase.get("op"), phase.get("seq"), phase.get("name"))
+        if point not in points and len(chosen) < keep:
+            points.add(point)
+            chosen.append(r)
+    chosen_set = set(chosen)
+    return {
+        **verdict,
+        "where": {r: w for r, w in (verdict.get("where") or {}).items() if r in chosen_set},
+        "phases": {r: p for r, p in (verdict.get("phases") or {}).items() if r in chosen_set},
+    }
+
+
 def nodes_text(nodes: dict[int, dict[str, Any]], hang: int) -> str:
     """The report's lines naming which node holds which ranks and where their stacks are
     (nothing for a job on one node)."""

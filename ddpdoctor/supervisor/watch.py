@@ -33,7 +33,7 @@ from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, j
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
-from ddpdoctor.supervisor.board import Board, JobView, NodeView, nodes_text
+from ddpdoctor.supervisor.board import Board, JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -338,7 +338,7 @@ class Watcher:
         return {
             "layout_v": self._layout_v,
             "wall": now,
-            "verdict": verdict.to_json(),
+            "verdict": compact(verdict.to_json()) if self.board.shared else verdict.to_json(),
             "threshold": threshold,
             "measure": waiting or quiet >= 1.0,
             "hangs": self._declared,
