@@ -65,6 +65,7 @@ def node_sim(port: int, nodes: list[int], per_node: int, world: int, clock: Any,
 
     from ddpdoctor.analysis.proof import Activity
     from ddpdoctor.supervisor import board
+    from ddpdoctor.supervisor.jobview import NodeView
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     out.put("ready")
@@ -85,7 +86,7 @@ def node_sim(port: int, nodes: list[int], per_node: int, world: int, clock: Any,
             statuses = {
                 r: status(r, world, node, tick, events if tick < blocked else 5000, blocked) for r in ranks
             }
-            view = board.NodeView(node, f"node{node:04d}", f"/scratch/runs/n{node}", tick, statuses,
+            view = NodeView(node, f"node{node:04d}", f"/scratch/runs/n{node}", tick, statuses,
                                   {r: Activity() for r in ranks})  # fmt: skip
             blob = view.to_json()
             store.set(board.node_key(node), blob)
@@ -117,7 +118,8 @@ def main() -> int:
     args = parser.parse_args()
     import torch.distributed as dist
 
-    from ddpdoctor.supervisor.board import Board, Layout
+    from ddpdoctor.supervisor.board import Board
+    from ddpdoctor.supervisor.layout import Layout
     from ddpdoctor.supervisor.watch import Watcher
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from ddpdoctor.analysis.proof import Activity, judge
-from ddpdoctor.supervisor.board import JobView, Layout, NodeView, nodes_text, parse_layout
+from ddpdoctor.supervisor.jobview import JobView, NodeView, nodes_text
+from ddpdoctor.supervisor.layout import Layout, parse_layout
 
 PY = ["python", "-m", "torch.distributed.run"]
 

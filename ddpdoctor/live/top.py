@@ -28,15 +28,12 @@ from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.render import render
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.supervisor.board import Board, JobView, Layout
-from ddpdoctor.supervisor.watch import (
-    DEFAULT_FLOOR_S,
-    HANG_MULTIPLE,
-    adaptive_threshold,
-    pid_alive,
-    read_statuses,
-    sync_wait_s,
-)
+from ddpdoctor.supervisor.activity import pid_alive
+from ddpdoctor.supervisor.board import Board
+from ddpdoctor.supervisor.jobview import JobView
+from ddpdoctor.supervisor.layout import Layout
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, sync_wait_s
+from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, HANG_MULTIPLE
 from ddpdoctor.trace.reader import read_meta
 
 TOP_SCHEMA = "ddpdoctor.top/1"

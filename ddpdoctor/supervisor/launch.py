@@ -8,6 +8,7 @@ launcher itself (torchrun passes them on to its workers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,8 @@ import ddpdoctor
 from ddpdoctor import _env
 from ddpdoctor.probes import flight_recorder
 from ddpdoctor.rundir import RunDir, write_atomic
-from ddpdoctor.supervisor.board import Layout, parse_layout
+from ddpdoctor.supervisor.activity import pid_alive
+from ddpdoctor.supervisor.layout import Layout, parse_layout
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
 RUN_SCHEMA = "ddpdoctor.run/1"
@@ -163,7 +165,7 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None,
         return None
     try:
         from ddpdoctor.supervisor.board import Board
-        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher, stop_job
+        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher
 
         watcher = Watcher(
             run_dir,
@@ -189,6 +191,29 @@ def _settle(run_dir: Path) -> None:
         settle(run_dir)
     except Exception as exc:
         eprint(f"ddpdoctor: could not complete the traces after the job: {exc!r}")
+
+
+def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> None:
+    """Stop a hung job: ranks blocked in a collective ignore SIGTERM until it returns, so they
+    get SIGKILL (their traces are flushed continuously and their stacks are already taken);
+    the launcher then sees its workers fail and exits; if not, SIGTERM, then SIGKILL its group."""
+    for pid in rank_pids:
+        if pid > 0:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(OSError):
+                if sig == signal.SIGKILL:
+                    os.killpg(launcher_pid, sig)
+                else:
+                    os.kill(launcher_pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not pid_alive(launcher_pid):
+                return
+            time.sleep(0.1)
+
 
 
 def _start_sampler(run_dir: Path, interval: float | None) -> Any:

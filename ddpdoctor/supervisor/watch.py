@@ -12,14 +12,16 @@ The default threshold adapts: ``HANG_MULTIPLE`` times the slowest step any rank 
 below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hang.py),
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
 It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
+
+A job that spans nodes is judged as one: each node's watcher puts its look on the job's board
+(board.py, the rendezvous store), the node of rank 0 judges every node's ranks and the others
+follow its verdict; on a hang each node dumps its own ranks' stacks and prints the same report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
 import threading
 import time
@@ -28,12 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis import flight
-from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
+from ddpdoctor.analysis.hang import analyse
 from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
-from ddpdoctor.supervisor.board import Board, JobView, NodeView, compact, nodes_text
+from ddpdoctor.supervisor.board import Board
+from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
+from ddpdoctor.supervisor.stacks import render_stack
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -44,32 +49,10 @@ LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
 
 
-def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """The latest status of every rank (a file being replaced is simply read next time)."""
-    out: dict[int, dict[str, Any]] = {}
-    for rank, path in RunDir(run_dir).statuses():
-        try:
-            with open(path, "rb") as fh:
-                status = json.loads(fh.read())
-        except (OSError, ValueError):
-            continue
-        if isinstance(status, dict):
-            out[rank] = status
-    return out
 
 
-def adaptive_threshold(statuses: dict[int, dict[str, Any]], floor_s: float, multiple: float) -> float:
-    """``multiple`` x the slowest step seen on any rank, never below ``floor_s``."""
-    slowest = max((float(s.get("max_step_s") or 0.0) for s in statuses.values()), default=0.0)
-    return max(floor_s, multiple * slowest)
 
 
-def sync_wait_s(status: dict[str, Any], now: float) -> float:
-    """How long the rank has been inside its current sync point (0 if it is in none)."""
-    phase = status.get("phase")
-    if not phase or phase.get("name") not in SYNC_PHASES:
-        return 0.0
-    return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
 
 
 class Watcher:
@@ -237,7 +220,7 @@ class Watcher:
                 self._local_events[rank] = events
                 self._rank_change[rank] = now
             if st.get("error") and rank not in self.errors:
-                self.errors[rank] = {"seen_wall": now, **st["error"], "others": _snapshot(statuses, rank)}
+                self.errors[rank] = {"seen_wall": now, **st["error"], "others": snapshot(statuses, rank)}
                 self._write_watch()
             pid = int(st.get("pid") or 0)
             # A heartbeat written in the last second is proof of life, and costs no syscall.
@@ -252,7 +235,7 @@ class Watcher:
                     "step": st.get("step"),
                     "last_heartbeat_wall": st.get("heartbeat_wall"),
                     "error": st.get("error"),
-                    "others": _snapshot(statuses, rank),
+                    "others": snapshot(statuses, rank),
                 }
                 self._write_watch()
         return alive
@@ -398,7 +381,7 @@ class Watcher:
             if rank in mine:
                 raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
                 with contextlib.suppress(OSError):
-                    RunDir(self.run_dir).hang_stack(n, rank).write_text(_render_stack(rank, dump, raw))
+                    RunDir(self.run_dir).hang_stack(n, rank).write_text(render_stack(rank, dump, raw))
         self._save_hang(summary)
         self.hangs.append(summary)
         self.report(text)
@@ -435,53 +418,11 @@ class Watcher:
         )
 
 
-def _snapshot(statuses: dict[int, dict[str, Any]], but: int) -> dict[str, Any]:
-    """What the other ranks were doing: phase, op, seq and step."""
-    out = {}
-    for rank, st in sorted(statuses.items()):
-        if rank == but:
-            continue
-        phase = st.get("phase") or {}
-        out[str(rank)] = {
-            "phase": phase.get("name"),
-            "op": phase.get("op"),
-            "seq": phase.get("seq"),
-            "step": st.get("step"),
-        }
-    return out
 
 
-def _render_stack(rank: int, dump: dict[str, Any], raw: str) -> str:
-    lines = [f"rank {rank}: stack by {dump.get('method') or 'nothing'} {dump.get('error') or ''}".rstrip()]
-    for t in dump.get("threads") or []:
-        lines.append(f"\nThread {t.get('name')} (most recent call first):")
-        for f in t.get("frames") or []:
-            lines.append(f'  File "{f.get("file")}", line {f.get("line")}, in {f.get("function")}')
-    return "\n".join(lines) + "\n"
 
 
 def _write_json(path: Path, obj: Any) -> None:
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps(obj, indent=1, default=str))
 
-
-def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> None:
-    """Stop a hung job: ranks blocked in a collective ignore SIGTERM until it returns, so they
-    get SIGKILL (their traces are flushed continuously and their stacks are already taken);
-    the launcher then sees its workers fail and exits; if not, SIGTERM, then SIGKILL its group."""
-    for pid in rank_pids:
-        if pid > 0:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if sig is not None:
-            with contextlib.suppress(OSError):
-                if sig == signal.SIGKILL:
-                    os.killpg(launcher_pid, sig)
-                else:
-                    os.kill(launcher_pid, sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not pid_alive(launcher_pid):
-                return
-            time.sleep(0.1)
