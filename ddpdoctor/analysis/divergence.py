@@ -204,55 +204,70 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
             yield _buffers(series, buffers, label)
 
 
+_NOT_SYNCED = {
+    "outside_ddp": (
+        "the optimizer trains them but they belong to no DistributedDataParallel model (a module "
+        "left out of DDP)",
+        "Wrap the whole model in one DistributedDataParallel (put every trained submodule inside the "
+        "module you wrap), or wrap the other module in its own DistributedDataParallel.",
+    ),
+    "added_after_wrapping": (
+        "they were added to the model after DistributedDataParallel was constructed, so DDP never "
+        "registered them for the gradient all-reduce",
+        "Create every parameter before wrapping the model in DistributedDataParallel, or rebuild the "
+        "wrapper after adding them: model = DDP(model.module, ...).",
+    ),
+    "requires_grad_after_wrapping": (
+        "they did not require grad when DistributedDataParallel was constructed (requires_grad was "
+        "turned on after wrapping), so DDP never registered them for the gradient all-reduce",
+        "Set requires_grad before wrapping, or rebuild the wrapper after unfreezing: "
+        "model = DDP(model.module, ...) (DDP registers only the parameters that require grad).",
+    ),
+}
+
+
 def _not_synced(
     series: Series, found: list[Divergence], unsynced: dict[str, set[int]], model: int, label: str,
     init: tuple[str, ...],
 ) -> Iterable[Finding]:  # fmt: skip
+    """Parameters that train outside every gradient bucket, one finding per cause."""
     differ = {d.name: d for d in found}
-    names = sorted(unsynced, key=lambda n: (n not in differ, n))
-    diverged = [n for n in names if n in differ]
-    ranks = sorted(set().union(*unsynced.values()))
-    if model < 0:
-        why, fix = (
-            "the optimizer trains them but they belong to no DistributedDataParallel model "
-            "(a module left out of DDP)",
-            "Wrap the whole model in one DistributedDataParallel (put every trained submodule inside "
-            "the module you wrap), or wrap the other module in its own DistributedDataParallel.",
+    by_cause: dict[str, list[str]] = defaultdict(list)
+    for name in unsynced:
+        cause = (
+            "outside_ddp"
+            if model < 0
+            else "added_after_wrapping"
+            if name not in init
+            else "requires_grad_after_wrapping"
         )
-    elif any(n not in init for n in names):
-        why, fix = (
-            "they were added to the model after DistributedDataParallel was constructed, so DDP "
-            "never registered them for the gradient all-reduce",
-            "Create every parameter before wrapping the model in DistributedDataParallel, or rebuild "
-            "the wrapper after adding them: model = DDP(model.module, ...).",
+        by_cause[cause].append(name)
+    for cause, names in by_cause.items():
+        why, fix = _NOT_SYNCED[cause]
+        diverged = [n for n in names if n in differ]
+        ranks = sorted(set().union(*(unsynced[n] for n in names)))
+        first = min((differ[n].first for n in diverged), default=None)
+        since = f"; the ranks' values differ since {_when(first)}" if first else ""
+        total = sum(series.numels.get(n, 0) for n in names)
+        yield Finding(
+            "gradients_not_synced",
+            "error" if diverged else "warning",
+            ranks,
+            f"{label}: {len(names)} parameter(s) train on rank(s) {rank_list(ranks)} outside every "
+            f"gradient bucket, so their gradients are never all-reduced: "
+            f"{_sized(names, series.numels)}{f' ({total:,} elements in all)' if len(names) > 1 else ''}: "
+            f"{why}{since}",
+            fix=fix,
+            details={
+                "model": model,
+                "cause": cause,
+                "parameters": names,
+                "numels": {n: series.numels.get(n) for n in names},
+                "diverged": diverged,
+                "since_step": first[0] if first else None,
+                "ranks": ranks,
+            },
         )
-    else:
-        why, fix = (
-            "they did not require grad when DistributedDataParallel was constructed (requires_grad "
-            "was turned on after wrapping), so DDP never registered them for the gradient all-reduce",
-            "Set requires_grad before wrapping, or rebuild the wrapper after unfreezing: "
-            "model = DDP(model.module, ...) (DDP registers only parameters that require grad).",
-        )
-    first = min((differ[n].first for n in diverged), default=None)
-    since = f"; the ranks' values differ since {_when(first)}" if first else ""
-    total = sum(series.numels.get(n, 0) for n in names)
-    yield Finding(
-        "gradients_not_synced",
-        "error" if diverged else "warning",
-        ranks,
-        f"{label}: {len(names)} parameter(s) train on rank(s) {rank_list(ranks)} outside every "
-        f"gradient bucket, so their gradients are never all-reduced: {_sized(names, series.numels)}"
-        f" ({total:,} elements): {why}{since}",
-        fix=fix,
-        details={
-            "model": model,
-            "parameters": names,
-            "numels": {n: series.numels.get(n) for n in names},
-            "diverged": diverged,
-            "since_step": first[0] if first else None,
-            "ranks": ranks,
-        },
-    )
 
 
 def _weights(
