@@ -91,10 +91,10 @@ def tensor_hash(t: Any) -> Any:
     n, rows = v.numel(), v.numel() // ROW
     for r0 in range(0, rows, CHUNK_ROWS):
         r1 = min(rows, r0 + CHUNK_ROWS)
-        block = v[r0 * ROW : r1 * ROW].view(r1 - r0, ROW).to(torch.int64).mul_(w).sum(1)
+        block = v[r0 * ROW : r1 * ROW].view(r1 - r0, ROW).to(torch.int64, copy=True).mul_(w).sum(1)
         total += block.mul_(_row_weights(r0, r1, v.device)).sum()
     if n > rows * ROW:
-        tail = v[rows * ROW :].to(torch.int64).mul_(w[: n - rows * ROW]).sum()
+        tail = v[rows * ROW :].to(torch.int64, copy=True).mul_(w[: n - rows * ROW]).sum()
         total += tail * _row_weights(rows, rows + 1, v.device)[0]
     return total
 
@@ -297,6 +297,10 @@ def after_step(c: Any, optimizer: Any) -> None:
     if fp is None or fp.c is not c or PROBE in c.disabled:
         return
     try:
+        import torch
+
+        if torch.compiler.is_compiling():  # an optimizer step being traced: nothing to hash
+            return
         fp.after_step(optimizer)
     except Exception as exc:
         c.fail(PROBE, exc)
