@@ -120,7 +120,13 @@ def test_cpu_records_names_once_then_values_at_the_scheduled_steps(monkeypatch: 
         f.after_step(opt)
     f.at_exit()
     records = [r for r in c.records if r[0] == schema.FINGERPRINT]
-    assert [(r[3], r[4]["at"]) for r in records] == [(-1, "init"), (0, "step"), (3, "step"), (7, "step"), (11, "step")]
+    assert [(r[3], r[4]["at"]) for r in records] == [
+        (-1, "init"),
+        (0, "step"),
+        (3, "step"),
+        (7, "step"),
+        (11, "step"),
+    ]
     first = records[0][4]
     names = [n for n, _ in ddp.module.named_parameters()] + [n for n, _ in ddp.module.named_buffers()]
     assert first["names"] == names and first["n_params"] == 6

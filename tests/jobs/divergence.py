@@ -1,10 +1,10 @@
 """Replicas that drift apart, and healthy twins that must not: one mode per argv[1].
 
-  not_synced        a head unfrozen after wrapping, a parameter added after wrapping, and a
-                    module left out of DDP, all trained by the optimizer (never all-reduced)
-  ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor broadcasts it)
-  bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
-  autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
+not_synced        a head unfrozen after wrapping, a parameter added after wrapping, and a
+                  module left out of DDP, all trained by the optimizer (never all-reduced)
+ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor broadcasts it)
+bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
+autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
 """
 
 import os
