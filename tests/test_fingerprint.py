@@ -24,9 +24,10 @@ def reference(t: torch.Tensor) -> int:
     total = 0
     for pos, b in enumerate(bits):
         row = pos // fp.ROW
-        rw = (row * fp._GOLDEN + fp._SALT) % M64 | 1
+        rw = (row * fp._GOLDEN + 1) % M64 | 1
         total += b * w[pos % fp.ROW] * rw
-    return total % M64 & fp.MASK
+    u = total % M64
+    return (u ^ (u >> 53)) & fp.MASK
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def small_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_hash_is_the_documented_sum_across_chunks_and_tail(small_rows: None) -> None:
-    for n in (1, 7, 8, 16, 37, 100):
+    for n in (1, 7, 8, 9, 16, 37, 100):
         t = torch.randn(n)
         assert fp.hashes([t]) == [reference(t)], n
 
@@ -55,6 +56,10 @@ def test_bit_identical_tensors_agree_and_any_change_or_permutation_is_seen(small
     swapped[[0, 1]] = swapped[[1, 0]]  # a permutation keeps every sum of the values
     assert fp.hashes([swapped]) != [h]
     assert fp.hashes([torch.roll(t.reshape(-1), 1)]) != [h]
+    sign = torch.randn(9, dtype=torch.float64)
+    flipped64 = sign.clone()
+    flipped64[4] = -flipped64[4]  # the top bit of a 64-bit element
+    assert fp.hashes([flipped64]) != fp.hashes([sign])
     negzero = torch.zeros(5)
     negzero[2] = -0.0
     assert fp.hashes([negzero]) != fp.hashes([torch.zeros(5)])  # bits, not values
@@ -159,6 +164,7 @@ def test_the_interval_keeps_the_cost_within_budget(monkeypatch: pytest.MonkeyPat
     clock = iter(range(0, 10**12, 10**6))  # every reading of the clock: 1 ms later
     monkeypatch.setattr(fp, "_now", lambda: next(clock))
     f = fp.Fingerprints(_Collector())
+    f.last = (-1, 0)  # no model yet: the first interval stays the least
     f._schedule(0, 2_000_000)
     assert f.interval == fp.MIN_INTERVAL and f.next_due == 63
     # 63 steps took ~1 ms each and a check costs 2 ms: 2 / (0.001 * 1) = 2000 -> 2048.

@@ -10,18 +10,21 @@ The analysis compares the ranks (``analysis/divergence.py``).
 The fingerprint of a tensor is a bit-level hash of its bytes: the elements viewed as integers
 of their own width (float32 as int32, bf16 as int16...), widened to int64, multiplied by a
 position weight (a fixed pseudo-random odd 64-bit number per position within a row of 65,536
-elements, times an odd multiplier derived from the row's index), and summed modulo 2**64;
-kept to 53 bits so every trace encoding holds it exactly. Why this one:
+elements, times an odd multiplier derived from the row's index, 1 for the first row), and
+summed modulo 2**64; folded to 53 bits (the top 11 xor-ed into the low ones) so every trace
+encoding holds it exactly. Why this one:
 
 - exact: integer sums wrap the same whatever the order of the reduction (threads, kernels,
   devices), so bit-identical tensors give bit-identical fingerprints on every rank;
-- complete: changing any one element changes its term by ``odd weight * delta``, which is
-  never 0 modulo 2**64, so a single changed bit is always seen; several changes collide with
-  probability about 2**-53; a permutation changes positions, hence weights (float sums of the
-  values, or norms, miss both permutations and exact cancellations);
-- cheap: four passes over the tensor in chunks of at most 4 Mi elements (bounded scratch
-  memory), about 1.3 ms per million float32 parameters on one CPU core
-  (``benchmarks/fingerprint_cost.py``), a few kernels per tensor on a GPU.
+- complete: changing any one element changes the sum by ``odd weight * delta``, never 0
+  modulo 2**64; with elements of at most 32 bits (float32, bf16, fp16) that change stays in
+  the low 53 bits, so a single changed bit is always seen; otherwise, and for several
+  changes, two states collide with probability about 2**-53; a permutation changes
+  positions, hence weights (float sums of the values, or norms, miss both permutations and
+  exact cancellations);
+- cheap: three passes over the tensor (widen, multiply, sum) in chunks of 512 Ki elements
+  (4 MiB of scratch), 1-2 ms per million float32 parameters on one CPU core plus about
+  20 µs per tensor (``benchmarks/fingerprint_cost.py``), three kernels per tensor on a GPU.
 
 Cost stays at most ``BUDGET`` (0.1 %) of step time: the interval is the smallest power of two
 at least ``MIN_INTERVAL`` that makes (last fingerprint's cost) / (interval x mean step time)
@@ -53,10 +56,9 @@ BUDGET = 0.001
 MIN_INTERVAL = 64
 MAX_INTERVAL = 1 << 16
 ROW = 1 << 16  # positions with their own weight
-CHUNK_ROWS = 64  # rows hashed at once: at most 32 MiB of int64 scratch
+CHUNK_ROWS = 8  # rows hashed at once: 4 MiB of int64 scratch, mostly in cache
 MASK = (1 << 53) - 1
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
-_SALT = 0x632BE59BD9B4E019
 _now = time.perf_counter_ns
 
 _INT_OF_WIDTH: dict[int, Any] = {}
@@ -87,27 +89,37 @@ def tensor_hash(t: Any) -> Any:
         flat = flat.view(torch.uint8)
     v = flat.view(_INT_OF_WIDTH[flat.element_size()])
     w = _weights(v.device)
-    total = torch.zeros((), dtype=torch.int64, device=v.device)
     n, rows = v.numel(), v.numel() // ROW
+    if n <= ROW:  # most tensors: three operations (the copy keeps the model's values intact)
+        return v.to(torch.int64, copy=True).mul_(w[:n]).sum()
+    total = None
     for r0 in range(0, rows, CHUNK_ROWS):
         r1 = min(rows, r0 + CHUNK_ROWS)
         block = v[r0 * ROW : r1 * ROW].view(r1 - r0, ROW).to(torch.int64, copy=True).mul_(w).sum(1)
-        total += block.mul_(_row_weights(r0, r1, v.device)).sum()
+        rw = torch.arange(r0, r1, dtype=torch.int64, device=v.device).mul_(_GOLDEN).add_(1).bitwise_or_(1)
+        part = block.mul_(rw).sum()
+        total = part if total is None else total + part
     if n > rows * ROW:
         tail = v[rows * ROW :].to(torch.int64, copy=True).mul_(w[: n - rows * ROW]).sum()
-        total += tail * _row_weights(rows, rows + 1, v.device)[0]
+        total = total + tail * row_weight(rows)
     return total
 
 
-def _row_weights(r0: int, r1: int, device: Any) -> Any:
-    import torch
+def row_weight(row: int) -> int:
+    """The odd multiplier of row ``row`` (1 for row 0), as a signed int64."""
+    rw = (row * _GOLDEN + 1) % (1 << 64) | 1
+    return rw - (1 << 64) if rw >= 1 << 63 else rw
 
-    return torch.arange(r0, r1, dtype=torch.int64, device=device).mul_(_GOLDEN).add_(_SALT).bitwise_or_(1)
+
+def fold(h: int) -> int:
+    """A 64-bit hash (signed, as torch holds it) in 53 bits: the top 11 xor-ed into the rest."""
+    u = h & ((1 << 64) - 1)
+    return (u ^ (u >> 53)) & MASK
 
 
 def hashes(tensors: list[Any]) -> list[int]:
     """Every tensor's fingerprint, computed here and now (CPU, tests, the benchmark)."""
-    return [int(h) & MASK for h in (tensor_hash(t) for t in tensors)]
+    return [fold(int(tensor_hash(t))) for t in tensors]
 
 
 class _Model:
@@ -141,6 +153,8 @@ class Fingerprints:
         model = _Model(ddp, index, registered)
         self.models.append(model)
         self.check([model], "init")
+        if not self.last[1]:  # the first step's time, construction included, sets the first interval
+            self.last = (self.c.step, _now())
 
     def after_step(self, optimizer: Any) -> None:
         """After an optimizer step: check when due (one comparison otherwise)."""
@@ -149,21 +163,20 @@ class Fingerprints:
         step = self.c.step
         if step < self.next_due and step != self.checked:
             return
-        if step != self.checked:
-            self.checked, self.opt_checked = step, set()
-            t0 = _now()
-            self.check([m for m in self.models if m.ref() is not None], "step")
-            self._schedule(step, _now() - t0)
-        key = self.optimizers.setdefault(id(optimizer), len(self.optimizers))
-        if key not in self.opt_checked:
-            self.opt_checked.add(key)
-            self._check_optimizer(optimizer, key)
+        if step == self.checked:  # another optimizer of the same step
+            self._check_optimizer(optimizer)
+            return
+        self.checked, self.opt_checked = step, set()
+        t0 = _now()
+        self.check([m for m in self.models if m.ref() is not None], "step")
+        self._check_optimizer(optimizer)
+        self._schedule(step, _now() - t0)
 
     def _schedule(self, step: int, cost_ns: int) -> None:
         self.costs.append(cost_ns)
         last_step, last_ns = self.last
         self.last = (step, _now())
-        if self.fixed is None and step > last_step >= 0 and last_ns:
+        if self.fixed is None and step > last_step and last_ns:
             step_ns = (self.last[1] - last_ns) / (step - last_step)
             need = min(self.costs) / (BUDGET * max(step_ns, 1.0))
             interval = MIN_INTERVAL
@@ -193,8 +206,12 @@ class Fingerprints:
                 info["unsynced"] = unsynced
             self._submit([t for _, t in named], info)
 
-    def _check_optimizer(self, optimizer: Any, key: int) -> None:
+    def _check_optimizer(self, optimizer: Any) -> None:
         """Parameters this optimizer trains that belong to no DDP model: never all-reduced."""
+        key = self.optimizers.setdefault(id(optimizer), len(self.optimizers))
+        if key in self.opt_checked:
+            return
+        self.opt_checked.add(key)
         inside = set()
         for model in self.models:
             ddp = model.ref()
@@ -226,7 +243,7 @@ class Fingerprints:
         if device is not None and device.type == "cuda" and self.cuda is None:
             self.cuda = torch.cuda
         if device is None or self.cuda is None:
-            info["values"] = [int(v) & MASK for v in values]
+            info["values"] = [fold(int(v)) for v in values]
             self._emit(record)
             return
         stacked = torch.stack([v.to(device) for v in values])
@@ -241,7 +258,7 @@ class Fingerprints:
         done = 0
         while self.pending and self.pending[0][0].query():
             _, host, _, record = self.pending.popleft()
-            record[4]["values"] = [v & MASK for v in host.tolist()]
+            record[4]["values"] = [fold(v) for v in host.tolist()]
             self._emit(record)
             done += 1
         return done
