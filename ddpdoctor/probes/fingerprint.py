@@ -143,6 +143,7 @@ class Fingerprints:
         self.models: list[_Model] = []
         self.next_due = 0  # the first optimizer step
         self.checked = -2  # the step checked last
+        self.stepped = -2  # the last step whose optimizer step ran (the exit check wants it)
         self.costs: deque[int] = deque(maxlen=3)
         self.last = (0, 0)  # (step, perf ns) of the last check
         self.optimizers: dict[int, int] = {}  # id -> index, in order of first step
@@ -160,7 +161,7 @@ class Fingerprints:
         """After an optimizer step: check when due (one comparison otherwise)."""
         if self.pending:
             self.poll()
-        step = self.c.step
+        step = self.stepped = self.c.step
         if step < self.next_due and step != self.checked:
             return
         if step == self.checked:  # another optimizer of the same step
@@ -268,9 +269,11 @@ class Fingerprints:
         self.c.put(record)
 
     def at_exit(self, wait_s: float = 2.0) -> None:
-        """The final state (unless just checked), then the reads still in flight."""
-        if self.c.live and self.c.step != self.checked and self.c.step >= 0:
-            self.checked = self.c.step
+        """The final state (unless just checked, or the rank stopped inside a step: a state no
+        other rank need share), then the reads still in flight."""
+        step = self.c.step
+        if self.c.live and step != self.checked and step == self.stepped and step >= 0:
+            self.checked = step
             self.check(self.models, "exit")
         deadline = time.monotonic() + wait_s
         while self.pending and time.monotonic() < deadline:
