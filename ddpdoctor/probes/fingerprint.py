@@ -58,6 +58,7 @@ MAX_INTERVAL = 1 << 16
 ROW = 1 << 16  # positions with their own weight
 CHUNK_ROWS = 8  # rows hashed at once: 4 MiB of int64 scratch, mostly in cache
 MASK = (1 << 53) - 1
+MAX_PENDING = 16  # device reads in flight at most; a check beyond is skipped
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _now = time.perf_counter_ns
 
@@ -148,7 +149,8 @@ class Fingerprints:
         self.last = (0, 0)  # (step, perf ns) of the last check
         self.optimizers: dict[int, int] = {}  # id -> index, in order of first step
         self.opt_checked: set[int] = set()
-        self.pending: deque[tuple[Any, Any, Any, tuple]] = deque()  # (event, host, device, record)
+        # (event, host copy, device tensor, (record, values so far, indices the copy fills))
+        self.pending: deque[tuple[Any, Any, Any, tuple]] = deque()
 
     def add(self, ddp: Any, index: int, registered: list[Any]) -> None:
         model = _Model(ddp, index, registered)
@@ -231,35 +233,46 @@ class Fingerprints:
             self._submit(outside, info)
 
     def _submit(self, tensors: list[Any], info: dict[str, Any]) -> None:
+        """Hash ``tensors`` and write the record: at once for host tensors; for device tensors
+        once their hashes have been copied back (``poll``). Tensors of other layouts (sparse)
+        are not hashed: -1."""
         import torch
 
         step, t0 = self.c.step, time.monotonic_ns()
-        values = [tensor_hash(t) for t in tensors if t.layout == torch.strided]
-        if len(values) != len(tensors):  # sparse or other layouts: not fingerprinted (-1)
-            it = iter(values)
-            zero = torch.full((), -1, dtype=torch.int64)
-            values = [next(it) if t.layout == torch.strided else zero for t in tensors]
+        values: list[Any] = [tensor_hash(t) if t.layout == torch.strided else -1 for t in tensors]
         record = (schema.FINGERPRINT, t0, time.monotonic_ns(), step, info)
-        device = values[0].device if values else None
-        if device is not None and device.type == "cuda" and self.cuda is None:
+        on_device = [
+            i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+        ]
+        if self.cuda is None and on_device:
             self.cuda = torch.cuda
-        if device is None or self.cuda is None:
+        if self.cuda is None or len(self.pending) >= MAX_PENDING:
+            if self.cuda is not None:  # reads stuck behind the device: skip, never wait
+                return
             info["values"] = [fold(int(v)) for v in values]
             self._emit(record)
             return
-        stacked = torch.stack([v.to(device) for v in values])
-        host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+        if not on_device:  # a test's stand-in for CUDA: host tensors take the device path
+            on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        later = set(on_device)
+        host_values = [0 if i in later else fold(int(v)) for i, v in enumerate(values)]
+        device = values[on_device[0]].device
+        stacked = torch.stack([values[i] for i in on_device if values[i].device == device])
+        host = torch.empty(len(stacked), dtype=torch.int64, pin_memory=device.type == "cuda")
         host.copy_(stacked, non_blocking=True)
         event = self.cuda.Event()
         event.record(self.cuda.current_stream(device))
-        self.pending.append((event, host, stacked, record))
+        where = [i for i in on_device if values[i].device == device]
+        self.pending.append((event, host, stacked, (record, host_values, where)))
 
     def poll(self) -> int:
         """Write the device fingerprints whose copy has completed (never waits)."""
         done = 0
         while self.pending and self.pending[0][0].query():
-            _, host, _, record = self.pending.popleft()
-            record[4]["values"] = [fold(v) for v in host.tolist()]
+            _, host, _, (record, values, where) = self.pending.popleft()
+            for i, v in zip(where, host.tolist(), strict=True):
+                values[i] = fold(v)
+            record[4]["values"] = values
             self._emit(record)
             done += 1
         return done
