@@ -81,3 +81,16 @@ def test_a_thousand_parameters_one_differs(tmp_path: Path) -> None:
     (f,) = _mine(_run(tmp_path, 4, values, names=names, n_params=1500))
     assert f.details["parameters"] == ["layers.977.weight"] and f.ranks == [3]
     assert f.details["since_step"] == 127
+
+
+def test_a_reduction_that_never_finished_makes_divergence_a_consequence(tmp_path: Path) -> None:
+    """Unused parameters without find_unused_parameters: DDP never finishes step 0's all-reduce,
+    each rank steps with its own gradients; the cause is unused_parameters, not a load."""
+
+    def extra(rank: int) -> list:
+        return [[schema.UNUSED, 10_900, 0, 0, {"params": [0], "used_on_ranks": None, "scope": "local"}]]
+
+    diag = _run(tmp_path, 2, lambda r, s: [s + r * (s >= 0), s, 5, 6], extra)
+    (f,) = _mine(diag)
+    assert f.severity == "info" and f.details["cause"] == "gradients_not_reduced"
+    assert f.summary.startswith("(a consequence of unused_parameters)")

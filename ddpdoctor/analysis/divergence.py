@@ -292,6 +292,10 @@ def _weights(
         cause = "weights_loaded_after_wrapping"
         why = f"rank(s) {rank_list(loaders)} loaded weights after wrapping (load_state_dict at {place})"
         fix = _FIX_LOAD
+    elif _unreduced(run, head.first[0]):
+        cause, fix = "gradients_not_reduced", "Fix the unused parameters (see unused_parameters)."
+        why = "a step's gradient all-reduce never finished (parameters got no gradient, see "
+        why += "unused_parameters), so each rank stepped with its own gradients"
     elif at_init:
         cause, fix = "not_broadcast", _FIX_LOAD
         why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
@@ -321,9 +325,12 @@ def _weights(
     if not still:
         summary += "; equal again at the last check"
     root = odd[0] if len(odd) == 1 else None
+    severity = "error" if trainable or not registered else "warning"
+    if cause == "gradients_not_reduced":  # a consequence: the cause has its own finding
+        severity, summary = "info", f"(a consequence of unused_parameters) {summary}"
     return Finding(
         "weights_diverged",
-        "error" if trainable or not registered else "warning",
+        severity,
         odd,
         summary,
         fix=fix,
@@ -350,6 +357,18 @@ def _weights(
             "ranks_by_value": head.groups,
         },
     )
+
+
+def _unreduced(run: Run, step: int) -> bool:
+    """Some rank had parameters without a gradient, with find_unused_parameters off, by ``step``:
+    DDP never finished that step's reduction (and raises at the next forward)."""
+    for trace in run.ranks.values():
+        for _, at, info in trace.meta.get(schema.UNUSED, []):
+            if info.get("scope") == "local" and at <= step:
+                return True
+        if any(i.get("error") == "unfinished_reduction" for _, _, i in trace.meta.get(schema.DDP_ERROR, [])):
+            return True
+    return False
 
 
 def _ts_bound(series: Series, key: Key, upper: bool = False) -> int:
