@@ -80,12 +80,12 @@ def training_share(width: int, depth: int, batch: int, steps: int) -> dict[str, 
     return {
         "params": params,
         "step_ms": round(total / steps / 1e6, 3),
-        "fingerprint_ms": round(min(f.costs) / 1e6, 3) if f.costs else None,
+        "fingerprint_ms": round(f.cost() / 1e6, 3),
         "interval": f.interval,
         "checks": c.records - 1,  # after steps (the first record is the construction's)
         "share_pct": round(100 * spent / total, 4),  # every call, the first checks and noise included
         # A check every ``interval`` steps once the interval is set: what the budget bounds.
-        "steady_share_pct": round(100 * min(f.costs) / (f.interval * total / steps), 4) if f.costs else None,
+        "steady_share_pct": round(100 * f.cost() / (f.interval * total / steps), 4),
     }
 
 

@@ -23,13 +23,15 @@ encoding holds it exactly. Why this one:
   positions, hence weights (float sums of the values, or norms, miss both permutations and
   exact cancellations);
 - cheap: three passes over the tensor (widen, multiply, sum) in chunks of 512 Ki elements
-  (4 MiB of scratch), 1-2 ms per million float32 parameters on one CPU core plus about
-  20 µs per tensor (``benchmarks/fingerprint_cost.py``), three kernels per tensor on a GPU.
+  (4 MiB of scratch), 1.1-3.5 ms per million float32 parameters on one CPU core plus
+  13-40 µs per tensor (a quiet to a busy shared VM, ``benchmarks/fingerprint_cost.py``),
+  three kernels per tensor on a GPU.
 
 Cost stays at most ``BUDGET`` (0.1 %) of step time: the interval is the smallest power of two
-at least ``MIN_INTERVAL`` that makes (last fingerprint's cost) / (interval x mean step time)
-fit, measured on each rank. Ranks may pick different intervals, but powers of two keep their
-checks aligned: every multiple of the larger interval is a check on every rank.
+at least ``MIN_INTERVAL`` that makes (a check's cost: the median of the last three) /
+(interval x mean step time since the last check) fit, measured on each rank. Ranks may pick
+different intervals, but powers of two keep their checks aligned: every multiple of the
+larger interval is a check on every rank.
 ``DDPDOCTOR_FINGERPRINT`` = a number of steps fixes the interval; ``off`` turns this off.
 
 On a GPU the hashes are computed on the device, on the current stream, into one int64 tensor
@@ -181,12 +183,17 @@ class Fingerprints:
         self.last = (step, _now())
         if self.fixed is None and step > last_step and last_ns:
             step_ns = (self.last[1] - last_ns) / (step - last_step)
-            need = min(self.costs) / (BUDGET * max(step_ns, 1.0))
+            need = self.cost() / (BUDGET * max(step_ns, 1.0))
             interval = MIN_INTERVAL
             while interval < need and interval < MAX_INTERVAL:
                 interval *= 2
             self.interval = interval
         self.next_due = ((step + 1) // self.interval + 1) * self.interval - 1
+
+    def cost(self) -> int:
+        """A check's cost (ns): the median of the last three, so neither one preempted check nor
+        one lucky one sets the interval."""
+        return sorted(self.costs)[len(self.costs) // 2] if self.costs else 0
 
     def check(self, models: list[_Model], at: str) -> None:
         for model in models:
