@@ -173,7 +173,8 @@ class Fingerprints:
             return
         self.checked, self.opt_checked = step, set()
         t0 = _now()
-        self.check([m for m in self.models if m.ref() is not None], "step")
+        self.models = [m for m in self.models if m.ref() is not None]  # a wrapper rebuilt each epoch
+        self.check(self.models, "step")
         self._check_optimizer(optimizer)
         self._schedule(step, _now() - t0)
 
