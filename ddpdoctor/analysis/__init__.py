@@ -7,6 +7,7 @@ on synthetic traces.
 # Each detector module registers its findings on import; this is the one list of them.
 from ddpdoctor.analysis import (  # noqa: F401
     causes,
+    divergence,
     failures,
     gpu_findings,
     gradsync,

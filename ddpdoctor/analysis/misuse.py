@@ -31,11 +31,14 @@ def _steps_text(steps: list[int], limit: int = 8) -> str:
 def unused_parameters(run: Run) -> Iterable[Finding]:
     per_param_steps: dict[str, set[int]] = defaultdict(set)
     per_param_ranks: dict[str, set[int]] = defaultdict(set)
+    sizes: dict[str, int] = {}  # name -> elements, from the constructor's record
     scope = "local"
     errors: dict[int, list[str]] = {}
     for rank, trace in sorted(run.ranks.items()):
         for _, step, info in trace.meta.get(schema.UNUSED, []):
-            names = list(model_of(trace, info).get("param_names", []))
+            model = model_of(trace, info)
+            names = list(model.get("param_names", []))
+            sizes.update(zip(names, model.get("param_numels") or [], strict=False))
             scope = info.get("scope", scope)
             for i in info.get("params", []):
                 name = names[i] if 0 <= i < len(names) else f"#{i}"
@@ -53,12 +56,17 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     steps = sorted(set().union(*per_param_steps.values())) if per_param_steps else []
     ranks = sorted(set().union(*per_param_ranks.values()) | set(errors))
     total_steps = max((t.steps for t in run.ranks.values()), default=0)
-    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    sized = [f"{n} ({sizes[n]:,} elements)" if n in sizes else n for n in params[:6]]
+    shown = ", ".join(sized) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
     details = {
         "parameters": params,
         "steps": steps,
         "per_parameter": {
-            name: {"ranks": sorted(per_param_ranks[name]), "steps": sorted(per_param_steps[name])}
+            name: {
+                "ranks": sorted(per_param_ranks[name]),
+                "steps": sorted(per_param_steps[name]),
+                "numel": sizes.get(name),
+            }
             for name in params
         },
         "ddp_error": bool(errors),

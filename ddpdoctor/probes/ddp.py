@@ -17,6 +17,7 @@ from typing import Any
 from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes import fingerprint as _fp
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
@@ -76,6 +77,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
             _ct.start(c, self.module)  # device spans when the model is on CUDA
+            _fp.on_ddp_init(c, self, state.index, state.params)
         except Exception as exc:
             c.fail(PROBE, exc)
 
@@ -113,6 +115,7 @@ def _describe(ddp: Any, seq: int, state: _ModelState) -> dict[str, Any]:
         "seq": seq,
         "index": state.index,
         "param_names": state.param_names,
+        "param_numels": [p.numel() for p in params],
         "options": {
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "broadcast_buffers": bool(ddp.broadcast_buffers),

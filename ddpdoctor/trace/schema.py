@@ -60,6 +60,18 @@ ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished r
 save            {path, module_prefix, ms}: ``torch.save`` to a file (module_prefix: the state
                 came from the DDP wrapper, keys start with "module.")
 load            {path, map_location}: ``torch.load`` from a file, and whether it was mapped
+load_state      {target ("model" or "optimizer"), class, site, model}: ``load_state_dict`` on a
+                module or an optimizer; ``model``: the index of the DDP model the module is
+                (or is inside), null when it is in none (e.g. loaded before wrapping)
+fingerprint     {model, at, values, [names, n_params, numels], [unsynced], [optimizer]}: a
+                hash of every tensor of a DDP model (``probes/fingerprint.py``), ``at``
+                "init" (after its constructor), "step" (after an optimizer step; ``step`` is
+                the step) or "exit"; ``values`` in the order of ``names`` (parameters, then
+                buffers from index ``n_params``), which is written with the first record of
+                a model and again whenever the list changes; ``unsynced``: indices of
+                parameters that have a gradient but that DDP never registered (never
+                all-reduced); ``model`` -1: the parameters optimizer ``optimizer`` trains
+                outside every DDP model
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit")
@@ -165,6 +177,8 @@ UNUSED = "unused"
 DDP_ERROR = "ddp_error"
 SAVE = "save"
 LOAD = "load"
+LOAD_STATE = "load_state"  # load_state_dict on a module or an optimizer
+FINGERPRINT = "fingerprint"  # per-tensor hashes of a DDP model: are the ranks' copies equal?
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
@@ -265,7 +279,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR,)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT)
 )
 
 
