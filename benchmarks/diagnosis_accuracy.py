@@ -267,7 +267,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.code:
         CODE[0] = Path(args.code).resolve()
-    cases = load_cases([w for w in args.only.split(",") if w] or None, Path(args.zoo))
+    cases = load_cases([w for w in args.only.split(",") if w] or None, Path(args.zoo).resolve())
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
