@@ -112,6 +112,9 @@ def test_a_stall_on_one_node_is_a_hang_of_the_job_on_both(tmp_path: Path) -> Non
         assert re.search(r"Rank\(s\) 3 never reached the next collective", err), err
     waiting = json.loads((tmp_path / "n0" / "hang-1" / "summary.json").read_text())
     assert waiting["verdict"]["state"] == "stalled" and waiting["verdict"]["culprits"] == [3]
+    merged = diagnose_json(*nodes.dirs())
+    loud = [f for f in merged["findings"] if f["severity"] != "info"]
+    assert [(f["kind"], f["ranks"]) for f in loud] == [("hang", [3])], loud  # its start is no "work"
 
 
 def test_a_long_evaluation_on_one_node_is_busy_not_hung(tmp_path: Path) -> None:
