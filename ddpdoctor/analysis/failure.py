@@ -242,11 +242,15 @@ def _rank_end(
     pairs = zip(backwards.step.tolist(), backwards.ts.tolist())
     finished = any(s == last and (schema.BACKWARD, t) not in cut for s, t in pairs)
     # A training forward the trace never recorded: the step it began (the trace's last + 1).
-    entering = any(s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None for s in spans)
+    entering = [
+        s for s in spans if s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None
+    ]
     # An evaluation forward (no grad) runs between steps: it does not make a step.
     in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE) or s.label == "forward" for s in spans)
     if entering:
-        step, text = last + 1, f"at step {last + 1}, in its forward"
+        # the step it began (a hang's status, a raised record), else the trace's last + 1
+        step = entering[0].step if entering[0].step >= max(last, 0) else last + 1
+        text = f"at step {step}, in its forward"
     elif last < 0 and not in_step:
         step, text = 0, "before its first step"
     elif finished and not in_step and any(s.kind != schema.USER_CODE for s in spans):

@@ -157,7 +157,7 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
             consequence=bool(end.get("consequence")),
             wall_s=end.get("at_wall"),
         )
-    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    step = last_step_started(trace)
     if isinstance(exit_info.get("step"), int):
         step = max(step, exit_info["step"])
     errors = [
@@ -185,6 +185,16 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     if exit_info:
         return Ending("vanished", step, wall_s=when)
     return Ending("running", step)
+
+
+def last_step_started(trace: RankTrace) -> int:
+    """The last training step the rank began: its last forward's step, one that raised included
+    (it began its step, though it is no completed span), -1 before the first."""
+    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    for _, at, info in trace.meta.get(schema.RAISED, []):
+        if info.get("kind") == schema.FORWARD and (info.get("fields") or [0])[0] == 1:
+            step = max(step, at)
+    return step
 
 
 def _end_wall(trace: RankTrace) -> float | None:
@@ -357,6 +367,8 @@ def build(run: Run) -> dict[int, Ledger]:
         flight, place = _in_flight(run, rank)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
+            if any(p.died_in for p in ledger.points):  # its trace says which one raised
+                flight = None
         if flight is not None:
             ledger.points.append(flight)
         ledger.place = place or (ledger.points[-1].site if ledger.points else "")
@@ -396,10 +408,22 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     buf = _tail(trace.kind(schema.SYNC_BUFFERS))
     for ts, step, f in zip(buf.ts.tolist(), buf.step.tolist(), buf.fields, strict=True):
         points.append(Point(int(f[0]), BUFFERS, 0, "WORLD", step, "", ts))
+    raised = ledger.ending.how == "exception"
+    for ts, step, info in trace.meta.get(schema.RAISED, []):
+        fields = info.get("fields") or []
+        if info.get("kind") == schema.COLLECTIVE and len(fields) >= 5:
+            site = sites.get(int(fields[6]), "") if len(fields) > 6 and isinstance(fields[6], int) else ""
+            op, nbytes, group, seq = str(fields[0]), int(fields[1]), str(fields[2]), int(fields[4])
+        elif info.get("kind") == schema.SYNC_BUFFERS and fields:
+            site, op, nbytes, group, seq = "", BUFFERS, 0, "WORLD", int(fields[0])
+        else:
+            continue
+        points.append(Point(seq, op, nbytes, group, step, site, ts, in_flight=True, died_in=raised))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
     ledger.steps = len(trace.kind(schema.BACKWARD))
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
+    ledger.last_step = max(ledger.last_step, last_step_started(trace))
     ledger.passes = _passes(trace, world)
 
 

@@ -95,6 +95,17 @@ class Collector:
         if kind is not None:
             self.emit(kind, t0, _now(), *fields)
 
+    def raised(self, prev: Progress | None, kind: str, *fields: Any) -> None:
+        """Leave the sync point entered last by an exception: record it as raised (a ``raised``
+        record naming the span), never as a span of ``kind``: it did not complete, and a
+        collective that waited seconds for a dead peer is no step's time."""
+        t0 = self.progress[3] if self.progress is not None else _now()
+        self.progress = prev
+        t1 = _now()
+        self.events += 1
+        info = {"kind": kind, "fields": list(fields), "dur_us": (t1 - t0) // 1000}
+        self.put((schema.RAISED, t0, t1, self.step, info))
+
     def in_collective(self) -> bool:
         """Inside a recorded collective or a bucket's comm hook: collectives called there
         (all_gather_object -> all_gather, a hook's all_reduce) are part of it, not the user's."""

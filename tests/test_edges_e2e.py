@@ -1,0 +1,58 @@
+"""The story true at the edges, on real jobs: a collective that raised, a cut trace header, an
+interrupt after a hang verdict, gradient accumulation, and every command's ``--json`` error."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import diagnose_json, read_lines, run_doctor, torchrun
+
+pytestmark = pytest.mark.e2e
+
+RAISED_JOB = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+# BatchNorm's buffers: every forward broadcasts them (broadcast_buffers=True)
+model = DDP(nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(40):
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    if rank == 1 and step == 12:
+        raise SystemExit(3)  # rank 0's next buffer broadcast raises "Connection closed by peer"
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def percentages(findings: list[dict]) -> list[int]:
+    return [int(p) for f in findings for p in re.findall(r"(\d+)%", f["summary"])]
+
+
+def test_a_collective_that_raised_is_recorded_as_raised_not_completed(tmp_path: Path, write_script) -> None:
+    job = run_doctor(tmp_path, torchrun(2, write_script("raised.py", RAISED_JOB)), timeout=120)
+    assert job.returncode != 0
+    records = read_lines(job.run_dir / "trace-rank0.jsonl")
+    raised = [r for r in records if r[0] == "raised"]
+    assert {r[4]["kind"] for r in raised} == {"forward", "sync_buffers"}, raised
+    seq = next(r[4]["fields"][0] for r in raised if r[4]["kind"] == "sync_buffers")
+    # the broadcast that raised is no span: it enters no statistics
+    assert not [r for r in records if r[0] == "sync_buffers" and r[4] == seq]
+    assert max(r[3] for r in records if r[0] == "forward") == 11
+    doc = diagnose_json(job.run_dir)
+    r0 = doc["failure"]["ranks"]["0"]
+    assert r0["open_point"] == f"buffer broadcast #{seq}", r0
+    assert "buffer broadcast" not in r0["last_completed"] and "step 11" in r0["last_completed"], r0
+    assert r0["step"] == 12 and r0["step_text"] == "at step 12, in its forward", r0
+    labels = [s["label"] for s in doc["failure"]["open_spans"] if s["rank"] == 0]
+    assert labels == ["forward", f"buffer broadcast #{seq}"], labels  # a forward has no seq number
+    assert all(p <= 100 for p in percentages(doc["findings"])), [f["summary"] for f in doc["findings"]]
