@@ -4,6 +4,7 @@ interrupt after a hang verdict, gradient accumulation, and every command's ``--j
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,54 @@ def test_a_collective_that_raised_is_recorded_as_raised_not_completed(tmp_path: 
     labels = [s["label"] for s in doc["failure"]["open_spans"] if s["rank"] == 0]
     assert labels == ["forward", f"buffer broadcast #{seq}"], labels  # a forward has no seq number
     assert all(p <= 100 for p in percentages(doc["findings"])), [f["summary"] for f in doc["findings"]]
+
+
+HANG_JOB = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(40):
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    if rank == 0 and step == 31:
+        print("hang-started", flush=True)
+        dist.barrier()  # rank 0 only: rank 1 waits in step 32's gradient all-reduce
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The rank-only barrier at step 31, proven hung and killed: a run dir to read, not to change."""
+    where = tmp_path_factory.mktemp("hang")
+    (where / "hang.py").write_text(HANG_JOB)
+    job = run_doctor(where, torchrun(2, where / "hang.py"), "--on-hang", "kill", timeout=120)
+    assert job.returncode == 124, job.stderr[-3000:]
+    return job.run_dir
+
+
+def test_a_cut_trace_header_keeps_the_rank_and_the_real_root(hung_run: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(hung_run, cut)
+    trace = cut / "trace-rank1.jsonl"
+    lines = trace.read_text().split("\n")
+    trace.write_text("\n".join([lines[0][:60], *lines[1:]]))  # the header cut mid-line
+    whole, doc = diagnose_json(hung_run), diagnose_json(cut)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"] if f["severity"] == "error"] == [
+        (f["kind"], f["ranks"]) for f in whole["findings"] if f["severity"] == "error"
+    ]
+    assert not [f for f in doc["findings"] if f["kind"] in ("rank_never_started", "missing_ranks")]
+    assert doc["failure"]["ranks"]["1"]["step"] == whole["failure"]["ranks"]["1"]["step"] == 32
+    assert any("rank 1's trace header was cut" in n for n in doc["run"]["notes"]), doc["run"]["notes"]
+    spans = {(s["rank"], s["label"]): s for s in doc["failure"]["open_spans"]}
+    for key, span in {(s["rank"], s["label"]): s for s in whole["failure"]["open_spans"]}.items():
+        assert abs(spans[key]["start_s"] - span["start_s"]) < 0.05, (key, spans[key], span)  # clock placed
