@@ -3,12 +3,17 @@ interrupt after a hang verdict, gradient accumulation, and every command's ``--j
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import diagnose_json, read_lines, run_doctor, torchrun
+from conftest import diagnose_json, job_env, read_lines, run_doctor, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -108,3 +113,34 @@ def test_a_cut_trace_header_keeps_the_rank_and_the_real_root(hung_run: Path, tmp
     spans = {(s["rank"], s["label"]): s for s in doc["failure"]["open_spans"]}
     for key, span in {(s["rank"], s["label"]): s for s in whole["failure"]["open_spans"]}.items():
         assert abs(spans[key]["start_s"] - span["start_s"]) < 0.05, (key, spans[key], span)  # clock placed
+
+
+def test_ctrl_c_after_a_hang_verdict_is_told_as_the_users_interrupt(tmp_path: Path) -> None:
+    (tmp_path / "hang.py").write_text(HANG_JOB)
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *torchrun(2, "hang.py")]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "hang-1" / "summary.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (run_dir / "hang-1" / "summary.json").exists(), "no hang verdict"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)  # --on-hang dump (the default) left the job hung: Ctrl-C
+        proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    ends = json.loads((run_dir / "ends.json").read_text())
+    assert ends["first"] is None, ends  # no rank failed first: the user stopped the job
+    for end in ends["ranks"].values():
+        assert end["interrupted"] and "Ctrl-C" in end["source"] and "launcher" not in end["source"], end
+    doc = diagnose_json(run_dir)
+    view = doc["failure"]
+    assert "the user interrupted it (Ctrl-C)" in view["verdict"], view["verdict"]
+    assert [m["title"] for m in view["markers"]] == ["hang verdict", "Ctrl-C"], view["markers"]
+    for end in view["ranks"].values():
+        assert end["how"] == "interrupted" and "SIGKILL" not in end["how_text"] + end["mark"], end
+    assert view["ranks"]["1"]["step"] == 32
+    assert not [f for f in doc["findings"] if "SIGKILL" in f["summary"] or "after rank" in f["summary"]]

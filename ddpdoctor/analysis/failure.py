@@ -27,13 +27,15 @@ from ddpdoctor.analysis import ledger as ledgers
 from ddpdoctor.analysis.failure_parts import StackGroup, parting_table, stack_groups
 from ddpdoctor.analysis.failure_spans import Clock, OpenSpan, open_spans
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
 
 SCHEMA = "ddpdoctor.failure/1"
 LAST_STEPS = 3  # the timeline opens on this many steps before the failure
-_FAILED = ("exception", "signal", "vanished", "stopped_on_hang")
+_FAILED = ("exception", "signal", "vanished", "stopped_on_hang", "interrupted")
+_STOPPED = ("stopped_on_hang", "interrupted")  # ended by ddpdoctor or the user, not by a failure
 
 
 @dataclass
@@ -131,8 +133,13 @@ def failure_view(
         kill = clock.wall(None, hang.get("killed_wall") or hang.get("reported_wall")) if killed else None
         if kill is not None:
             view.markers.append(Marker(kill, "killed by ddpdoctor (--on-hang kill)", "kill", title="killed"))
+        interrupt = _interrupted(run, clock)
+        if interrupt is not None and kill is None:
+            label = "the user's interrupt (Ctrl-C): ddpdoctor ended the hung ranks"
+            view.markers.append(Marker(interrupt, label, "kill", title="Ctrl-C"))
+            view.verdict = view.verdict.replace(":", ", then the user interrupted it (Ctrl-C):", 1)
         view.first_rank = next(iter(_culprits(findings)), None)
-    firsts = sorted((e.end_s, r) for r, e in view.ranks.items() if e.failed and e.how != "stopped_on_hang")
+    firsts = sorted((e.end_s, r) for r, e in view.ranks.items() if e.failed and e.how not in _STOPPED)
     own = [(t, r) for t, r in firsts if not failed[r].consequence]
     if firsts and hang is None:
         t, rank = (own or firsts)[0]
@@ -144,6 +151,13 @@ def failure_view(
     view.parting = parting_table(books, view.open_spans)
     view.window_s = _window(steps, view)
     return view
+
+
+def _interrupted(run: Run, clock: Clock) -> float | None:
+    """When the user's Ctrl-C made ddpdoctor end the hung job (common base), or None."""
+    key = RunDir.INTERRUPTED_HUNG
+    at = [m[key] / 1e9 for m in run.metas if isinstance(m.get(key), int)]
+    return clock.wall(None, min(at)) if at else None
 
 
 def _live_hang(run: Run, findings: list[Finding]) -> dict[str, Any] | None:
@@ -283,7 +297,11 @@ def _mark(ending: ledgers.Ending) -> str:
         return str(ending.error.get("type") or "exception")
     if ending.how == "signal":
         return str(ending.signal)
-    return {"vanished": "vanished", "stopped_on_hang": "stopped on hang"}.get(ending.how, "")
+    return {
+        "vanished": "vanished",
+        "stopped_on_hang": "stopped on hang",
+        "interrupted": "interrupted (Ctrl-C)",
+    }.get(ending.how, "")
 
 
 def _how_text(ending: ledgers.Ending) -> str:
@@ -296,6 +314,7 @@ def _how_text(ending: ledgers.Ending) -> str:
         "clean_exit": "exited cleanly",
         "vanished": "ended without an exception or a signal seen (os._exit?)",
         "stopped_on_hang": "stopped by ddpdoctor while hung",
+        "interrupted": "stopped on the user's interrupt (Ctrl-C) while hung",
         "running": "still running when the record ends",
     }.get(ending.how, ending.how)
 

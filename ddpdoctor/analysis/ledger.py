@@ -67,6 +67,7 @@ class Point:
 class Ending:
     """How a rank's record ended. ``how``: clean_exit, exception, signal, vanished (no clean
     close, no exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
+    interrupted (the user's Ctrl-C of a hung job, on which ddpdoctor ended its ranks),
     running (the trace just stops: read while the job runs) or never_started (no trace)."""
 
     how: str
@@ -87,6 +88,7 @@ class Ending:
             "clean_exit": f"exited cleanly{after}",
             "vanished": f"stopped without a clean exit, an exception or a signal seen{after}",
             "stopped_on_hang": f"was stopped by ddpdoctor while hung{after}",
+            "interrupted": f"was stopped on the user's interrupt (Ctrl-C) while hung{after}",
             "never_started": "never called init_process_group (no trace)",
         }.get(self.how, f"was still running{after}")
 
@@ -172,6 +174,8 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     sig = signal_name(exit_info.get("signal"))
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
     end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
+    if end.get("interrupted"):  # the user's Ctrl-C of a hung job: ddpdoctor ended it
+        return Ending("interrupted", step, signal=str(end.get("signal")), wall_s=end.get("at_wall") or when)
     if end.get("how") == "signal" and end.get("signal"):
         return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
     if end.get("how") == "os_exit" and end.get("code"):
