@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 import ddpdoctor
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED  # noqa: F401
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail  # noqa: F401
 from ddpdoctor.cli_common import load_run_dirs as _load
 from ddpdoctor.rundir import RunDir
 
@@ -167,8 +167,6 @@ def _startup_text(run_dir: Path) -> str:
         return ""
 
 
-
-
 def _summary_text(run_dir: Path) -> str:
     """The closing summary and report.html; never lets a reporting problem hide the job's own
     exit code."""
@@ -218,6 +216,7 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
 
 
 _FORMATS = ("html", "perfetto", "json")
+_REPORT_SCHEMA = "ddpdoctor.report/1"
 
 
 def _report_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,13 +247,13 @@ def _report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_j
     if output and reports.format_of(output) not in (None, fmt) and fmt != "json":
         raise click.BadParameter(f"{output} names another format than {fmt}", param_hint="--output")
     path = Path(output or Path(run_dirs[0]) / reports.FORMATS[fmt][2])
-    diag = _load(run_dirs)
+    diag = _load(run_dirs, as_json, _REPORT_SCHEMA)
     try:
         reports.write(diag, path, fmt)
     except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+        fail(f"cannot write {path}: {exc.strerror or exc}", as_json, _REPORT_SCHEMA, path=str(path))
     if as_json:
-        click.echo(json.dumps({"schema": "ddpdoctor.report/1", "format": fmt, "path": str(path)}))
+        click.echo(json.dumps({"schema": _REPORT_SCHEMA, "format": fmt, "path": str(path)}))
     else:
         click.echo(f"ddpdoctor: wrote {path}")
 

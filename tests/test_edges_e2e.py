@@ -144,3 +144,29 @@ def test_ctrl_c_after_a_hang_verdict_is_told_as_the_users_interrupt(tmp_path: Pa
         assert end["how"] == "interrupted" and "SIGKILL" not in end["how_text"] + end["mark"], end
     assert view["ranks"]["1"]["step"] == 32
     assert not [f for f in doc["findings"] if "SIGKILL" in f["summary"] or "after rank" in f["summary"]]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["diagnose", "--json", "{missing}"],
+        ["report", "--json", "{missing}"],
+        ["export", "--json", "{missing}"],
+        ["compare", "--json", "{missing}", "{missing}"],
+        ["attach", "--json", "{missing}"],
+        ["top", "--json", "--once", "{missing}"],
+        ["top", "--json", "--once", "{unrelated}"],
+    ],
+)
+def test_json_on_a_missing_directory_is_one_error_object(tmp_path: Path, command: list[str]) -> None:
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "notes.txt").write_text("not a run\n")
+    where = {"missing": str(tmp_path / "missing"), "unrelated": str(tmp_path / "unrelated")}
+    args = [a.format(**where) for a in command]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", *args], capture_output=True, text=True, timeout=60, env=job_env()
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    doc = json.loads(proc.stdout)  # exactly one JSON object: nothing else on stdout
+    assert isinstance(doc, dict) and doc["error"] and doc["schema"].startswith("ddpdoctor."), doc
+    assert doc["error"] in proc.stderr
