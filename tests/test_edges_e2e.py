@@ -170,3 +170,37 @@ def test_json_on_a_missing_directory_is_one_error_object(tmp_path: Path, command
     doc = json.loads(proc.stdout)  # exactly one JSON object: nothing else on stdout
     assert isinstance(doc, dict) and doc["error"] and doc["schema"].startswith("ddpdoctor."), doc
     assert doc["error"] in proc.stderr
+
+
+ACCUMULATION_JOB = """
+import contextlib
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(40):
+    for micro in range(4):  # 3 micro-batches under no_sync(), the 4th all-reduces
+        with contextlib.nullcontext() if micro == 3 else model.no_sync():
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            (loss / 4).backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path, write_script) -> None:
+    job = run_doctor(tmp_path, torchrun(2, write_script("accum.py", ACCUMULATION_JOB)), timeout=120)
+    assert job.returncode == 0, job.stderr[-3000:]
+    forwards = [r for r in read_lines(job.run_dir / "trace-rank0.jsonl") if r[0] == "forward"]
+    assert len(forwards) == 160 and sorted({r[3] for r in forwards}) == list(range(40))
+    doc = diagnose_json(job.run_dir)
+    assert doc["run"]["steps"] == {"0": 40, "1": 40}, doc["run"]["steps"]
+    findings = doc["findings"]
+    assert all(p <= 100 for p in percentages(findings)), [f["summary"] for f in findings]
+    assert not [f for f in findings if "accumulation with no_sync()" in (f.get("fix") or "")]

@@ -424,7 +424,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             continue
         points.append(Point(seq, op, nbytes, group, step, site, ts, in_flight=True, died_in=raised))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
-    ledger.steps = len(trace.kind(schema.BACKWARD))
+    ledger.steps = len(np.unique(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))

@@ -44,6 +44,9 @@ class Collector:
         self.default_pg = default_pg
         self.step = -1
         self.awaiting_backward = False  # a grad-mode DDP forward has not had its backward yet
+        # The pace model's last forward ran under no_sync(): the next one is the same step's
+        # next micro-batch (gradient accumulation), not a new step.
+        self.accumulating = False
         self.optimizer_t0 = 0
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far

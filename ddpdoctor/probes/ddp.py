@@ -141,8 +141,10 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if grad:
                 if c.pace_model is None:
                     c.pace_model = state
-                new_step = state is c.pace_model
+                new_step = state is c.pace_model and not c.accumulating
                 c.step += new_step
+                if state is c.pace_model:  # micro-batches under no_sync() share one optimizer step
+                    c.accumulating = not getattr(self, "require_backward_grad_sync", True)
                 c.awaiting_backward = True
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.builtin_hook:

@@ -62,8 +62,10 @@ class RankTrace:
 
     @property
     def steps(self) -> int:
-        """Training steps: DDP forwards in grad mode."""
-        return int((self.kind(schema.FORWARD).ints(0) == 1).sum())
+        """Training steps: the steps DDP forwards in grad mode ran in (the micro-batches of
+        gradient accumulation under no_sync() share their optimizer step's number)."""
+        fwd = self.kind(schema.FORWARD)
+        return len(np.unique(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
 
     def wall_offset_us(self) -> int:
         """Add to this rank's timestamps to get its own wall-clock µs since the epoch."""
