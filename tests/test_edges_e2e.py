@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import diagnose_json, job_env, read_lines, run_doctor, torchrun
+from test_live_e2e import kill_tree
 
 pytestmark = pytest.mark.e2e
 
@@ -204,3 +205,57 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path, write_scri
     findings = doc["findings"]
     assert all(p <= 100 for p in percentages(findings)), [f["summary"] for f in findings]
     assert not [f for f in findings if "accumulation with no_sync()" in (f.get("fix") or "")]
+
+
+def test_an_attached_hang_reads_true_in_diagnose_and_report(tmp_path: Path) -> None:
+    (tmp_path / "hang.py").write_text(HANG_JOB)
+    log = (tmp_path / "job.log").open("w")
+    job = subprocess.Popen(torchrun(2, "hang.py"), cwd=tmp_path, env=job_env(), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 90
+        while "hang-started" not in (tmp_path / "job.log").read_text() and time.monotonic() < deadline:
+            assert job.poll() is None, (tmp_path / "job.log").read_text()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        out = tmp_path / "attached"
+        args = ["attach", str(job.pid), "--watch", "2", "--out", str(out)]
+        looked = subprocess.run(
+            [sys.executable, "-m", "ddpdoctor", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=job_env(),
+        )
+        assert looked.returncode == 1 and "STUCK" in looked.stdout, looked.stdout + looked.stderr
+    finally:
+        kill_tree(job.pid)  # the launcher and its ranks (each in a session of its own)
+        job.wait(timeout=30)
+        log.close()
+    doc = diagnose_json(out)
+    assert "#-1" not in json.dumps(doc), [f["summary"] for f in doc["findings"]]
+    view = doc["failure"]
+    assert all(m["time_s"] >= 0 for m in view["markers"]), view["markers"]  # no verdict before the start
+    for span in view["open_spans"]:  # stuck from the first look to the verdict: about the 2 s watched
+        assert span["start_s"] >= 0 and span["end_s"] - span["start_s"] >= 1.0, span
+    for end in view["ranks"].values():  # at step 32, which no trace recorded: not "step 0"
+        assert end["step"] == -1 and "unknown" in end["step_text"] and "first step" not in end["step_text"], (
+            end
+        )
+    html = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=job_env(),
+    )
+    assert html.returncode == 0, html.stderr
+    title = re.search(r"<title>([^<]*)</title>", (out / "report.html").read_text(encoding="utf-8")).group(1)
+    assert "0 step" not in title and "unknown" in title, title
+    text = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "diagnose", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=job_env(),
+    ).stdout
+    assert "#-1" not in text and "at step 0" not in text and "before its first step" not in text, text

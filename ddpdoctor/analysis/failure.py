@@ -261,7 +261,9 @@ def _rank_end(
     ]
     # An evaluation forward (no grad) runs between steps: it does not make a step.
     in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE) or s.label == "forward" for s in spans)
-    if entering:
+    if trace.header.get("attached"):  # its stacks only: which step it was at is not known
+        step, text = -1, "step unknown (attached: nothing recorded)"
+    elif entering:
         # the step it began (a hang's status, a raised record), else the trace's last + 1
         step = entering[0].step if entering[0].step >= max(last, 0) else last + 1
         text = f"at step {step}, in its forward"
@@ -286,8 +288,9 @@ def _rank_end(
     done = [p for p in book.points if not p.in_flight]
     open_point = next((s.label for s in reversed(spans) if s.kind != schema.USER_CODE), "")
     user = next((s.user_frame for s in spans if s.user_frame), "") or book.place
+    how = _how_text(ending) if not trace.header.get("attached") else _how_text(ledgers.Ending("attached"))
     return RankEnd(
-        rank, ending.how, _how_text(ending), step, text, round(end_s, 6),
+        rank, ending.how, how, step, text, round(end_s, 6),
         done[-1].describe() if done else "", open_point, user, ending.how in _FAILED, _mark(ending),
     )  # fmt: skip
 
@@ -316,6 +319,7 @@ def _how_text(ending: ledgers.Ending) -> str:
         "stopped_on_hang": "stopped by ddpdoctor while hung",
         "interrupted": "stopped on the user's interrupt (Ctrl-C) while hung",
         "running": "still running when the record ends",
+        "attached": "still running when ddpdoctor attached",
     }.get(ending.how, ending.how)
 
 

@@ -147,11 +147,17 @@ def header_section(diag: Diagnosis) -> str:
     return f'<section id="run"><h2>Run</h2>{kv_table(rows)}</section>'
 
 
-def _steps_text(diag: Diagnosis) -> str:
+def _steps_text(diag: Diagnosis, unit: bool = False) -> str:
+    """ "40", or "7 to 8 (the ranks differ)"; with ``unit``, "40 steps". An attached run
+    recorded no steps: "unknown (attached)", never a 0 the job did not run."""
     counts = sorted(set(diag.steps.values()))
-    if not counts:
-        return "0"
-    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (ranks differ)"
+    if any(m.get("attached") for m in diag.run.metas):
+        return (
+            "steps unknown (attached, nothing recorded)" if unit else "unknown (attached, nothing recorded)"
+        )
+    n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}" if counts else "0"
+    text = f"{n} step{'' if n == '1' else 's'}" if unit else n
+    return text + (" (the ranks differ)" if len(counts) > 1 else "")
 
 
 def _finding_item(f: Any) -> str:
@@ -266,7 +272,7 @@ def render(diag: Diagnosis, *, max_segments: int = MAX_SEGMENTS) -> str:
     tb = diag.time_base
     assert tb is not None
     run = diag.run
-    title = f"ddpdoctor report: {run.world_size} rank(s), {_steps_text(diag)} step(s)"
+    title = f"ddpdoctor report: {run.world_size} rank(s), {_steps_text(diag, unit=True)}"
     sub = (
         f"{len(run.hosts)} host(s) · generated {time.strftime('%Y-%m-%d %H:%M:%S')} by ddpdoctor "
         f"{ddpdoctor.__version__}"
