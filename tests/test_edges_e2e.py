@@ -129,6 +129,18 @@ def test_ctrl_c_after_a_hang_verdict_is_told_as_the_users_interrupt(tmp_path: Pa
             time.sleep(0.2)
         assert (run_dir / "hang-1" / "summary.json").exists(), "no hang verdict"
         time.sleep(1.0)
+        for _ in range(30):  # the stall shows once no step began for 10 step periods (>= 2 s)
+            top = subprocess.run(
+                [sys.executable, "-m", "ddpdoctor", "top", "--once", "--json", str(run_dir)],
+                capture_output=True, text=True, timeout=60, env=job_env(),
+            )  # fmt: skip
+            frame = json.loads(top.stdout)
+            if all(row["state"] == "stalled" for row in frame["ranks"]):
+                break
+            time.sleep(1.0)
+        for row in frame["ranks"]:  # no stale rate, not "running"
+            assert row["state"] == "stalled" and row["steps_per_s"] == 0, row
+        assert frame["job"]["steps_per_s"] == 0, frame["job"]
         proc.send_signal(signal.SIGINT)  # --on-hang dump (the default) left the job hung: Ctrl-C
         proc.communicate(timeout=90)
     finally:
