@@ -271,3 +271,12 @@ def test_an_attached_hang_reads_true_in_diagnose_and_report(tmp_path: Path) -> N
         env=job_env(),
     ).stdout
     assert "#-1" not in text and "at step 0" not in text and "before its first step" not in text, text
+
+
+def test_a_hang_timeline_opens_on_the_last_steps(hung_run: Path) -> None:
+    view = diagnose_json(hung_run)["failure"]
+    lo, hi = view["window_s"]
+    stuck = max(s["start_s"] for s in view["open_spans"])
+    kill = next(m["time_s"] for m in view["markers"] if m["kind"] == "kill")
+    assert stuck < hi < kill, (lo, hi, stuck, kill)  # the stuck spans run on past the right edge
+    assert (stuck - lo) / (hi - lo) > 0.6  # the last steps fill most of the axis

@@ -34,6 +34,7 @@ from ddpdoctor.trace.reader import RankTrace, Run
 
 SCHEMA = "ddpdoctor.failure/1"
 LAST_STEPS = 3  # the timeline opens on this many steps before the failure
+STUCK_SHARE = 0.5  # ... and on this much more of what followed (their time's share)
 _FAILED = ("exception", "signal", "vanished", "stopped_on_hang", "interrupted")
 _STOPPED = ("stopped_on_hang", "interrupted")  # ended by ddpdoctor or the user, not by a failure
 
@@ -335,6 +336,10 @@ def _window(spans: dict[int, tuple[float, float]], view: FailureView) -> tuple[f
         last = max(spans)
         first = max(min(spans), last - LAST_STEPS + 1)
         lo = spans[first][0]
+        # The steps fill most of the axis and the stuck spans run on past its right edge: a
+        # hang of minutes drawn whole would leave the steps a few pixels wide.
+        stuck = max([spans[last][1], *starts])
+        hi = min(hi, stuck + max(STUCK_SHARE * (stuck - lo), 1e-3))
     else:
         lo = min(starts, default=hi)
     lo = min([lo] + starts)
