@@ -280,3 +280,13 @@ def test_a_hang_timeline_opens_on_the_last_steps(hung_run: Path) -> None:
     kill = next(m["time_s"] for m in view["markers"] if m["kind"] == "kill")
     assert stuck < hi < kill, (lo, hi, stuck, kill)  # the stuck spans run on past the right edge
     assert (stuck - lo) / (hi - lo) > 0.6  # the last steps fill most of the axis
+
+
+def test_the_phase_table_fits_and_shades_nothing_at_two_ranks(hung_run: Path) -> None:
+    page = (hung_run / "report.html").read_text(encoding="utf-8")
+    table = page[page.index('<section id="phases">') :]
+    table = table[: table.index("</section>")]
+    phases = table.count("colspan=") - 1  # less the step time
+    columns = table.split("</tr><tr>")[1].split("</tr>")[0].count("<th>")
+    assert columns <= 2 * phases + 2 and columns <= 20, columns  # about 40 before: a scrollbar at 1,400 px
+    assert "background:rgba" not in table  # at two ranks one is always the slower: nothing to show
