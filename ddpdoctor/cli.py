@@ -9,6 +9,8 @@ its input cannot be read (or the command line is wrong).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +140,9 @@ def _run_and_summarise(
         command = command[1:]
     if not command:
         raise click.UsageError("no command to run: ddpdoctor run -- COMMAND ...")
+    if shutil.which(command[0]) is None and not os.path.exists(command[0]):  # before an empty run dir
+        click.echo(f"ddpdoctor: cannot start {command[0]!r}: command not found", err=True)
+        return EXIT_NOT_FOUND
     try:
         run_dir = new_run_dir(out)
     except OSError as exc:
@@ -215,6 +220,7 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
 
 
+EXIT_NOT_FOUND = 127  # as a shell exits for a command it cannot find
 _FORMATS = ("html", "perfetto", "json")
 _REPORT_SCHEMA = "ddpdoctor.report/1"
 

@@ -290,3 +290,28 @@ def test_the_phase_table_fits_and_shades_nothing_at_two_ranks(hung_run: Path) ->
     columns = table.split("</tr><tr>")[1].split("</tr>")[0].count("<th>")
     assert columns <= 2 * phases + 2 and columns <= 20, columns  # about 40 before: a scrollbar at 1,400 px
     assert "background:rgba" not in table  # at two ranks one is always the slower: nothing to show
+
+
+def test_a_command_that_cannot_start_leaves_no_run_dir(tmp_path: Path) -> None:
+    args = ["run", "--out", str(tmp_path / "run"), "--", "no_such_command_anywhere"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", *args], capture_output=True, text=True, env=job_env()
+    )
+    assert proc.returncode == 127 and "command not found" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_quoted_error_is_cut_at_a_word() -> None:
+    from ddpdoctor.analysis.findings import clip
+
+    text = "Connection closed by peer [127.0.0.1]:7399. This is typically caused by a remote worker"
+    assert clip(text, 200) == text
+    assert clip(text, 80) == "Connection closed by peer [127.0.0.1]:7399. This is typically caused by a..."
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "MIT"  # a table is deprecated by setuptools (PEP 639)
+    assert "setuptools>=77" in project["build-system"]["requires"]

@@ -26,7 +26,7 @@ from typing import Any
 from ddpdoctor.analysis import ledger as ledgers
 from ddpdoctor.analysis.failure_parts import StackGroup, parting_table, stack_groups
 from ddpdoctor.analysis.failure_spans import Clock, OpenSpan, open_spans
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, clip
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
@@ -311,7 +311,7 @@ def _mark(ending: ledgers.Ending) -> str:
 def _how_text(ending: ledgers.Ending) -> str:
     if ending.how == "exception" and ending.error:
         message = str(ending.error.get("message") or "").splitlines()[:1]
-        return f"raised {ending.error.get('type')}" + (f": {message[0][:200]}" if message else "")
+        return f"raised {ending.error.get('type')}" + (f": {clip(message[0], 200)}" if message else "")
     if ending.how == "signal":
         return f"killed by {ending.signal}"
     return {

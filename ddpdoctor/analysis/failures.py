@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis import frameworks
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
 from ddpdoctor.analysis.ledger import is_consequence, last_step_started
 from ddpdoctor.rundir import RunDir
@@ -127,7 +127,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     if error is not None:
         summary = (
             f"rank {rank} failed first {at}: {error.get('type')}: "
-            f"{str(error.get('message', '')).splitlines()[0][:200] if error.get('message') else ''}"
+            f"{clip(str(error.get('message', '')).splitlines()[0], 200) if error.get('message') else ''}"
             f"{_where(error.get('frames') or [])}"
         )
         fix = (

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import ddpdoctor
+from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -81,7 +82,7 @@ class Ending:
         after = f" after step {self.step}" if self.step >= 0 else " before its first step"
         if self.how == "exception" and self.error:
             message = str(self.error.get("message") or "").splitlines()[:1]
-            return f"raised {self.error.get('type')}{': ' + message[0][:160] if message else ''}{after}"
+            return f"raised {self.error.get('type')}{': ' + clip(message[0], 160) if message else ''}{after}"
         if self.how == "signal":
             return f"was killed by {self.signal}{after}"
         return {

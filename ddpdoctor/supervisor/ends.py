@@ -197,7 +197,9 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         )
     elif error is not None:
         end.update(how="exception", code=1, at_wall=(error.get("wall_ns") or 0) / 1e9 or None)
-        end["source"] = f"{error.get('type')}: {str(error.get('message', '')).splitlines()[0][:200]}"
+        from ddpdoctor.analysis.findings import clip
+
+        end["source"] = f"{error.get('type')}: {clip(str(error.get('message', '')).splitlines()[0], 200)}"
     elif term.strip():
         end.update(how="signal", signal="SIGTERM", stack=term[-8000:], at_wall=_mtime(term_path))
     elif exit_info.get("how") == "os._exit":
