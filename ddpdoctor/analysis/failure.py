@@ -286,7 +286,7 @@ def _rank_end(
         step = max(last, 0)
         inner = next((s.label for s in reversed(spans) if s.kind in (schema.FORWARD, schema.BACKWARD)), "")
         text = f"at step {step}" + (f", in its {inner}" if inner else "")
-    done = [p for p in book.points if not p.in_flight]
+    done = [p for p in book.points if not p.in_flight and not p.raised]
     open_point = next((s.label for s in reversed(spans) if s.kind != schema.USER_CODE), "")
     user = next((s.user_frame for s in spans if s.user_frame), "") or book.place
     how = _how_text(ending) if not trace.header.get("attached") else _how_text(ledgers.Ending("attached"))

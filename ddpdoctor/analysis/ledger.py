@@ -55,12 +55,15 @@ class Point:
     ts: int = 0
     in_flight: bool = False
     died_in: bool = False  # the rank died inside it (its death stack), seq: the next after its last
+    # It raised (a ``raised`` record): not completed, but its op and size are the recorded ones,
+    # so it still counts where ranks are compared (a size mismatch that made gloo raise).
+    raised: bool = False
 
     def describe(self) -> str:
         where = f" at {self.site}" if self.site else ""
         size = f", {self.nbytes} bytes" if self.nbytes else ""
         seq = f" #{self.seq}" if self.seq >= 0 else ""
-        died = ", where it ended" if self.died_in else ""
+        died = ", raised" if self.raised else ", where it ended" if self.died_in else ""
         return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
 
 
@@ -423,7 +426,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             site, op, nbytes, group, seq = "", BUFFERS, 0, "WORLD", int(fields[0])
         else:
             continue
-        points.append(Point(seq, op, nbytes, group, step, site, ts, in_flight=True, died_in=raised))
+        points.append(Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
     ledger.steps = len(np.unique(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
