@@ -194,12 +194,14 @@ def test_top_once_on_a_live_job_and_on_its_finished_run(tmp_path: Path) -> None:
             return frame if steps == [8, 8] and frame["ranks"][1]["op"] == "barrier" else None
 
         frame = wait_for(held, "both ranks at 8 steps in top", timeout=60, every=1.0)
-        assert [r["state"] for r in frame["ranks"]] == ["running", "running"]
+        # held: alive, and after 10 step periods (at least 2 s) without a step "stalled"
+        assert {r["state"] for r in frame["ranks"]} <= {"running", "stalled"}
         assert all(r["late_ms"] is not None for r in frame["ranks"]), "lateness over the recent steps"
         assert frame["runs"][0]["status"] == "running" and not frame["job"]["finished"]
         text = ddpdoctor("top", "--once", str(run_dir)).stdout
         rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
-        assert [(r[0], r[3], r[4]) for r in rows] == [("0", "running", "8"), ("1", "running", "8")], text
+        assert [(r[0], r[4]) for r in rows] == [("0", "8"), ("1", "8")], text
+        assert {r[3] for r in rows} <= {"running", "stalled"}, text
         assert "collective barrier" in text
         release.touch()
         assert job.proc.wait(timeout=120) == 0, job.output

@@ -48,6 +48,15 @@ def find_all(run: Run) -> list[Finding]:
     return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), f.kind, f.ranks))
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters at a word's end, with "..." when cut: an error
+    message quoted in a finding never ends mid-word."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return cut.rstrip(" ,;:") + "..."
+
+
 def rank_list(ranks: Iterable[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out: list[str] = []

@@ -38,6 +38,7 @@ from ddpdoctor.trace.reader import read_meta
 
 TOP_SCHEMA = "ddpdoctor.top/1"
 CPU_BUDGET = 0.04  # of one core, at most, for the refresh loop (the issue asks < 5 %)
+STALL_S, STALL_STEPS = 2.0, 10  # no step for this long and this many step periods: stalled
 STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (or the node is gone)
 
 
@@ -125,6 +126,8 @@ class Top:
         if rate is None and prev is not None and now > prev[0] and not finished:
             rate = round((step - prev[1]) / (now - prev[0]), 4)
         self._prev[rank] = (now, step)
+        if _stalled(st, now):
+            rate = 0.0  # the rate of its last steps is no rate of a rank that stopped stepping
         phase = st.get("phase") or {}
         last = st.get("last_collective") or {}
         return {
@@ -159,7 +162,7 @@ class Top:
             return "ended"
         if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
             return "silent"
-        return "running"
+        return "stalled" if _stalled(st, now) else "running"
 
     def _hang_timeout(self) -> float | None:
         """`ddpdoctor run --hang-timeout`, when the watcher recorded it (watch.json)."""
@@ -184,6 +187,14 @@ class Top:
                 self._hang_text[path] = text
             out.append(self._hang_text[path])
         return out
+
+
+def _stalled(st: dict[str, Any], now: float) -> bool:
+    """Alive but no step began for many times its recent step period (a hang, a long wait)."""
+    last, rate = st.get("last_step_wall"), st.get("steps_per_s")
+    if not isinstance(last, (int, float)) or not isinstance(rate, (int, float)) or rate <= 0:
+        return False
+    return now - last > max(STALL_S, STALL_STEPS / rate)
 
 
 def _in_phase_s(st: dict[str, Any], now: float) -> float:

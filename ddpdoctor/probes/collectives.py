@@ -130,9 +130,12 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             fields = (op, nbytes, gname, gsize, seq, is_async, where)
             prev = c.enter(LivePhase.COLLECTIVE, op, seq, group=(gname, gsize, nbytes, pg))
             try:
-                return orig(*args, **kwargs)
-            finally:
-                c.leave(prev, schema.COLLECTIVE, *fields)
+                result = orig(*args, **kwargs)
+            except BaseException:
+                c.raised(prev, schema.COLLECTIVE, *fields)
+                raise
+            c.leave(prev, schema.COLLECTIVE, *fields)
+            return result
 
         return collective
 

@@ -107,6 +107,7 @@ def run_job(
         result.interrupted_by.append(signal.Signals(signum).name)
         if signum == signal.SIGINT and watcher is not None and watcher.hung:
             # Ranks blocked in a collective only act on SIGINT once it returns: end them now.
+            meta.setdefault(RunDir.INTERRUPTED_HUNG, time.time_ns())  # the user's Ctrl-C ended them
             threading.Thread(target=watcher.kill_job, args=(watcher.rank_pids(),), daemon=True).start()
         try:
             if signum == signal.SIGINT:
@@ -136,6 +137,7 @@ def run_job(
             sampler.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    write_meta(run_dir, meta)  # settle reads whether the user interrupted a hung job
     _settle(run_dir)
     if code < 0:
         result.signal = -code

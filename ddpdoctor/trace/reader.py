@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.trace import schema
+from ddpdoctor.trace import recover, schema
 from ddpdoctor.trace.columns import Events, Packed
 from ddpdoctor.trace.fastparse import parse_fast
 
@@ -62,8 +62,10 @@ class RankTrace:
 
     @property
     def steps(self) -> int:
-        """Training steps: DDP forwards in grad mode."""
-        return int((self.kind(schema.FORWARD).ints(0) == 1).sum())
+        """Training steps: the steps DDP forwards in grad mode ran in (the micro-batches of
+        gradient accumulation under no_sync() share their optimizer step's number)."""
+        fwd = self.kind(schema.FORWARD)
+        return len(np.unique(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
 
     def wall_offset_us(self) -> int:
         """Add to this rank's timestamps to get its own wall-clock µs since the epoch."""
@@ -77,8 +79,9 @@ class RankTrace:
         return None
 
 
-def read_trace(path: Path) -> RankTrace:
-    """Parse one rank's trace file; raises TraceError only when it has no readable header.
+def read_trace(path: Path, rank: int | None = None) -> RankTrace:
+    """Parse one rank's trace file; raises TraceError only when it has no readable header and
+    no events, or no header and no ``rank`` (from its file name) to stand in for it.
 
     The common event lines (integers and plain strings only) are parsed in bulk with numpy;
     every other line (header, metadata, anything unusual or damaged) goes through ``json``
@@ -114,8 +117,10 @@ def read_trace(path: Path) -> RankTrace:
             cols = columns[kind] = ([], [], [], [], [])
         for col, value in zip(cols, (line_no, rec[1], rec[2], rec[3], tuple(rec[4:])), strict=True):
             col.append(value)
-    if header is None or "rank" not in header:
+    if (header is None or "rank" not in header) and (rank is None or not (fast or columns or meta)):
         raise TraceError(f"{path}: no trace header")
+    if header is None or "rank" not in header:  # cut: filled in by recover.restore_headers
+        header = {"rank": rank, recover.CUT: True}
     events: dict[str, Events] = {}
     for kind in sorted(set(fast) | set(columns)):
         if kind not in columns:
@@ -293,13 +298,14 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
             raise TraceError(f"{run_dir}: not a directory")
         metas.append(read_meta(run_dir))
     files = [(rank, path) for run_dir in paths for rank, path in RunDir(run_dir).traces().items()]
-    for (rank, path), trace in zip(files, _read_all([p for _, p in files]), strict=True):
+    for (rank, path), trace in zip(files, _read_all(files), strict=True):
         if isinstance(trace, str):
             notes.append(trace)
             continue
         if rank in ranks:
             notes.append(f"rank {rank} appears in {ranks[rank].path} and {path}; using the latter")
         ranks[rank] = trace
+    recover.restore_headers(ranks, paths, notes)
     skipped = sum(t.skipped_lines for t in ranks.values())
     if skipped:
         notes.append(f"skipped {skipped} truncated or corrupt trace line(s)")
@@ -360,10 +366,11 @@ def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
     return out
 
 
-def _read_one(path: Path) -> RankTrace | str:
+def _read_one(file: tuple[int, Path]) -> RankTrace | str:
     """A rank's trace, or why it cannot be read (a note)."""
+    rank, path = file
     try:
-        return read_trace(path)
+        return read_trace(path, rank)
     except TraceError as exc:
         return str(exc)
     except OSError as exc:
@@ -381,7 +388,7 @@ def read_workers(files: int) -> int:
 PARALLEL_MIN_FILES = 16
 
 
-def _read_all(files: list[Path]) -> Iterator[RankTrace | str]:
+def _read_all(files: list[tuple[int, Path]]) -> Iterator[RankTrace | str]:
     """Read every file, in order; in worker processes when there are many (parsing is CPU-bound
     numpy and Python, and the compact columns are cheap to send back)."""
     workers = read_workers(len(files))

@@ -81,6 +81,10 @@ clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's 
 site            {id, file, line, func}: the user's line that issued a sync point (the first
                 frame outside torch, the frameworks, ddpdoctor and the standard library),
                 written once per site; forward and collective events carry its id (-1: none)
+raised          {kind, fields, dur_us}: a span the rank entered and left by an exception (a
+                collective that raised "Connection closed by peer", a forward that raised):
+                ``kind`` and ``fields`` as the span would have had, ``ts`` its start. Never
+                recorded as the span: it did not complete, and its time is no step's
 rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
                 last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
                 threading.excepthook for other threads), flushed at once
@@ -184,6 +188,7 @@ DROPPED = "dropped"
 END = "end"
 CLOCK = "clock"
 RANK_ERROR = "rank_error"
+RAISED = "raised"
 SITE = "site"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
@@ -279,7 +284,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, LOAD_STATE, FINGERPRINT)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, RAISED)
 )
 
 
