@@ -27,7 +27,7 @@ from ddpdoctor.analysis.models import ddp_models
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
-_AT_ORDER = {"init": 0, "step": 1, "exit": 2}
+AT_ORDER = {"init": 0, "step": 1, "exit": 2}
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 Key = tuple[int, int, str]  # (step, order of "at", at): the checks in the order they happened
 
@@ -60,7 +60,7 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
         for ts, step, info in trace.meta.get(schema.FINGERPRINT, []):
             model, opt = info.get("model"), info.get("optimizer")
             at, values = info.get("at"), info.get("values")
-            if not isinstance(model, int) or at not in _AT_ORDER or not isinstance(values, list):
+            if not isinstance(model, int) or at not in AT_ORDER or not isinstance(values, list):
                 continue
             key = (model, opt if model < 0 else None)
             series = out.setdefault(key, Series(model, key[1]))
@@ -74,7 +74,7 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             current = names.get(key)
             if current is None or len(current) != len(values):
                 continue
-            series.checks[rank][(step, _AT_ORDER[at], at)] = _Check(ts, current, values)
+            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):
                     series.unsynced[current[i]].add(rank)
@@ -138,7 +138,7 @@ def odd_ranks(groups: list[list[int]], suspects: set[int]) -> list[int]:
     return sorted(r for g in groups for r in g)
 
 
-def _when(key: Key | None) -> str:
+def when_checked(key: Key | None) -> str:
     if key is None:
         return "never compared equal"
     step, _, at = key
@@ -247,7 +247,7 @@ def _not_synced(
         diverged = [n for n in names if n in differ]
         ranks = sorted(set().union(*(unsynced[n] for n in names)))
         first = min((differ[n].first for n in diverged), default=None)
-        since = f"; the ranks' values differ since {_when(first)}" if first else ""
+        since = f"; the ranks' values differ since {when_checked(first)}" if first else ""
         total = sum(series.numels.get(n, 0) for n in names)
         yield Finding(
             "gradients_not_synced",
@@ -316,10 +316,10 @@ def _weights(
         if len(odd) < len(all_ranks)
         else f"across ranks {rank_list(all_ranks)} (each holds its own values)"
     )
-    since = ("since " if head.first[2] == "step" else "") + _when(head.first)
+    since = ("since " if head.first[2] == "step" else "") + when_checked(head.first)
     summary = (
         f"{label}: {len(names)} parameter(s) differ {who} {since} (equal "
-        f"{_when(head.last_equal)}): {_sized(names, series.numels)}: {why}"
+        f"{when_checked(head.last_equal)}): {_sized(names, series.numels)}: {why}"
     )
     still = [d.name for d in found if d.still]
     if not still:
@@ -349,8 +349,8 @@ def _weights(
                 for d in found
             },
             "since_step": head.first[0],
-            "since": _when(head.first),
-            "last_equal": _when(head.last_equal),
+            "since": when_checked(head.first),
+            "last_equal": when_checked(head.last_equal),
             "cause": cause,
             "place": place or None,
             "root_rank": root,
@@ -386,7 +386,7 @@ def _buffers(series: Series, found: list[Divergence], label: str) -> Finding:
         "buffers_differ",
         "info" if stats else "warning",
         ranks,
-        f"{label}: {len(names)} {what} differ across ranks since {_when(found[0].first)} "
+        f"{label}: {len(names)} {what} differ across ranks since {when_checked(found[0].first)} "
         f"({_sized(names, series.numels)}): broadcast_buffers=False keeps each rank's own"
         + (": expected, evaluation on each rank uses its own statistics" if stats else ""),
         fix="Expected with broadcast_buffers=False. For the same statistics everywhere use "

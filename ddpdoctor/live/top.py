@@ -7,7 +7,8 @@ the tail of the node's GPU samples and run.json, so it costs the job nothing and
 a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
 already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
 analysis/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
-the recent steps, a rank that raised or vanished.
+the recent steps, a rank that raised or vanished, ranks whose model parameters differ at a
+fingerprint check they all took (live/replicas.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ddpdoctor.analysis.proof import Activity, Verdict, is_hang, judge
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.render import render
+from ddpdoctor.live.replicas import weights_diverged
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.activity import pid_alive
 from ddpdoctor.supervisor.board import Board
@@ -289,8 +291,8 @@ def _findings(
     activity: dict[int, Activity] | None = None,
     state: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """What the status data prove: a rank that raised or vanished, a straggler, and the
-    watcher's own live rule (``proof.judge``, ``proof.is_hang``) for a hang or a wait."""
+    """What the status data prove: a rank that raised or vanished, a straggler, replicas that
+    differ, and the watcher's own live rule (``proof.judge``, ``proof.is_hang``) for a hang or a wait."""
     activity = activity or {}
     out: list[dict[str, Any]] = []
     for row in ranks:
@@ -304,6 +306,7 @@ def _findings(
     straggler = _straggler(statuses, lateness)
     if straggler:
         out.append(straggler)
+    out += weights_diverged(statuses)
     live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
         return out  # a failing rank explains the others' wait (the watcher says the same)

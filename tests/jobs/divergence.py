@@ -5,10 +5,14 @@ not_synced        a head unfrozen after wrapping, a parameter added after wrappi
 ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor broadcasts it)
 bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
 autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
+
+With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
+(the live test runs `ddpdoctor top` meanwhile).
 """
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,6 +70,8 @@ def main(mode: str) -> None:
                 loss = nn.functional.cross_entropy(out.float(), y)
             loss.backward()
             opt.step()
+            while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
+                time.sleep(0.05)
     dist.destroy_process_group()
 
 

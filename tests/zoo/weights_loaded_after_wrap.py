@@ -27,8 +27,20 @@ def main() -> None:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            hold()
     print(f"rank {rank}: checksum {sum(p.sum().item() for p in model.parameters()):.2f}")
     dist.destroy_process_group()
+
+
+def hold() -> None:
+    """With RELEASE_FILE set (the live test runs `ddpdoctor top` meanwhile): wait after the first
+    optimizer step until that file exists."""
+    import os
+    import time
+
+    path = os.environ.get("RELEASE_FILE")
+    while path and not os.path.exists(path):
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
