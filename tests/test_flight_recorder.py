@@ -99,6 +99,7 @@ def test_merge_adds_each_ranks_state_to_the_finding(tmp_path: Path) -> None:
     assert flight.merge(untouched, tmp_path / "absent").summary == "x"
 
 
+@pytest.mark.e2e
 def test_rank0_evaluation_hang_names_each_ranks_pending_collective(tmp_path: Path) -> None:
     """Real gloo job: rank 0 evaluates through the wrapper (buffer broadcast) while rank 1
     waits in a barrier. The ranks dump their Flight Recorder entries when the hang is caught."""
