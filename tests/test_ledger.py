@@ -91,7 +91,8 @@ def test_different_sizes_at_one_sequence_number_are_a_mismatch_with_both_sites(t
         _write(tmp_path, rank, [*_steps(3, loader=False), site, coll])
     ledgers = build(load_run([tmp_path]))
     div = first_divergence(ledgers)
-    assert div is not None and div.what == "mismatch" and div.evidence == {"seq": 9, "differs": "size"}
+    assert div is not None and div.what == "mismatch" and div.evidence["seq"] == 9
+    assert div.evidence["differs"] == "size" and "rank 0 8 bytes, rank 1 12 bytes" in div.evidence["disagreement"]
     f = _kinds(tmp_path)["collective_mismatch"]
     assert "train.py:27" in f["summary"] and "train.py:28" in f["summary"] and "size" in f["fix"]
 

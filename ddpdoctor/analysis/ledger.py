@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import ddpdoctor
+from ddpdoctor.analysis.signature import disagreement
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -54,6 +55,21 @@ class Point:
     ts: int = 0
     in_flight: bool = False
     died_in: bool = False  # the rank died inside it (its death stack), seq: the next after its last
+    dtype: str = ""  # the rest of a Python collective's signature ("", 0, -1, None: not recorded)
+    numel: int = 0
+    root: int = -1
+    ranks: str | None = None  # the group's global ranks ("0 1"), "" for WORLD
+
+    def signature(self) -> dict[str, Any]:
+        """The fields ``signature.disagreement`` compares (bytes of a call in flight are unknown)."""
+        return {
+            "op": self.op,
+            "bytes": 0 if self.in_flight else self.nbytes,
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "root": self.root,
+            "ranks": self.ranks,
+        }
 
     def describe(self) -> str:
         where = f" at {self.site}" if self.site else ""
@@ -251,7 +267,8 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     seq = phase.get("seq")
     point = Point(
         int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", int(status.get("step", -1)), place,
-        in_flight=True,
+        in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
+        root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
     return point, place
 
@@ -382,7 +399,10 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     coll = _tail(trace.kind(schema.COLLECTIVE))
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
         site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
-        points.append(Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts))
+        point = Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts)
+        if len(f) > 10:  # the whole signature (older traces stop at the site)
+            point.dtype, point.numel, point.root, point.ranks = str(f[7]), int(f[8]), int(f[9]), str(f[10])
+        points.append(point)
     fwd = _tail(trace.kind(schema.FORWARD))
     fwd_site: dict[int, str] = {}
     for step, f in zip(fwd.step.tolist(), fwd.fields, strict=True):
@@ -428,23 +448,26 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
     for seq in seqs:
         at = {r: m.get(seq) for r, m in by_seq.items()}
         have = {r: p for r, p in at.items() if p is not None}
-        kinds = {(p.op, p.nbytes if not p.in_flight else None) for p in have.values()}
-        if len(have) == len(at) and len({k[0] for k in kinds}) == 1:
-            sizes = {p.nbytes for p in have.values() if not p.in_flight}
-            said = _backend_says_mismatch(present, have) if not sizes else ""
-            if said:
-                evidence = {"seq": seq, "differs": "size", "backend": said}
-                return Divergence("mismatch", None, [], dict(at), evidence)
-            if len(sizes) <= 1:
-                continue
-            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "size"})
         if len(have) == len(at):
-            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "op"})
+            differ = disagreement({r: p.signature() for r, p in have.items()}, _op_of, f"collective #{seq}")
+            if differ is None:
+                said = _backend_says_mismatch(present, have)
+                if said and all(p.in_flight for p in have.values()):
+                    evidence = {"seq": seq, "differs": "size", "backend": said}
+                    return Divergence("mismatch", None, [], dict(at), evidence)
+                continue
+            differs = {"bytes": "size", "numel": "size"}.get(differ.field, differ.field)
+            evidence = {"seq": seq, "differs": differs, "disagreement": differ.text, "field": differ.name}
+            return Divergence("mismatch", None, [], dict(at), evidence)
         missing = [r for r in at if at[r] is None]
         if all(last[r] < seq for r in missing):
             gone = min(missing, key=lambda r: (present[r].last_step, r))
             return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
     return None
+
+
+def _op_of(sig: dict[str, Any]) -> str:
+    return str(sig["op"])
 
 
 # What a backend prints when the ranks' collectives disagree (gloo's enforce; NCCL's and the

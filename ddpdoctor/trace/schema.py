@@ -28,7 +28,11 @@ backward        (none): the backward of the step's DDP forward, ending after its
 allreduce       bucket index, bytes, seq at entry; ts is when the bucket was ready, dur until
                 its reduction finished
 collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, async (0/1);
-                op "barrier" is ``dist.barrier``; then the call site id (see ``site``)
+                op "barrier" is ``dist.barrier``; then the call site id (see ``site``); then
+                the rest of its signature: dtype of the first tensor ("" none), its element
+                count, root rank (``src``/``dst``, -1 none), the group's global ranks ("0,1";
+                "" for WORLD). Op "new_group" is ``dist.new_group`` (a collective of the
+                default group): its ranks are the new group's members
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
 graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
@@ -303,7 +307,12 @@ declare(
     Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
 )
 declare(
-    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site"), "sisiiii", "{op}"),
+    EventKind(
+        COLLECTIVE,
+        ("op", "bytes", "group", "group_size", "seq", "async", "site", "dtype", "numel", "root", "ranks"),
+        "sisiiiisiis",
+        "{op}",
+    ),
     Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
     Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
 )
