@@ -31,6 +31,7 @@ from ddpdoctor.trace.reader import Run
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
+    "awaited_work",  # analysis/awaited.py: the work a rank did while the others timed out
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",
@@ -271,6 +272,8 @@ def _rank_only_call(points: dict[int, Point], ledgers: dict[int, Ledger]) -> Fin
         r: p for r, p in points.items()
         if all(p.site not in sites[o] for o in points if ops[o] != p.op)
     }  # fmt: skip
+    if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
+        only = {r: p for r, p in only.items() if p.op == NEW_GROUP}  # creating a group is the extra call
     if not only or {ops[r] for r in only} == set(ops.values()):
         return None
     root = min(only)

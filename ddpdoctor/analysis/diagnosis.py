@@ -119,7 +119,9 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     label = f"{cause.kind}" + (f" on rank {root}" if root is not None else "")
     kept = []
     for f in findings:
-        if f.kind in _FOLDED:
+        if f.kind in _FOLDED or (
+            cause.kind == "awaited_work" and f.kind == "rank_only_work" and f.ranks == cause.ranks
+        ):  # the same wait, already charged to the awaited work
             cause.details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
             continue
         if f.kind in _LABELLED:

@@ -31,7 +31,7 @@ _FIXES = (
     ),
     (("log", "print", "report", "plot"), "log less often, or hand the logging to a background thread"),
 )
-_GENERIC_FIX = (
+GENERIC_FIX = (
     "move the rank-only work off the other ranks' path: share it across ranks, run it in a "
     "background thread, or do it less often"
 )
@@ -53,7 +53,7 @@ def went_on(summary: dict[str, Any], run: Run) -> bool:
 
 def fix_for(function: str) -> str:
     name = function.lower()
-    return next((fix for words, fix in _FIXES if any(w in name for w in words)), _GENERIC_FIX)
+    return next((fix for words, fix in _FIXES if any(w in name for w in words)), GENERIC_FIX)
 
 
 def _idle_s(run: Run, rank: int, phase: dict[str, Any]) -> float | None:
