@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from ddpdoctor.analysis.divergence import rank_only_call, skipped_sync
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.ledger import (
     BUFFERS,
@@ -25,13 +26,14 @@ from ddpdoctor.analysis.ledger import (
     forward_site,
     user_frame,
 )
-from ddpdoctor.analysis.signature import NEW_GROUP, Disagreement, disagreement, fix_for
+from ddpdoctor.analysis.signature import disagreement, fix_for
 from ddpdoctor.trace.reader import Run
 
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
     "awaited_work",  # analysis/awaited.py: the work a rank did while the others timed out
+    "skipped_gradient_sync",  # analysis/divergence.py
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",
@@ -130,6 +132,8 @@ def _evidence(ledgers: dict[int, Ledger], ranks: Iterable[int]) -> dict[str, Any
 def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
     if div.what == "mismatch":
         return _mismatch(div, ledgers)
+    if div.what == "steps":
+        return skipped_sync(div, ledgers, _evidence(ledgers, ledgers))
     root = ledgers[div.root] if div.root is not None else None
     if root is None:
         return None
@@ -199,7 +203,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     ddp = {r: p for r, p in points.items() if _is_ddp(p)}
     forward_side = {r: p for r, p in ddp.items() if p.op.startswith((BUFFERS, FORWARD))}
     if python and not ddp:
-        alone = _rank_only_call(points, ledgers)
+        alone = rank_only_call(points, ledgers, _evidence(ledgers, ledgers))
         if alone is not None:
             return alone
         differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))
@@ -257,60 +261,6 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         f"the ranks disagree at collective #{seq}: {said}",
         fix=FIX_MISMATCH,
         details={**details, "root_rank": None},
-    )
-
-
-def _rank_only_call(points: dict[int, Point], ledgers: dict[int, Ledger]) -> Finding | None:
-    """Ranks in different Python collectives at one sequence number: the call is rank-only when
-    its line is one the other ranks never executed (the facts a 'skipped' or 'only rank 0 calls'
-    needs); when both lines or neither are, which side is extra is not on record."""
-    ops = {r: p.op for r, p in points.items()}
-    if len(set(ops.values())) < 2 or any(not p.site for p in points.values()):
-        return None
-    sites = {r: {q.site for q in ledgers[r].points if q.site} for r in points}
-    only = {
-        r: p for r, p in points.items()
-        if all(p.site not in sites[o] for o in points if ops[o] != p.op)
-    }  # fmt: skip
-    if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
-        only = {r: p for r, p in only.items() if p.op == NEW_GROUP}  # creating a group is the extra call
-    if not only or {ops[r] for r in only} == set(ops.values()):
-        return None
-    root = min(only)
-    call = only[root]
-    rest = sorted(r for r in points if r not in only)
-    if call.op == NEW_GROUP:
-        what = (
-            f"rank(s) {rank_list(only)} created a process group (new_group at {call.site}) that "
-            f"rank(s) {rank_list(rest)} never create: new_group is a collective of the default "
-            "group"
-        )
-        fix = fix_for(Disagreement("op", "op", "", list(only), dict(ops)), call.op)
-    elif call.op == "barrier":
-        what = (
-            f"rank(s) {rank_list(rest)} skipped the barrier at {call.site} that rank(s) "
-            f"{rank_list(only)} wait in (they never executed that line)"
-        )
-        fix = FIX_BRANCH.format(op="dist.barrier")
-    else:
-        what = (
-            f"rank(s) {rank_list(only)} called {call.describe()}, a line rank(s) {rank_list(rest)} "
-            "never executed"
-        )
-        fix = FIX_BRANCH.format(op=call.op)
-    return Finding(
-        "rank_only_collective",
-        "error",
-        sorted(only),
-        f"{what}; {_others_text(points, root)}",
-        fix=fix,
-        details={
-            "root_rank": root,
-            "place": call.site,
-            "seq": call.seq,
-            "points": {str(r): p.describe() for r, p in points.items()},
-            "ranks": _evidence(ledgers, ledgers),
-        },
     )
 
 

@@ -427,7 +427,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
 class Divergence:
     """Where the ledgers first part ways, and the evidence."""
 
-    what: str  # left | mismatch | extra_collective | extra_forward | steps
+    what: str  # left | mismatch | steps (one sync point matched across different steps)
     root: int | None
     others: list[int]
     points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
@@ -455,6 +455,9 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
                 if said and all(p.in_flight for p in have.values()):
                     evidence = {"seq": seq, "differs": "size", "backend": said}
                     return Divergence("mismatch", None, [], dict(at), evidence)
+                apart = _steps_apart(have)
+                if apart is not None:
+                    return apart
                 continue
             differs = {"bytes": "size", "numel": "size"}.get(differ.field, differ.field)
             evidence = {"seq": seq, "differs": differs, "disagreement": differ.text, "field": differ.name}
@@ -464,6 +467,26 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
             gone = min(missing, key=lambda r: (present[r].last_step, r))
             return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
     return None
+
+
+# DDP's own sync points: issued once per step on every rank, so the step they carry is comparable.
+_STEPPED = (GRAD_ALLREDUCE, BUFFERS)
+
+
+def _steps_apart(have: dict[int, Point]) -> Divergence | None:
+    """The same DDP sync point matched across ranks in different steps: the backend paired one
+    rank's step k with another's step k+1, because a rank skipped (or added) one before. The
+    rank ahead is the one that ran a step without it."""
+    if any(p.in_flight or p.op not in _STEPPED for p in have.values()):
+        return None
+    steps = {r: p.step for r, p in have.items()}
+    if len(set(steps.values())) < 2:
+        return None
+    ahead = max(steps.values())
+    root = min(r for r, s in steps.items() if s == ahead)
+    others = sorted(r for r in have if steps[r] != ahead)
+    seq = next(iter(have.values())).seq
+    return Divergence("steps", root, others, dict(have), {"seq": seq, "steps": steps})
 
 
 def _op_of(sig: dict[str, Any]) -> str:

@@ -1,0 +1,120 @@
+"""What each rank did where the ledgers first parted, named only when the facts for it hold.
+
+Two shapes of a first divergence need more than "the ranks disagree": a call that some ranks
+made at a line the others never executed (the rank-only collective: "skipped the barrier" is
+said only then), and a DDP sync point the backend matched across different steps (a rank that
+skipped a backward, or all-reduced on another accumulation schedule, went on paired with the
+wrong partners until something stopped it: the root is that first step, not where it stopped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding, rank_list
+from ddpdoctor.analysis.ledger import GRAD_ALLREDUCE, Divergence, Ledger, Point
+from ddpdoctor.analysis.signature import NEW_GROUP, Disagreement, fix_for
+
+FIX_BRANCH = (
+    "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
+    "the rank-only work without a collective."
+)
+FIX_SKIPPED = (
+    "Decide to skip a step on every rank together: all_reduce a flag (is the loss finite?) and "
+    "skip on every rank, or keep the backward and zero the loss (loss * 0) so its gradient "
+    "all-reduce still runs; gradient accumulation (no_sync) must follow the same schedule on "
+    "every rank."
+)
+
+
+def rank_only_call(
+    points: dict[int, Point], ledgers: dict[int, Ledger], evidence: dict[str, Any]
+) -> Finding | None:
+    """Ranks in different Python collectives at one sequence number: the call is rank-only when
+    its line is one the other ranks never executed (the facts a 'skipped' or 'only rank 0 calls'
+    needs); when both lines or neither are, which side is extra is not on record."""
+    ops = {r: p.op for r, p in points.items()}
+    if len(set(ops.values())) < 2 or any(not p.site for p in points.values()):
+        return None
+    sites = {r: {q.site for q in ledgers[r].points if q.site} for r in points}
+    only = {
+        r: p for r, p in points.items()
+        if all(p.site not in sites[o] for o in points if ops[o] != p.op)
+    }  # fmt: skip
+    if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
+        only = {r: p for r, p in only.items() if p.op == NEW_GROUP}  # creating a group is the extra call
+    if not only or {ops[r] for r in only} == set(ops.values()):
+        return None
+    root = min(only)
+    call = only[root]
+    rest = sorted(r for r in points if r not in only)
+    if call.op == NEW_GROUP:
+        what = (
+            f"rank(s) {rank_list(only)} created a process group (new_group at {call.site}) that "
+            f"rank(s) {rank_list(rest)} never create: new_group is a collective of the default "
+            "group"
+        )
+        fix = fix_for(Disagreement("op", "op", "", list(only), dict(ops)), call.op)
+    elif call.op == "barrier":
+        what = (
+            f"rank(s) {rank_list(rest)} skipped the barrier at {call.site} that rank(s) "
+            f"{rank_list(only)} wait in (they never executed that line)"
+        )
+        fix = FIX_BRANCH.format(op="dist.barrier")
+    else:
+        what = (
+            f"rank(s) {rank_list(only)} called {call.describe()}, a line rank(s) {rank_list(rest)} "
+            "never executed"
+        )
+        fix = FIX_BRANCH.format(op=call.op)
+    return Finding(
+        "rank_only_collective",
+        "error",
+        sorted(only),
+        f"{what}; " + "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root),  # noqa: E501
+        fix=fix,
+        details={
+            "root_rank": root,
+            "place": call.site,
+            "seq": call.seq,
+            "points": {str(r): p.describe() for r, p in points.items()},
+            "ranks": evidence,
+        },
+    )
+
+
+def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
+    """A DDP sync point matched across steps: the rank ahead ran a step without its gradient
+    all-reduce (a skipped backward, a no_sync step the others did not take)."""
+    assert div.root is not None
+    steps = div.evidence["steps"]
+    root, seq = div.root, div.evidence["seq"]
+    mine = steps[root]
+    behind = {r: s for r, s in steps.items() if s != mine}
+    first = min(behind.values())
+    lg = ledgers[root]
+    synced = {p.step for p in lg.points if p.op == GRAD_ALLREDUCE}
+    ran = [(s, site) for s, grad, _, site in lg.forwards if grad and first <= s < mine and s not in synced]
+    if not ran:
+        return None  # the fact the finding states (a step run without its all-reduce) is not on record
+    step, site = ran[0]
+    others = "; ".join(f"rank {r} all-reduced step {s}'s gradients there" for r, s in sorted(behind.items()))
+    gone = [r for r, g in ledgers.items() if g.ending.how not in ("clean_exit", "running")]
+    after = (
+        "; everything after (the hang or errors where the job stopped) is a consequence"
+        if gone
+        else "; the job went on, averaging gradients of different steps"
+    )
+    at = f" at {site}" if site else ""
+    return Finding(
+        "skipped_gradient_sync",
+        "error" if gone else "warning",
+        [root],
+        f"rank {root} ran step {step}'s forward{at} but no gradient all-reduce for it (its backward "
+        f"was skipped, or ran under no_sync() there alone), so the backend matched the ranks' "
+        f"gradient all-reduce #{seq} across steps: rank {root} all-reduced step {mine}'s gradients; "
+        f"{others}. From step {step} on, the ranks' all-reduces pair with the wrong partners{after}",
+        fix=FIX_SKIPPED,
+        details={"root_rank": root, "place": site, "seq": seq, "step": step,
+                 "steps_at_seq": {str(r): s for r, s in steps.items()}, "ranks": evidence},
+    )  # fmt: skip
