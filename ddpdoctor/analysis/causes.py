@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.divergence import rank_only_call, skipped_sync
+from ddpdoctor.analysis.divergence import rank_only_call, rank_only_logs, skipped_sync
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.ledger import (
     BUFFERS,
@@ -75,7 +75,9 @@ FIX_FORWARD = (
 def ledger_causes(run: Run) -> Iterable[Finding]:
     ledgers = build(run)
     div = first_divergence(ledgers) or _left_first(ledgers)
-    found = _explain(div, ledgers) if div is not None else None
+    found = rank_only_logs(ledgers, div is not None, _evidence(ledgers, ledgers))
+    if found is None and div is not None:
+        found = _explain(div, ledgers)
     if found is not None:
         yield found
     yield from _rank_only_forwards(ledgers, found)
@@ -245,12 +247,27 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
             )
+        call = python[root]
+        if call.site and any(call.site in {q.site for q in ledgers[r].points} for r in ddp):
+            # the others executed that line too: not a branch they skipped, the sequences
+            # parted earlier than anything on record here
+            return Finding(
+                "collective_mismatch",
+                "error",
+                sorted(points),
+                f"the ranks issue different collectives at #{seq}: rank(s) {rank_list(python)} in "
+                f"{call.describe()} (a line the others execute too), while "
+                f"{_others_text(points, root)}: their sequences of collectives parted before this "
+                "point (a step, a collective or a batch one side had and the other did not)",
+                fix=FIX_MISMATCH,
+                details={**details, "root_rank": None, "place": call.site},
+            )
         return Finding(
             "rank_only_collective",
             "error",
             sorted(python),
-            f"rank(s) {rank_list(python)} called {python[root].describe()} in a branch the others "
-            f"did not take; {_others_text(points, root)}",
+            f"rank(s) {rank_list(python)} called {call.describe()} in a branch the others "
+            f"did not take (they never executed {call.site or 'that line'}); {_others_text(points, root)}",
             fix=FIX_BRANCH.format(op=python[root].op),
             details={**details, "root_rank": root, "place": python[root].site},
         )

@@ -19,6 +19,11 @@ FIX_BRANCH = (
     "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
     "the rank-only work without a collective."
 )
+FIX_SYNC_LOG = (
+    "In Lightning: log on every rank (call self.log(..., sync_dist=True) outside `if "
+    "self.trainer.is_global_zero:`), or log rank 0's value alone with self.log(..., "
+    "rank_zero_only=True) and no sync_dist."
+)
 FIX_SKIPPED = (
     "Decide to skip a step on every rank together: all_reduce a flag (is the loss finite?) and "
     "skip on every rank, or keep the backward and zero the loss (loss * 0) so its gradient "
@@ -118,3 +123,33 @@ def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str
         details={"root_rank": root, "place": site, "seq": seq, "step": step,
                  "steps_at_seq": {str(r): s for r, s in steps.items()}, "ranks": evidence},
     )  # fmt: skip
+
+
+def rank_only_logs(ledgers: dict[int, Ledger], parted: bool, evidence: dict[str, Any]) -> Finding | None:
+    """A metric a framework all-reduces (Lightning's sync_dist) that only some ranks logged: the
+    others never join that all-reduce. The user's line is the hook's, not trainer.fit."""
+    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
+    keys = set().union(*[lg.sync_logs for lg in present.values()]) if present else set()
+    for place, name in sorted(keys):
+        logged = sorted(r for r, lg in present.items() if (place, name) in lg.sync_logs)
+        if len(logged) == len(present):
+            continue
+        rest = sorted(r for r in present if r not in logged)
+        line = place.split(" in ")[0]
+        stopped = (
+            ": the ranks' collectives parted there and the job stopped (the hang or errors that "
+            "followed are consequences)"
+            if parted
+            else ""
+        )
+        return Finding(
+            "rank_only_collective",
+            "error" if parted else "warning",
+            logged,
+            f"rank(s) {rank_list(logged)} logged {name!r} with sync_dist=True at {place} and rank(s) "
+            f"{rank_list(rest)} did not: Lightning all-reduces that metric on the ranks that "
+            f"logged it, and the others never join that all-reduce{stopped}",
+            fix=FIX_SYNC_LOG,
+            details={"root_rank": logged[0], "place": line, "metric": name, "ranks": evidence},
+        )
+    return None

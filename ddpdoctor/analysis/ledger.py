@@ -131,6 +131,8 @@ class Ledger:
     ending: Ending = field(default_factory=lambda: Ending("running"))
     place: str = ""  # where in the user's code it was last seen (a hang's stack, else its last site)
     words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
+    # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
+    sync_logs: set[tuple[str, str]] = field(default_factory=set)
 
 
 def is_consequence(error: dict[str, Any]) -> bool:
@@ -421,6 +423,11 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.passes = _passes(trace, world)
+    funcs = {i.get("id"): i.get("func") for _, _, i in trace.meta.get(schema.SITE, [])}
+    for _, _, info in trace.meta.get(schema.SYNC_LOG, []):
+        sid = info.get("site")
+        if isinstance(sid, int) and sid in sites:
+            ledger.sync_logs.add((f"{sites[sid]} in {funcs.get(sid)}", str(info.get("name"))))
 
 
 @dataclass

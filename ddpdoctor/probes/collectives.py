@@ -97,7 +97,14 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         result = init(*args, **kwargs)
         import torch.distributed as dist
 
-        _c.activate(dist)
+        if _c.activate(dist) is not None:
+            try:
+                from ddpdoctor.probes import lightning
+
+                lightning.install()
+            except Exception as exc:  # lose the probe, not the job
+                if _c.ACTIVE is not None:
+                    _c.ACTIVE.fail("lightning", exc)
         return result
 
     return init_process_group

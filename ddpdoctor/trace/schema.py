@@ -73,6 +73,9 @@ clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's 
 site            {id, file, line, func}: the user's line that issued a sync point (the first
                 frame outside torch, the frameworks, ddpdoctor and the standard library),
                 written once per site; forward and collective events carry its id (-1: none)
+sync_log        {site, name}: a framework's logging call that all-reduces (Lightning's
+                ``self.log(..., sync_dist=True)``), once per (call site id, metric name): the
+                user's hook line behind a collective the framework issues later
 rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
                 last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
                 threading.excepthook for other threads), flushed at once
@@ -175,6 +178,7 @@ END = "end"
 CLOCK = "clock"
 RANK_ERROR = "rank_error"
 SITE = "site"
+SYNC_LOG = "sync_log"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
 # failure view draws it when a rank hung or died there; nothing is ever recorded under this name.
@@ -269,7 +273,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR,)
+    + (RANK_ERROR, SYNC_LOG)
 )
 
 
