@@ -34,6 +34,7 @@ from ddpdoctor.trace.reader import Run
 CAUSE_KINDS = (
     "awaited_work",  # analysis/awaited.py: the work a rank did while the others timed out
     "skipped_gradient_sync",  # analysis/divergence.py
+    "model_differs",  # analysis/failures.py
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",

@@ -16,7 +16,7 @@ from typing import Any
 from ddpdoctor.analysis import frameworks
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
-from ddpdoctor.analysis.ledger import is_consequence
+from ddpdoctor.analysis.ledger import is_consequence, user_frame
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -203,3 +203,48 @@ def _others(watch: dict[str, Any], failed: int, errors: dict[int, dict[str, Any]
             what += f", then raised {err.get('type')}"
         out[rank] = what
     return out
+
+
+@detector
+def model_differs(run: Run) -> Iterable[Finding]:
+    """DDP's constructor refused models that differ by rank: the shapes side by side, the first
+    parameter and the module that differ (each rank kept its shapes as the constructor raised)."""
+    shapes: dict[int, list[list[Any]]] = {}
+    places: dict[int, str] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        for _, _, info in trace.meta.get(schema.DDP_ERROR, []):
+            if info.get("error") == "ddp_init" and isinstance(info.get("shapes"), list):
+                shapes[rank] = info["shapes"]
+        for _, _, err in trace.meta.get(schema.RANK_ERROR, [])[:1]:
+            frames = [{"file": f[0], "line": f[1]} for f in reversed(err.get("frames") or [])]
+            places[rank] = user_frame(frames)
+    if len(shapes) < 2:
+        return
+    ranks = sorted(shapes)
+    table = {r: {str(p[0]): (list(p[1]), str(p[2])) for p in shapes[r]} for r in ranks}
+    names = list(dict.fromkeys(n for r in ranks for n in table[r]))
+    differ = [n for n in names if len({str(table[r].get(n, (None,))[0]) for r in ranks}) > 1]
+    if not differ:
+        return
+    first = differ[0]
+    owner = next((table[r][first][1] for r in ranks if first in table[r]), "?")
+    module = first.rsplit(".", 1)[0] if "." in first else "(top level)"
+    side = "; ".join(
+        f"{n}: " + ", ".join(f"rank {r} {table[r][n][0] if n in table[r] else 'absent'}" for r in ranks)
+        for n in differ[:4]
+    )
+    place = next((places[r] for r in ranks if places.get(r)), "")
+    at = f" at {place}" if place else ""
+    yield Finding(
+        "model_differs",
+        "error",
+        ranks,
+        f"the ranks built different models, and DDP's constructor{at} refused them: module "
+        f"{module!r} ({owner}) differs: {side}"
+        + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""),
+        fix=f"Build the same model on every rank: {module!r} ({owner}) is built from a value that "
+        "differs by rank (a config or file read per rank, a rank-dependent branch); read it on rank "
+        "0 and share it (dist.broadcast_object_list) or derive it from the same inputs everywhere.",
+        details={"root_rank": None, "place": place, "module": module, "parameters": differ,
+                 "shapes": {str(r): {n: table[r].get(n, (None,))[0] for n in differ} for r in ranks}},
+    )  # fmt: skip
