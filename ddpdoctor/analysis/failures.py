@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterable
 from typing import Any
@@ -48,6 +49,40 @@ def _where(frames: list[Any]) -> str:
         return ""
     file, line, func = (list(frames[-1]) + ["?", "?", "?"])[:3]
     return f" ({os.path.basename(str(file))}:{line} in {func})"
+
+
+# Errors whose text says what happened better than "fix the exception": (pattern over the
+# message and its chained causes, what it means, the fix). Each fix is the cause's own.
+_KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (
+        re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([^.\n]+)"),
+        "a DataLoader worker process was killed by a signal ({0}){1}, not an error in the code",
+        "A worker killed by a signal is most often out of memory (the kernel's OOM killer sends "
+        "SIGKILL; SIGBUS means /dev/shm is full): lower num_workers or prefetch_factor, make each "
+        "sample smaller or load it lazily, avoid copying a large dataset object into every worker "
+        "(keep it in a file or memory map; persistent_workers=True keeps them from being forked "
+        "again each epoch), raise the container's memory or shared-memory limit (--shm-size); "
+        "dmesg | grep -i 'killed process' confirms the OOM killer.",
+    ),
+)
+_SIGNAL_TEXT = {
+    "Killed": "SIGKILL",
+    "Bus error": "SIGBUS",
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+}
+
+
+def known_error(error: dict[str, Any]) -> tuple[str, str] | None:
+    """(what the error means, its fix) when its text is one of the known causes above."""
+    text = f"{error.get('message', '')}\n{error.get('traceback', '')}"
+    for pattern, meaning, fix in _KNOWN_ERRORS:
+        m = pattern.search(text)
+        if m:
+            said = m.group(1).strip()
+            name = _SIGNAL_TEXT.get(said, said)
+            return meaning.format(name, f', "{said}"' if name != said else ""), fix
+    return None
 
 
 @detector
@@ -134,6 +169,11 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             f"Fix the exception on rank {rank} (traceback in the job's output and in this finding); "
             "the other ranks' errors are consequences of it."
         )
+        known = known_error(error)
+        if known is not None:
+            summary, fix = f"{summary}: {known[0]}", known[1]
+            frames = [{"file": f[0], "line": f[1]} for f in reversed(error.get("frames") or [])]
+            details["place"] = user_frame(frames)
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
         summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}"
