@@ -47,7 +47,7 @@ def rank_only_call(
         if all(p.site not in sites[o] for o in points if ops[o] != p.op)
     }  # fmt: skip
     if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
-        only = {r: p for r, p in only.items() if p.op == NEW_GROUP}  # creating a group is the extra call
+        only = _earlier(only)
     if not only or {ops[r] for r in only} == set(ops.values()):
         return None
     root = min(only)
@@ -86,6 +86,22 @@ def rank_only_call(
             "ranks": evidence,
         },
     )
+
+
+def _earlier(points: dict[int, Point]) -> dict[int, Point]:
+    """Of calls whose lines the other side never executed, the extra one: creating a group
+    (new_group), or the earlier line of one file, which the other side has already passed."""
+    made = {r: p for r, p in points.items() if p.op == NEW_GROUP}
+    if made:
+        return made
+    files = {p.site.rsplit(":", 1)[0] for p in points.values()}
+    lines = {r: p.site.rsplit(":", 1)[1] for r, p in points.items()}
+    if len(files) != 1 or not all(v.isdigit() for v in lines.values()):
+        return {}
+    first = min(int(v) for v in lines.values())
+    if sum(int(v) == first for v in lines.values()) == len(lines):
+        return {}
+    return {r: p for r, p in points.items() if int(lines[r]) == first}
 
 
 def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
