@@ -319,3 +319,10 @@ def status_at(rank: int, now: float, since: float, **kw) -> dict:
     name = kw.pop("name")
     op = kw.pop("op", "")
     return status(rank, name, op=op, since=since, **kw) | {"heartbeat_wall": now}
+
+
+def test_a_new_group_only_some_ranks_create_is_named_with_its_fix() -> None:
+    statuses = {0: status(0, "collective", "new_group"), 1: status(1, "collective", "all_reduce")}
+    diag = analyse(statuses, {}, threshold_s=3)
+    assert diag.culprits == [0] and "create a process group (new_group)" in diag.explanation
+    assert "new_group(...) on every rank" in diag.fix

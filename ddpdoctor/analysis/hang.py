@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.analysis.signature import disagreement, fix_for
+from ddpdoctor.analysis.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
 # Phases in which a rank waits for the others (see probes: Collector.enter).
@@ -316,6 +316,11 @@ def _judge(
             "(under `if rank == ...`, in a rank-dependent loop, or a dict or set iterated in a "
             "per-process order) must run on every rank or on none."
         )
+        if NEW_GROUP in ops:  # creating a group is the extra call: name it for what it is
+            differ = disagreement({r: s.phase or {} for r, s in waiting.items()}, _op_name)
+            if differ is not None:
+                explanation = f"{explanation} {differ.text[0].upper()}{differ.text[1:]}."
+                return "collective_order", sorted(ops[NEW_GROUP]), explanation, fix_for(differ, NEW_GROUP)
         return "collective_order", sorted(waiting), explanation, fix
     if len(by_seq) > 1:
         low = min(by_seq)
