@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.ledger import build, first_divergence
+from ddpdoctor.analysis.divergence import first_divergence
+from ddpdoctor.analysis.ledger import build
 from ddpdoctor.analysis.periodic import period_of
 from ddpdoctor.analysis.phases import exclusive_durations
 from ddpdoctor.trace.reader import load_run

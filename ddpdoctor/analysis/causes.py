@@ -11,18 +11,22 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.divergence import rank_only_call, rank_only_logs, skipped_sync
+from ddpdoctor.analysis.divergence import (
+    Divergence,
+    first_divergence,
+    rank_only_call,
+    rank_only_logs,
+    skipped_sync,
+)
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.ledger import (
     BUFFERS,
     FORWARD,
     GRAD_ALLREDUCE,
-    Divergence,
     Ledger,
     Point,
     build,
     death_stack,
-    first_divergence,
     forward_site,
     user_frame,
 )

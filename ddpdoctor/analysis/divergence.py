@@ -1,4 +1,8 @@
-"""What each rank did where the ledgers first parted, named only when the facts for it hold.
+"""Where the ledgers first part ways, and what each rank did there, named only when the facts
+for it hold.
+
+``first_divergence`` aligns the ranks' ledgers by sequence number (as torch's Flight Recorder
+analyzer aligns its per-rank records) and stops at the first number where they disagree.
 
 Two shapes of a first divergence need more than "the ranks disagree": a call that some ranks
 made at a line the others never executed (the rank-only collective: "skipped the barrier" is
@@ -9,11 +13,12 @@ wrong partners until something stopped it: the root is that first step, not wher
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.analysis.ledger import GRAD_ALLREDUCE, Divergence, Ledger, Point
-from ddpdoctor.analysis.signature import NEW_GROUP, Disagreement, fix_for
+from ddpdoctor.analysis.ledger import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.signature import NEW_GROUP, Disagreement, disagreement, fix_for
 
 FIX_BRANCH = (
     "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
@@ -30,6 +35,93 @@ FIX_SKIPPED = (
     "all-reduce still runs; gradient accumulation (no_sync) must follow the same schedule on "
     "every rank."
 )
+
+
+@dataclass
+class Divergence:
+    """Where the ledgers first part ways, and the evidence."""
+
+    what: str  # left | mismatch | steps (one sync point matched across different steps)
+    root: int | None
+    others: list[int]
+    points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
+    """The first sync point where ranks disagree: a rank gone while others go on, a different op
+    or size at one sequence number, or a collective only some ranks issued."""
+    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
+    if len(present) < 2:
+        return None
+    by_seq = {
+        r: {p.seq: p for p in lg.points if p.group == "WORLD" and p.seq >= 0} for r, lg in present.items()
+    }
+    seqs = sorted(set().union(*[set(m) for m in by_seq.values()]))
+    last = {r: max(m, default=-1) for r, m in by_seq.items()}
+    for seq in seqs:
+        at = {r: m.get(seq) for r, m in by_seq.items()}
+        have = {r: p for r, p in at.items() if p is not None}
+        if len(have) == len(at):
+            differ = disagreement({r: p.signature() for r, p in have.items()}, _op_of, f"collective #{seq}")
+            if differ is None:
+                said = _backend_says_mismatch(present, have)
+                if said and all(p.in_flight for p in have.values()):
+                    evidence = {"seq": seq, "differs": "size", "backend": said}
+                    return Divergence("mismatch", None, [], dict(at), evidence)
+                apart = _steps_apart(have)
+                if apart is not None:
+                    return apart
+                continue
+            differs = {"bytes": "size", "numel": "size"}.get(differ.field, differ.field)
+            evidence = {"seq": seq, "differs": differs, "disagreement": differ.text, "field": differ.name}
+            return Divergence("mismatch", None, [], dict(at), evidence)
+        missing = [r for r in at if at[r] is None]
+        if all(last[r] < seq for r in missing):
+            gone = min(missing, key=lambda r: (present[r].last_step, r))
+            return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
+    return None
+
+
+# DDP's own sync points: issued once per step on every rank, so the step they carry is comparable.
+_STEPPED = (GRAD_ALLREDUCE, BUFFERS)
+
+
+def _steps_apart(have: dict[int, Point]) -> Divergence | None:
+    """The same DDP sync point matched across ranks in different steps: the backend paired one
+    rank's step k with another's step k+1, because a rank skipped (or added) one before. The
+    rank ahead is the one that ran a step without it."""
+    if any(p.in_flight or p.op not in _STEPPED for p in have.values()):
+        return None
+    steps = {r: p.step for r, p in have.items()}
+    if len(set(steps.values())) < 2:
+        return None
+    ahead = max(steps.values())
+    root = min(r for r, s in steps.items() if s == ahead)
+    others = sorted(r for r in have if steps[r] != ahead)
+    seq = next(iter(have.values())).seq
+    return Divergence("steps", root, others, dict(have), {"seq": seq, "steps": steps})
+
+
+def _op_of(sig: dict[str, Any]) -> str:
+    return str(sig["op"])
+
+
+# What a backend prints when the ranks' collectives disagree (gloo's enforce; NCCL's and the
+# collective-consistency check's wording), the words a rank leaves when it dies of it.
+_MISMATCH_WORDS = ("collective mismatch", "size doesn't match", "sizes don't match", "mismatch between")
+
+
+def _backend_says_mismatch(ledgers: dict[int, Ledger], at: dict[int, Point]) -> str:
+    """The line a rank that died inside this collective left saying the ranks disagree."""
+    for rank, point in sorted(at.items()):
+        if not point.died_in:
+            continue
+        for line in ledgers[rank].words:
+            if any(w in line.lower() for w in _MISMATCH_WORDS):
+                return line.strip()[:300]
+    return ""
+
 
 
 def rank_only_call(
