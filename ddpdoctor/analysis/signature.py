@@ -144,5 +144,7 @@ def fix_for(differ: Disagreement, op: str) -> str:
         )
     return (
         f"Make the {op}'s {differ.name} the same on every rank: pad per-rank tensors to one size "
-        "(all_gather the sizes first), cast to one dtype, and keep the group the same."
+        "(all_gather the sizes first), cast to one dtype, and keep the group the same; when one "
+        "line issues several collectives in a loop, iterate in the same order on every rank "
+        "(sorted(), not a set or a dict filled in a per-rank order)."
     )
