@@ -307,3 +307,17 @@ def test_a_timeout_is_charged_to_the_work_the_waiting_rank_awaited(tmp_path: Pat
     assert "rank 1 was running rebuild_feature_cache() at train.py:19" in f["summary"]
     assert "rank 0 waited 3.0 s in monitored_barrier #9 at train.py:34" in f["summary"]
     assert "monitored_barrier(timeout=...)" in f["fix"] and "rank_failure" not in found
+
+
+def test_models_that_differ_by_rank_are_set_side_by_side(tmp_path: Path) -> None:
+    message = "[1]: params[2] in this process with sizes [8, 32] appears not to match sizes"
+    for rank, classes in ((0, 4), (1, 8)):
+        shapes = [["0.weight", [32, 16], "Linear"], ["2.weight", [classes, 32], "Linear"]]
+        info = {"error": "ddp_init", "message": message, "module": "Sequential", "shapes": shapes}
+        frames = [["/job/train.py", 19, "main"], ["/usr/lib/python3/site-packages/torch/nn/x.py", 5, "f"]]
+        error = {"type": "RuntimeError", "message": message, "thread": "MainThread", "frames": frames}
+        _write(tmp_path, rank, [["ddp_error", 10, 0, -1, info]], error=error)
+    found = _kinds(tmp_path)
+    f = found["model_differs"]
+    assert "module '2' (Linear) differs: 2.weight: rank 0 [4, 32], rank 1 [8, 32]" in f["summary"]
+    assert f["details"]["place"] == "train.py:19" and "rank_failure" not in found
