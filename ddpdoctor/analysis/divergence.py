@@ -182,7 +182,8 @@ def rank_only_call(
 
 def _earlier(points: dict[int, Point]) -> dict[int, Point]:
     """Of calls whose lines the other side never executed, the extra one: creating a group
-    (new_group), or the earlier line of one file, which the other side has already passed."""
+    (new_group), or a barrier at the earlier line of one file, which the others passed on their
+    way to the later line (two other ops in one file may sit in an if and its else: no guess)."""
     made = {r: p for r, p in points.items() if p.op == NEW_GROUP}
     if made:
         return made
@@ -193,7 +194,8 @@ def _earlier(points: dict[int, Point]) -> dict[int, Point]:
     first = min(int(v) for v in lines.values())
     if sum(int(v) == first for v in lines.values()) == len(lines):
         return {}
-    return {r: p for r, p in points.items() if int(lines[r]) == first}
+    earlier = {r: p for r, p in points.items() if int(lines[r]) == first}
+    return earlier if all(p.op == "barrier" for p in earlier.values()) else {}
 
 
 def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
