@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
+# The save is the awaited work: the waiting rank's timeout is its consequence.
 EXPECT = {"kind": "awaited_work", "rank": 0, "fix": "timeout", "options": []}
 
 
