@@ -128,7 +128,9 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
             f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
             if f.details.get("pattern") == "backend_stuck":  # a rank is implicated: not the backend
                 f.summary = f.summary.split(": the backend itself is stuck")[0] + "."
-                f.fix = f"Fix the cause above ({label}): this wait follows from it."
+            # the pattern's own template is about the symptom: the cause's fix is the one to apply
+            f.details["pattern_fix"] = f.fix
+            f.fix = f"Fix the cause above ({label}): this hang follows from it."
             f.summary = f"(a consequence of {label}) {f.summary}"
         if f is not cause:
             kept.append(f)
