@@ -299,8 +299,11 @@ def test_a_timeout_is_charged_to_the_work_the_waiting_rank_awaited(tmp_path: Pat
         '  File "/job/train.py", line 33 in main\n'
         '  File "/job/train.py", line 39 in <module>\n'
     )
-    ends = {"ranks": {"1": {"how": "signal", "signal": "SIGTERM", "stack": stack, "at_wall": 9.0}}}
-    (tmp_path / "ends.json").write_text(json.dumps({"schema": "ddpdoctor.ends/1", **ends}))
+    end = {"how": "signal", "signal": "SIGSEGV", "stack": stack, "at_wall": 9.0, "consequence": False}
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": {"1": end}}))
+    assert "awaited_work" not in _kinds(tmp_path), "a rank that crashed on its own was not awaited"
+    stopped = dict(end, signal="SIGTERM", consequence=True, source="the launcher, after rank 0 failed")
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": {"1": stopped}}))
     found = _kinds(tmp_path)
     f = found["awaited_work"]
     assert f["ranks"] == [1] and f["severity"] == "error" and f["details"]["place"] == "train.py:19"

@@ -62,6 +62,8 @@ def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, s
     """What the rank was doing outside every sync point when it was stopped: {function, place},
     from the stack it left (a signal) or the watcher's busy record; None when it was waiting too."""
     if lg.ending.how == "signal":
+        if not (run.ends.get(rank) or {}).get("consequence"):
+            return None  # killed on its own (a crash, the OOM killer): rank_failure names it
         point, _ = died_in(run, rank, lg)
         if point is not None:
             return None  # it died inside a sync point: it was waiting, not working
@@ -70,7 +72,7 @@ def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, s
                 place = f"{os.path.basename(str(frame.get('file')))}:{frame.get('line')}"
                 return {"function": str(frame.get("function")), "place": place}
     where = busy.get(rank)
-    if where and lg.ending.how in ("signal", "vanished", "stopped_on_hang", "running"):
+    if where and lg.ending.how in ("stopped_on_hang", "running"):
         function, _, place = where.partition("() ")
         return {"function": function, "place": place or where}
     return None
