@@ -276,8 +276,9 @@ def test_the_same_schedule_on_every_rank_is_no_divergence(tmp_path: Path) -> Non
 def test_a_broadcast_whose_src_differs_is_a_mismatch_that_names_the_src(tmp_path: Path) -> None:
     for rank in (0, 1):
         site = ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 30, "func": "main"}]
-        coll = ["collective", 5000, 30, 2, "broadcast", 8, "WORLD", 2, 9, 0, 1, "int64", 1, rank, ""]
-        _write(tmp_path, rank, [*_steps(3, loader=False), site, coll])
+        sig = ["signature", 5, 0, 2, {"id": 0, "dtype": "int64", "numel": 1, "root": rank, "ranks": ""}]
+        coll = ["collective", 5000, 30, 2, "broadcast", 8, "WORLD", 2, 9, 0, 1, 0]
+        _write(tmp_path, rank, [*_steps(3, loader=False), site, sig, coll])
     f = _kinds(tmp_path)["collective_mismatch"]
     said = "ranks disagree on the broadcast's src at collective #9: rank 0 src=0, rank 1 src=1"
     assert said in f["summary"]
@@ -288,7 +289,7 @@ def test_a_timeout_is_charged_to_the_work_the_waiting_rank_awaited(tmp_path: Pat
     # Rank 0 waited 3 s in monitored_barrier and raised; rank 1 was in its own function when the
     # launcher stopped it (the stack it left): the root is rank 1's work, rank 0's error follows.
     site = ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 34, "func": "main"}]
-    barrier = ["collective", 5000, 3_000_000, 2, "monitored_barrier", 0, "WORLD", 2, 9, 0, 1, "", 0, -1, ""]
+    barrier = ["collective", 5000, 3_000_000, 2, "monitored_barrier", 0, "WORLD", 2, 9, 0, 1, 0]
     message = "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 3000 ms\nTimed out waiting 3000ms"
     error = {"type": "RuntimeError", "message": message, "thread": "MainThread"}
     _write(tmp_path, 0, [*_steps(3, loader=False), site, barrier], error=error)

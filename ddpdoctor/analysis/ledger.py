@@ -397,13 +397,16 @@ def _tail(events: Any) -> Any:
 
 def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     sites = sites_of(trace)
+    sigs = {info.get("id"): info for _, _, info in trace.meta.get(schema.SIGNATURE, [])}
     points: list[Point] = []
     coll = _tail(trace.kind(schema.COLLECTIVE))
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
         site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
         point = Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts)
-        if len(f) > 10:  # the whole signature (older traces stop at the site)
-            point.dtype, point.numel, point.root, point.ranks = str(f[7]), int(f[8]), int(f[9]), str(f[10])
+        sig = sigs.get(f[7]) if len(f) > 7 else None  # the whole signature (older traces: none)
+        if sig is not None:
+            point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
+            point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
         points.append(point)
     fwd = _tail(trace.kind(schema.FORWARD))
     fwd_site: dict[int, str] = {}

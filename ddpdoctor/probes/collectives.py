@@ -66,6 +66,8 @@ _ROOT_ARG: dict[str, tuple[int, tuple[str, ...], int]] = {
 }
 _dtypes: dict[Any, str] = {}  # torch.dtype -> "float32", named once
 _members: dict[int, str] = {}  # id(process group) -> "0 1" (its global ranks; "" for WORLD)
+_sigs: dict[tuple[str, int, int, str], int] = {}  # signature -> its interned id
+_sig_owner: list[Any] = [None]  # the collector the ids were declared to
 
 
 def install() -> None:
@@ -121,11 +123,12 @@ def _wrap_new_group(new_group: Callable[..., Any]) -> Callable[..., Any]:
             ranks = kwargs.get("ranks", args[0] if args else None)
             new_ranks = " ".join(str(int(r)) for r in sorted(ranks)) if ranks else ""
             pg, _, gsize, seq = group_info(None, c)
-            fields = ("new_group", 0, "WORLD", gsize, seq, 0, callsite.site(c), "", 0, -1, new_ranks)
+            sig = ("", 0, -1, new_ranks)
+            fields = ("new_group", 0, "WORLD", gsize, seq, 0, callsite.site(c), sig_id(c, sig))
         except Exception as exc:
             c.fail(PROBE, exc)
             return new_group(*args, **kwargs)
-        prev = c.enter(LivePhase.COLLECTIVE, "new_group", seq, group=("WORLD", gsize, 0, pg, fields[7:]))
+        prev = c.enter(LivePhase.COLLECTIVE, "new_group", seq, group=("WORLD", gsize, 0, pg, sig))
         try:
             return new_group(*args, **kwargs)
         finally:
@@ -196,6 +199,20 @@ def _root(op: str, args: tuple, kwargs: dict[str, Any]) -> int:
     return default
 
 
+def sig_id(c: _c.Collector, sig: tuple[str, int, int, str]) -> int:
+    """The interned id of a signature: one dict lookup; the first time, one metadata record
+    (an event stays one ring slot, and a loop's repeated call costs no bytes)."""
+    if _sig_owner[0] is not c:
+        _sigs.clear()
+        _sig_owner[0] = c
+    sid = _sigs.get(sig)
+    if sid is None:
+        sid = _sigs[sig] = len(_sigs)
+        dtype, numel, root, ranks = sig
+        c.meta(schema.SIGNATURE, {"id": sid, "dtype": dtype, "numel": numel, "root": root, "ranks": ranks})
+    return sid
+
+
 def members(pg: Any, name: str) -> str:
     """The group's global ranks ("0 1"), "" for WORLD; looked up once per group."""
     if name == "WORLD":
@@ -230,10 +247,11 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 is_async = 1 if kwargs.get("async_op") or op in ("isend", "irecv") else 0
                 where = callsite.site(c)
                 sig = (*signature(op, args, kwargs), "" if gname == "WORLD" else members(pg, gname))
+                sid = sig_id(c, sig)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            fields = (op, nbytes, gname, gsize, seq, is_async, where, *sig)
+            fields = (op, nbytes, gname, gsize, seq, is_async, where, sid)
             prev = c.enter(LivePhase.COLLECTIVE, op, seq, group=(gname, gsize, nbytes, pg, sig))
             try:
                 return orig(*args, **kwargs)

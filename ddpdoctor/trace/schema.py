@@ -29,10 +29,8 @@ allreduce       bucket index, bytes, seq at entry; ts is when the bucket was rea
                 its reduction finished
 collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, async (0/1);
                 op "barrier" is ``dist.barrier``; then the call site id (see ``site``); then
-                the rest of its signature: dtype of the first tensor ("" none), its element
-                count, root rank (``src``/``dst``, -1 none), the group's global ranks ("0,1";
-                "" for WORLD). Op "new_group" is ``dist.new_group`` (a collective of the
-                default group): its ranks are the new group's members
+                the id of the rest of its signature (see ``signature``). Op "new_group" is
+                ``dist.new_group`` (a collective of the default group)
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
 graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
@@ -73,6 +71,10 @@ clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's 
 site            {id, file, line, func}: the user's line that issued a sync point (the first
                 frame outside torch, the frameworks, ddpdoctor and the standard library),
                 written once per site; forward and collective events carry its id (-1: none)
+signature       {id, dtype, numel, root, ranks}: the rest of a collective's signature, written
+                once per distinct value (dtype of the first tensor, "" none; element count;
+                root rank ``src``/``dst``, -1 none; the group's global ranks "0 1", "" for
+                WORLD, for ``new_group`` the new group's); collective events carry its id
 sync_log        {site, name}: a framework's logging call that all-reduces (Lightning's
                 ``self.log(..., sync_dist=True)``), once per (call site id, metric name): the
                 user's hook line behind a collective the framework issues later
@@ -179,6 +181,7 @@ CLOCK = "clock"
 RANK_ERROR = "rank_error"
 SITE = "site"
 SYNC_LOG = "sync_log"
+SIGNATURE = "signature"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
 # failure view draws it when a rank hung or died there; nothing is ever recorded under this name.
@@ -273,7 +276,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, SYNC_LOG)
+    + (RANK_ERROR, SYNC_LOG, SIGNATURE)
 )
 
 
@@ -313,8 +316,8 @@ declare(
 declare(
     EventKind(
         COLLECTIVE,
-        ("op", "bytes", "group", "group_size", "seq", "async", "site", "dtype", "numel", "root", "ranks"),
-        "sisiiiisiis",
+        ("op", "bytes", "group", "group_size", "seq", "async", "site", "sig"),
+        "sisiiiii",
         "{op}",
     ),
     Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
