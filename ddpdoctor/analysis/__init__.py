@@ -6,6 +6,7 @@ on synthetic traces.
 
 # Each detector module registers its findings on import; this is the one list of them.
 from ddpdoctor.analysis import (  # noqa: F401
+    awaited,
     causes,
     divergence,
     failures,

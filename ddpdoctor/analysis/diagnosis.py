@@ -119,11 +119,18 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     label = f"{cause.kind}" + (f" on rank {root}" if root is not None else "")
     kept = []
     for f in findings:
-        if f.kind in _FOLDED:
+        if f.kind in _FOLDED or (
+            cause.kind == "awaited_work" and f.kind == "rank_only_work" and f.ranks == cause.ranks
+        ):  # the same wait, already charged to the awaited work
             cause.details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
             continue
         if f.kind in _LABELLED:
             f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
+            if f.details.get("pattern") == "backend_stuck":  # a rank is implicated: not the backend
+                f.summary = f.summary.split(": the backend itself is stuck")[0] + "."
+            # the pattern's own template is about the symptom: the cause's fix is the one to apply
+            f.details["pattern_fix"] = f.fix
+            f.fix = f"Fix the cause above ({label}): this hang follows from it."
             f.summary = f"(a consequence of {label}) {f.summary}"
         if f is not cause:
             kept.append(f)

@@ -4,7 +4,7 @@
   one group, as the terminal's hang report groups ranks by where they wait), with ddpdoctor's
   own frames and threads left out, as ``file:line function`` lines, innermost first.
 * The collectives around the point where the ranks parted: the ledgers' first divergence
-  (``ledger.first_divergence``), else the first sequence number not every rank completed, as a
+  (``parting.first_divergence``), else the first sequence number not every rank completed, as a
   small table of sequence number by rank.
 """
 
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis import ledger as ledgers
 from ddpdoctor.analysis.hang import group_ranks, is_user_frame
+from ddpdoctor.analysis.parting import first_divergence
 from ddpdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) 
     if not by_seq:
         return {}
     present = [r for r, b in books.items() if b.ending.how != "never_started"]
-    divergence = ledgers.first_divergence(books)
+    divergence = first_divergence(books)
     if divergence is not None and isinstance(divergence.evidence.get("seq"), int):
         parting = int(divergence.evidence["seq"])
     else:
