@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.proof import CONFIRM_S, Activity, judge
+from ddpdoctor.analysis.hung.proof import CONFIRM_S, Activity, judge
 from ddpdoctor.supervisor.activity import ActivityTracker
 from ddpdoctor.supervisor.waits import WaitNotes
 from ddpdoctor.trace.reader import load_run

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.ledger import build
-from ddpdoctor.analysis.parting import first_divergence
-from ddpdoctor.analysis.periodic import period_of
-from ddpdoctor.analysis.phases import exclusive_durations
+from ddpdoctor.analysis.failed.ledger import build
+from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.slow.periodic import period_of
+from ddpdoctor.analysis.slow.phases import exclusive_durations
 from ddpdoctor.trace.reader import load_run
 
 LOADER = {"id": 7, "sampler": "DistributedSampler", "batch_size": 8, "dataset_len": 128, "batches": 8}

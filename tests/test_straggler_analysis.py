@@ -80,7 +80,7 @@ def test_two_noisy_ranks_in_a_short_run_are_not_stragglers() -> None:
 
 
 def test_chance_of_being_latest() -> None:
-    from ddpdoctor.analysis.straggler import by_chance
+    from ddpdoctor.analysis.slow.straggler import by_chance
 
     assert by_chance(7, 11, 2) > 0.2  # a coin
     assert by_chance(11, 11, 2) < 0.001

@@ -7,13 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import causes, frameworks, gpu, gpu_findings, views
-from ddpdoctor.analysis.failure import FailureView, failure_view
+from ddpdoctor.analysis.failed import causes
+from ddpdoctor.analysis.failed.failure import FailureView, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
-from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
-from ddpdoctor.analysis.models import ddp_models
-from ddpdoctor.analysis.phases import rank_phases, step_times
-from ddpdoctor.analysis.views import Lateness
+from ddpdoctor.analysis.misuse import frameworks
+from ddpdoctor.analysis.misuse.models import ddp_models
+from ddpdoctor.analysis.slow import gpu, gpu_findings, views
+from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
+from ddpdoctor.analysis.slow.phases import rank_phases, step_times
+from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run
@@ -107,7 +109,7 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     """When the ledgers name a cause at error level, the other ranks' failures are its
     consequences: kept in its evidence, not beside it as causes. The live hang verdict stays
     (it is what ``run`` printed) and says which cause it is a consequence of."""
-    from ddpdoctor.analysis.causes import CAUSE_KINDS
+    from ddpdoctor.analysis.failed.causes import CAUSE_KINDS
 
     periodic = {r for f in findings if f.kind == "periodic_rank_work" for r in f.ranks}
     findings = [f for f in findings if not (f.kind == "straggler_occasional" and set(f.ranks) <= periodic)]

@@ -5,7 +5,7 @@ gradients; weights loaded on one rank after wrapping, a parameter DDP never regi
 module left out of the wrapper break that silently. So each rank fingerprints every tensor of
 every DDP model (parameters, then buffers): at construction, after the first optimizer step,
 then after the optimizer step of every step ``s`` with ``(s + 1) % interval == 0``, and at exit.
-The analysis compares the ranks (``analysis/divergence.py``); `top` does too while the job
+The analysis compares the ranks (``analysis/misuse/divergence.py``); `top` does too while the job
 runs, from two numbers per check that the trace writer's thread folds from each record into
 the rank's status (``probes/recent.py``, ``live/replicas.py``).
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.analysis.device import clock as device_clock
-from ddpdoctor.analysis.phases import phase_events
+from ddpdoctor.analysis.slow.device import clock as device_clock
+from ddpdoctor.analysis.slow.phases import phase_events
 from ddpdoctor.reports.failure import draw_failure
 from ddpdoctor.reports.markup import asset, esc, figure_html, json_script
 from ddpdoctor.trace import schema

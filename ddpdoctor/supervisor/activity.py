@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpdoctor.analysis.hang import main_thread, user_frame
-from ddpdoctor.analysis.proof import SYNC, Activity
+from ddpdoctor.analysis.hung.hang import main_thread, user_frame
+from ddpdoctor.analysis.hung.proof import SYNC, Activity
 from ddpdoctor.supervisor import stacks as _stacks
 
 WINDOW_S = 1.0

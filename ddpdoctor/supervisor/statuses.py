@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis.hang import SYNC_PHASES
+from ddpdoctor.analysis.hung.hang import SYNC_PHASES
 from ddpdoctor.rundir import RunDir
 
 

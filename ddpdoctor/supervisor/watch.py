@@ -9,7 +9,7 @@ ranks' CPU time and stacks (``activity.py``) only while someone waits or nothing
   * busy (the rank the others wait for progresses): a live note (``waits.py``), and a hang only
     past ``--hang-timeout`` when the user set one.
 The default threshold adapts: ``HANG_MULTIPLE`` times the slowest step any rank has seen, never
-below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hang.py),
+below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hung/hang.py),
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
 It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis import flight
-from ddpdoctor.analysis.hang import analyse
-from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
+from ddpdoctor.analysis.hung import flight
+from ddpdoctor.analysis.hung.hang import analyse
+from ddpdoctor.analysis.hung.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal

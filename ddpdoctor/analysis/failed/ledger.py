@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-import ddpdoctor
 from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.stacktext import is_user_frame
 
 GRAD_ALLREDUCE = "gradient all-reduce"
 BUFFERS = "buffer broadcast"
@@ -239,23 +239,14 @@ def sites_of(trace: RankTrace) -> dict[int, str]:
     }
 
 
-_NOT_USER = tuple(
-    d + os.sep
-    for d in (os.path.dirname(os.path.abspath(ddpdoctor.__file__)), sysconfig.get_paths().get("stdlib") or "")
-    if d
-)
+_STDLIB = (sysconfig.get_paths().get("stdlib") or "/nonexistent") + os.sep
 
 
 def user_frame(frames: list[dict[str, Any]]) -> str:
     """The innermost frame of the user's code in a stack (innermost first), as file:line."""
     for frame in frames:
         file = str(frame.get("file", ""))
-        if (
-            file.startswith("<")
-            or "site-packages" in file
-            or "dist-packages" in file
-            or os.path.abspath(file).startswith(_NOT_USER)
-        ):
+        if not is_user_frame(os.path.abspath(file)) or os.path.abspath(file).startswith(_STDLIB):
             continue
         return f"{os.path.basename(file)}:{frame.get('line')}"
     return ""
@@ -344,7 +335,7 @@ def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
     end = run.ends.get(rank) or {}
     if not end.get("stack"):
         return []
-    from ddpdoctor.supervisor.stacks import parse_faulthandler
+    from ddpdoctor.trace.stacktext import parse_faulthandler
 
     threads = parse_faulthandler(str(end["stack"]))
     main = next((t for t in threads if t.get("name") == "MainThread"), None)

@@ -12,23 +12,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.analysis.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.stacktext import is_user_frame
 
 # Phases in which a rank waits for the others (see probes: Collector.enter).
 SYNC_PHASES = SYNC_LIVE_PHASES
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")
 
 Frame = dict[str, Any]  # {"file", "line", "function"}
-
-
-def is_user_frame(filename: str) -> bool:
-    """Code the user wrote: not the standard library, an installed package or ddpdoctor."""
-    if not filename or filename.startswith(_PKG_DIR) or filename.startswith("<"):
-        return False
-    return not any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
 def main_thread(threads: list[dict[str, Any]]) -> list[Frame]:
@@ -386,6 +378,6 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")
     finding.details["recovered"] = bool(summary.get("recovered"))
-    from ddpdoctor.analysis import flight  # the collectives' state, when the ranks dumped it
+    from ddpdoctor.analysis.hung import flight
 
     return flight.merge(finding, str(summary.get("hang_dir") or ""))

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.analysis.ledger import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
-from ddpdoctor.analysis.signature import NEW_GROUP, Disagreement, disagreement, fix_for
 
 FIX_BRANCH = (
     "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "

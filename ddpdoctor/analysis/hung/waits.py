@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.hang import SYNC_PHASES, hang_finding
+from ddpdoctor.analysis.hung.hang import SYNC_PHASES, hang_finding
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 

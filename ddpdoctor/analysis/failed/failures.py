@@ -14,10 +14,10 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis import frameworks
+from ddpdoctor.analysis.failed.ledger import is_consequence, last_step_started, user_frame
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
-from ddpdoctor.analysis.hang import hang_finding
-from ddpdoctor.analysis.ledger import is_consequence, last_step_started, user_frame
+from ddpdoctor.analysis.hung.hang import hang_finding
+from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -25,7 +25,7 @@ from ddpdoctor.trace.reader import Run
 
 @detector
 def hangs(run: Run) -> Iterable[Finding]:
-    from ddpdoctor.analysis.waits import went_on  # the job outlived it: rank_only_work says what
+    from ddpdoctor.analysis.hung.waits import went_on  # the job outlived it: rank_only_work says what
 
     for summary in run.hangs:
         if went_on(summary, run):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddpdoctor.analysis.device import clock, device_timed
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.slow.device import clock, device_timed
+from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 

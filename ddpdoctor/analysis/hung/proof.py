@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.signature import disagreement
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
 STALE_S = 2.0  # a status older than this says nothing about now

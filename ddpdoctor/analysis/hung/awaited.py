@@ -15,12 +15,12 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ddpdoctor.analysis.failed.ledger import Ledger, build, death_stack, died_in
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.hang import is_user_frame
-from ddpdoctor.analysis.ledger import Ledger, build, death_stack, died_in
-from ddpdoctor.analysis.waits import GENERIC_FIX, fix_for
+from ddpdoctor.analysis.hung.waits import GENERIC_FIX, fix_for
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.stacktext import is_user_frame
 
 
 @detector

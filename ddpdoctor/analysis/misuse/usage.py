@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import reads
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.models import ddp_models, label, model_of
-from ddpdoctor.analysis.phases import StepGrid, step_times
+from ddpdoctor.analysis.misuse import reads
+from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of
+from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddpdoctor.analysis.phases import StepGrid, training_forwards
-from ddpdoctor.analysis.straggler import cached_sync_table
+from ddpdoctor.analysis.slow.phases import StepGrid, training_forwards
+from ddpdoctor.analysis.slow.straggler import cached_sync_table
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import Run

@@ -11,8 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.ledger import (
+from ddpdoctor.analysis.failed.ledger import (
     BUFFERS,
     FORWARD,
     GRAD_ALLREDUCE,
@@ -23,23 +22,24 @@ from ddpdoctor.analysis.ledger import (
     forward_site,
     user_frame,
 )
-from ddpdoctor.analysis.parting import (
+from ddpdoctor.analysis.failed.parting import (
     Divergence,
     first_divergence,
     rank_only_call,
     rank_only_logs,
     skipped_sync,
 )
-from ddpdoctor.analysis.signature import disagreement, fix_for
+from ddpdoctor.analysis.failed.signature import disagreement, fix_for
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
     "node_lost",
-    "awaited_work",  # analysis/awaited.py: the work a rank did while the others timed out
-    "skipped_gradient_sync",  # analysis/parting.py
-    "model_differs",  # analysis/failures.py
+    "awaited_work",  # analysis/hung/awaited.py: the work a rank did while the others timed out
+    "skipped_gradient_sync",  # analysis/failed/parting.py
+    "model_differs",  # analysis/failed/failures.py
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",
