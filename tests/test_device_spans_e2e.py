@@ -17,6 +17,7 @@ from ddpdoctor.trace.reader import load_run
 
 pytestmark = pytest.mark.e2e
 
+
 def test_fake_gpu_job_records_a_device_span_for_every_cpu_span(tmp_path: Path) -> None:
     job = run_doctor(tmp_path, torchrun(2, JOBS / "fake_gpu_train.py"))
     assert job.returncode == 0, job.stderr[-3000:]

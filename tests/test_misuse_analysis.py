@@ -34,8 +34,7 @@ def test_a_parameter_no_rank_ever_trains_is_a_warning_whatever_find_unused_param
         run = simulate_run(world=2, steps=8)
         for trace in run.ranks.values():
             trace.meta[schema.UNUSED] = [
-                (0, s, {"params": [1], "used_on_ranks": [used], "scope": "global"})
-                for s in range(8)
+                (0, s, {"params": [1], "used_on_ranks": [used], "scope": "global"}) for s in range(8)
             ]
         (f,) = [f for f in diagnose(run).findings if f.kind == "unused_parameters"]
         assert f.severity == severity and "needed" not in f.summary

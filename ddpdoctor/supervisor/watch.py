@@ -49,12 +49,6 @@ LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
 
 
-
-
-
-
-
-
 class Watcher:
     """The supervision thread; ``start()`` after launching, ``stop()`` when the job has ended."""
 
@@ -418,11 +412,6 @@ class Watcher:
         )
 
 
-
-
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps(obj, indent=1, default=str))
-

@@ -90,7 +90,7 @@ class _File:
         if not len(cand):
             return None
         starts, ends = self.starts[cand], self.ends[cand]
-        ok = (ends - starts > len(prefix) + 1)
+        ok = ends - starts > len(prefix) + 1
         for off, word, mask in more:
             ok &= (self.words[starts + off] & mask) == word
         ok &= (

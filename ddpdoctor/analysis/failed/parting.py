@@ -123,7 +123,6 @@ def _backend_says_mismatch(ledgers: dict[int, Ledger], at: dict[int, Point]) -> 
     return ""
 
 
-
 def rank_only_call(
     points: dict[int, Point], ledgers: dict[int, Ledger], evidence: dict[str, Any]
 ) -> Finding | None:
@@ -168,7 +167,8 @@ def rank_only_call(
         "rank_only_collective",
         "error",
         sorted(only),
-        f"{what}; " + "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root),  # noqa: E501
+        f"{what}; "
+        + "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root),  # noqa: E501
         fix=fix,
         details={
             "root_rank": root,

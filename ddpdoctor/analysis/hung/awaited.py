@@ -26,9 +26,7 @@ from ddpdoctor.trace.stacktext import is_user_frame
 @detector
 def awaited_work(run: Run) -> Iterable[Finding]:
     ledgers = build(run)
-    waiting = {
-        r: lg for r, lg in ledgers.items() if lg.ending.how == "exception" and lg.ending.consequence
-    }
+    waiting = {r: lg for r, lg in ledgers.items() if lg.ending.how == "exception" and lg.ending.consequence}
     if not waiting:
         return
     busy = _busy_records(run)

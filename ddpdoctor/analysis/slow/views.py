@@ -80,4 +80,3 @@ def step_spans(run: Run, tb: TimeBase) -> dict[int, tuple[float, float]]:
     started = np.isfinite(starts)
     begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist())))
-
