@@ -42,6 +42,12 @@ def sync_wait_s(status: dict[str, Any], now: float) -> float:
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
 
 
+def waits_now(status: dict[str, Any], now: float, at_least_s: float = 1.0) -> bool:
+    """In a sync point for ``at_least_s`` or more: someone the job is waiting with."""
+    phase = status.get("phase") or {}
+    return phase.get("name") in SYNC_PHASES and sync_wait_s(status, now) >= at_least_s
+
+
 def snapshot(statuses: dict[int, dict[str, Any]], but: int) -> dict[str, Any]:
     """What the other ranks were doing: phase, op, seq and step."""
     out = {}

@@ -31,14 +31,14 @@ from typing import Any
 
 from ddpdoctor.analysis.hung import flight
 from ddpdoctor.analysis.hung.hang import analyse
-from ddpdoctor.analysis.hung.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
+from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, is_hang, judge
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.stacks import render_stack
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s, waits_now
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -240,10 +240,7 @@ class Watcher:
         """This node's ranks' CPU time and stacks, measured only while someone in the job waits
         or nothing moves (the leader says so for ranks on other nodes)."""
         live = {r for r, a in alive.items() if a and not statuses[r].get("exited")}
-        waiting = any(
-            (statuses[r].get("phase") or {}).get("name") in SYNC and phase_since(statuses[r], now) >= 1.0
-            for r in live
-        )
+        waiting = any(waits_now(statuses[r], now) for r in live)
         quiet = now - max(self._rank_change.values(), default=now)
         if not (waiting or self._measuring or quiet >= 1.0):
             self._tracker.forget()
@@ -287,10 +284,7 @@ class Watcher:
             recovered = True
         failing = any(st.get("error") for st in statuses.values())
         started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
-        waiting = bool(verdict.waiting) or any(
-            (s.get("phase") or {}).get("name") in SYNC and phase_since(s, now) >= 1.0
-            for s in statuses.values()
-        )
+        waiting = bool(verdict.waiting) or any(waits_now(s, now) for s in statuses.values())
         hang = is_hang(
             verdict, threshold, hang_timeout=self.hang_timeout, longest=longest, quiet=quiet, started=started
         )
@@ -307,9 +301,9 @@ class Watcher:
                 "nodes": view.layout(),
             }
             self.board.post_hang(self._hang_payload)
-        layout = view.layout()
+        layout = {**self._nodes, **view.layout()}  # nodes once seen stay in the map
         if layout != self._nodes:
-            self._nodes = {**self._nodes, **layout}
+            self._nodes = layout
             self._layout_v += 1
             self.board.post_layout(self._nodes)
         return {
