@@ -41,6 +41,7 @@ from ddpdoctor.trace.reader import read_meta
 TOP_SCHEMA = "ddpdoctor.top/1"
 CPU_BUDGET = 0.04  # of one core, at most, for the refresh loop (the issue asks < 5 %)
 STALL_S, STALL_STEPS = 2.0, 10  # no step for this long and this many step periods: stalled
+CONNECT_S = 10.0  # a multi-node job's store, at the first look
 STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (or the node is gone)
 
 
@@ -65,6 +66,7 @@ class Top:
             if port.isdigit() and meta.get("status") == "running":
                 layout = Layout(int(job["nnodes"]), job.get("node_rank"), None, (host, int(port)))
                 self._boards[run_dir] = Board(layout)
+                self._boards[run_dir].wait_connected(CONNECT_S)  # torch's import and one connection
         return self._boards.get(run_dir)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
