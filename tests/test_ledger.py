@@ -313,6 +313,49 @@ def test_a_timeout_is_charged_to_the_work_the_waiting_rank_awaited(tmp_path: Pat
     assert "monitored_barrier(timeout=...)" in f["fix"] and "rank_failure" not in found
 
 
+_SAVE_STACK = (
+    "Current thread 0x00007fe1ed408b80 (most recent call first):\n"
+    '  File "/job/train.py", line 31 in save_checkpoint\n'
+    '  File "/job/train.py", line 53 in main\n'
+    '  File "/job/train.py", line 60 in <module>\n'
+)
+
+
+@pytest.mark.parametrize("waited_in", ["gradient all-reduce", "barrier"])
+def test_a_wait_that_raised_is_charged_to_the_awaited_work(tmp_path: Path, waited_in: str) -> None:
+    # What a rank that times out leaves now: the span it raised in is a ``raised`` record (not
+    # a completed collective), in a Python collective or in the backward of a DDP step whose
+    # gradient all-reduce never completed. Rank 0 was in save_checkpoint() when the launcher
+    # stopped it: the root is that work, whichever sync point the waiting rank timed out in.
+    message = "Timed out waiting 5000ms for recv operation to complete"
+    if waited_in == "barrier":
+        fields = ["barrier", 0, "WORLD", 2, 9, 0, 1, 0]
+        extra = [
+            ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 50, "func": "main"}],
+            ["raised", 5000, 0, 2, {"kind": "collective", "fields": fields, "dur_us": 5_000_000}],
+        ]
+        frames = [["/job/train.py", 50, "main"]]
+    else:
+        extra = [
+            ["forward", 4000, 100, 3, 1, 1, 9, 0],
+            ["raised", 4200, 0, 3, {"kind": "backward", "fields": [1], "dur_us": 5_000_000}],
+        ]
+        frames = [
+            ["/job/train.py", 47, "main"],
+            ["/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"],
+        ]
+    error = {"type": "RuntimeError", "message": message, "thread": "MainThread", "frames": frames}
+    _write(tmp_path, 1, [*_steps(3, loader=False), *extra], error=error)
+    _write(tmp_path, 0, _steps(3, loader=False), end=False)
+    end = {"how": "signal", "signal": "SIGTERM", "stack": _SAVE_STACK, "at_wall": 9.0, "consequence": True}
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": {"0": end}}))
+    found = _kinds(tmp_path)
+    f = found["awaited_work"]
+    assert f["details"]["root_rank"] == 0 and f["details"]["place"] == "train.py:31"
+    assert f"rank 1 waited 5.0 s in {waited_in}" in f["summary"], f["summary"]
+    assert "init_process_group(timeout=...)" in f["fix"] and "rank_failure" not in found
+
+
 def test_models_that_differ_by_rank_are_set_side_by_side(tmp_path: Path) -> None:
     message = "[1]: params[2] in this process with sizes [8, 32] appears not to match sizes"
     for rank, classes in ((0, 4), (1, 8)):

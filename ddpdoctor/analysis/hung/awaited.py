@@ -36,7 +36,7 @@ def awaited_work(run: Run) -> Iterable[Finding]:
         work = _doing(run, rank, lg, busy)
         if work is None:
             continue
-        waits = {w: _last_wait(run, w) for w in waiting}
+        waits = {w: _last_wait(run, w, ledgers[w]) for w in waiting}
         waits = {w: v for w, v in waits.items() if v is not None}
         if not waits:
             continue
@@ -76,23 +76,25 @@ def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, s
     return None
 
 
-def _last_wait(run: Run, rank: int) -> dict[str, Any] | None:
-    """The waiting rank's last sync point (recorded as it raised): op, seq, seconds, its line."""
+def _last_wait(run: Run, rank: int, lg: Ledger) -> dict[str, Any] | None:
+    """The waiting rank's last sync point, the one it raised in: op, seq, seconds, its line.
+    The point is the ledger's (a Python collective, or the gradient all-reduce of a backward
+    that raised); its seconds are those of the span that raised (a ``raised`` record), or of
+    the last collective when that is the point."""
     trace = run.ranks.get(rank)
-    if trace is None:
+    if trace is None or not lg.points:
         return None
+    point = lg.points[-1]
+    seconds = None
+    raised = trace.meta.get(schema.RAISED, [])
+    if raised and (point.raised or point.died_in or point.in_flight):
+        seconds = float(raised[-1][2].get("dur_us") or 0) / 1e6
     coll = trace.kind(schema.COLLECTIVE)
-    if not len(coll):
+    if seconds is None and len(coll) and int(coll.fields[-1][4]) == point.seq:
+        seconds = float(coll.dur[-1]) / 1e6
+    if seconds is None:
         return None
-    i = len(coll) - 1
-    fields = coll.fields[i]
-    sites = {
-        int(info["id"]): f"{os.path.basename(str(info.get('file')))}:{info.get('line')}"
-        for _, _, info in trace.meta.get(schema.SITE, [])
-        if isinstance(info.get("id"), int)
-    }
-    site = sites.get(int(fields[6]), "") if len(fields) > 6 and isinstance(fields[6], int) else ""
-    return {"op": str(fields[0]), "seq": int(fields[4]), "s": float(coll.dur[i]) / 1e6, "place": site}
+    return {"op": point.op, "seq": point.seq, "s": seconds, "place": point.site}
 
 
 def _worked_s(run: Run, rank: int) -> float | None:
