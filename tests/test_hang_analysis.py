@@ -327,3 +327,11 @@ def test_a_new_group_only_some_ranks_create_is_named_with_its_fix() -> None:
     diag = analyse(statuses, {}, threshold_s=3)
     assert diag.culprits == [0] and "create a process group (new_group)" in diag.explanation
     assert "new_group(...) on every rank" in diag.fix
+
+
+def test_a_new_group_while_the_others_construct_ddp_blames_the_creator() -> None:
+    statuses = {0: status(0, "collective", "new_group"), 1: status(1, "ddp_init", "init")}
+    diag = analyse(statuses, {}, threshold_s=3)
+    assert diag.pattern == "collective_order" and diag.culprits == [0]
+    assert "rank 1  in DistributedDataParallel.__init__" in diag.text()
+    assert "new_group(...) on every rank" in diag.fix

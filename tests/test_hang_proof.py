@@ -66,6 +66,25 @@ def test_a_new_group_that_only_some_ranks_create_is_named() -> None:
     assert "rank(s) 0 create a process group (new_group) that rank(s) 1 do not" in v.proof
 
 
+def test_a_rank_in_the_ddp_constructor_waits_for_its_group() -> None:
+    # DDP's constructor is a collective of its group (shape check, state broadcast), from C++:
+    # a rank idle there waits, and a new_group the others never create at that number is
+    # proven, not mistaken for a rank busy in user code.
+    ng = st(0, "collective", "new_group", seq=0, phase={"ranks": "0 1"})
+    init = st(1, "ddp_init", "init", seq=0)
+    v = judge({0: ng, 1: init}, {1: Activity(True, 2.0, 0.0)}, NOW)
+    assert v.state == "proven" and v.culprits == [0], v
+    assert "(they are in DDP constructor at collective #0)" in v.proof
+    # It also computes (the reducer's set-up, on a loaded machine for seconds): while its CPU
+    # moves, the ranks in it are not waiting, and nothing is proven or blocked.
+    both = {r: st(r, "ddp_init", "init", seq=0) for r in (0, 1)}
+    assert judge(both, {0: busy(), 1: busy()}, NOW).state == "running"
+    # Its number is where it began: a rank still receiving the broadcast while another went on
+    # to the next collective is not proven behind.
+    ahead = st(0, "collective", "barrier", seq=2)
+    assert judge({0: ahead, 1: st(1, "ddp_init", "init", seq=0)}, {}, NOW).state != "proven"
+
+
 def test_ranks_at_different_sequence_numbers_are_proven() -> None:
     v = judge({0: st(0, "collective", "barrier", seq=10), 1: st(1, "collective", "barrier", seq=11)}, {}, NOW)
     assert v.state == "proven" and v.culprits == [0] and "different collectives" in v.proof

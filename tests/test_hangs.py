@@ -287,3 +287,33 @@ def test_a_rank_that_sleeps_outside_sync_points_is_a_stall_at_the_threshold(tmp_
     assert 5.0 <= stall_to_verdict_s(summary) <= 5.0 + 4.0
     [hang] = findings(job.run_dir, "hang")
     assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "wait_for_peer"
+
+
+def test_a_new_group_only_rank0_creates_is_proven_against_the_ddp_constructor(
+    tmp_path: Path, write_script
+) -> None:
+    # Rank 0 creates a group the others never create (a collective of the default group) and
+    # rank 1 goes on to construct DDP, itself a collective: both wait, and the new_group's rank
+    # is named, not rank 1 "busy in user code" (live, the proof comes once rank 1's constructor
+    # has stopped computing; the statuses name both sync points whichever verdict came first).
+    script = write_script(
+        "partial_group.py",
+        """
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            group = dist.new_group([0, 1])
+        model = DDP(nn.Linear(4, 2))
+        dist.destroy_process_group()
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script), "--hang-timeout", "6", "--on-hang", "kill", timeout=120)
+    assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
+    assert "rank 1  in DistributedDataParallel.__init__" in job.stderr, job.stderr[-3000:]
+    found = {f["kind"]: f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] == "error"}
+    cause = found["rank_only_collective"]
+    assert cause["ranks"] == [0] and cause["details"]["place"] == "partial_group.py:8"
+    assert "new_group(...) on every rank" in cause["fix"]

@@ -186,6 +186,12 @@ def test_phase_from_the_stack() -> None:
         (ddp, "DistributedDataParallel._distributed_broadcast_coalesced"),
     )
     assert phase_of(broadcast) == {"name": "sync_buffers", "op": "broadcast"}
+    constructing = _frames(
+        user,
+        (ddp, "DistributedDataParallel.__init__"),
+        (SITE + "distributed/utils.py", "_verify_param_shape_across_processes"),
+    )
+    assert phase_of(constructing) == {"name": "ddp_init", "op": "init"}
     c10d = SITE + "distributed/distributed_c10d.py"
     gather = _frames(
         user,

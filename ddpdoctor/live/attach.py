@@ -77,6 +77,8 @@ def phase_of(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The sync point a main-thread stack (innermost first) is in, as the probes would name it."""
     named = [(str(f.get("file") or ""), str(f.get("function") or "").rsplit(".", 1)[-1]) for f in frames]
     for file, fn in reversed(named):  # the outermost torch call is the one the user made
+        if file.endswith(_DDP) and fn == "__init__":  # its shape check and state broadcast
+            return {"name": "ddp_init", "op": "init"}
         if file.endswith(_DDP) and fn in _BROADCAST:
             return {"name": "sync_buffers", "op": "broadcast"}
         if file.endswith(_C10D) and not fn.startswith("_") and fn not in _NOT_BLOCKING:

@@ -66,20 +66,26 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return init(self, *args, **kwargs)
-        seq = group_info(kwargs.get("process_group"), c)[3]
+        pg, gname, gsize, seq = group_info(kwargs.get("process_group"), c)
+        site = callsite.site(c)
         t0 = _now()
+        # The constructor waits for every rank of its group (shape check, state broadcast):
+        # a rank blocked here is in a sync point, at the group's sequence number on entry.
+        prev = c.enter(LivePhase.DDP_INIT, "init", seq, t0, (gname, gsize, -1, pg))
         try:
             init(self, *args, **kwargs)
         except Exception as exc:
+            c.leave(prev, None)
             _model_on_error(c, args[0] if args else kwargs.get("module"), exc)
             raise
+        c.leave(prev, None)
         t1 = _now()
         try:
             state = _ModelState(self)
             state.index, c.ddp_models = c.ddp_models, c.ddp_models + 1
             c.pace_model = None  # a model wrapped anew (each epoch, say) may set the pace now
             setattr(self, _STATE, state)
-            c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
+            c.emit(schema.DDP_INIT, t0, t1, {**_describe(self, seq, state), "site": site})
             _ct.start(c, self.module)  # device spans when the model is on CUDA
             _fp.on_ddp_init(c, self, state.index, state.params)
         except Exception as exc:

@@ -380,6 +380,9 @@ class LivePhase(str, enum.Enum):
     BACKWARD = "backward"
     COLLECTIVE = "collective"
     DATA = "data"
+    # DistributedDataParallel's constructor: collectives of its group (the parameter shapes'
+    # all_gather, rank 0's state broadcast) from C++, so no collective probe sees them.
+    DDP_INIT = "ddp_init"
 
     @property
     def waits_for_peers(self) -> bool:

@@ -28,8 +28,9 @@ from ddpdoctor.trace.stacktext import is_user_frame
 GRAD_ALLREDUCE = "gradient all-reduce"
 BUFFERS = "buffer broadcast"
 FORWARD = "DDP forward"
+DDP_INIT = "DDP constructor"
 # The live status' phase names, as ledger ops.
-_PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD}
+_PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD, "ddp_init": DDP_INIT}
 # Errors a rank raises because a peer died or stalled: consequences, not the root cause.
 _CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _CONSEQUENCE_TEXT = (

@@ -65,6 +65,8 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
         return f"DistributedDataParallel.forward ({op} mode, {num})"
     if name == "backward":
         return f"backward -> DDP gradient all-reduce ({num})"
+    if name == "ddp_init":
+        return f"DistributedDataParallel.__init__ (shape check and state broadcast, from {num})"
     if name == LivePhase.DATA:
         return "DataLoader.__next__ (waiting for a batch)"
     if op == "barrier":
@@ -79,6 +81,8 @@ def _op_name(phase: dict[str, Any] | None) -> str:
         return "broadcast" if phase.get("name") == "sync_buffers" else f"DDP forward ({phase.get('op')})"
     if phase.get("name") == "backward":
         return "gradient all_reduce"
+    if phase.get("name") == "ddp_init":
+        return "DDP constructor"
     return str(phase.get("op"))
 
 

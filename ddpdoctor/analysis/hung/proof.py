@@ -31,9 +31,10 @@ STALE_S = 2.0  # a status older than this says nothing about now
 BUSY_S = 3.0  # CPU time or stack moved within this many seconds: the rank is progressing
 # One collective call: the rank waits in exactly this op at exactly this sequence number.
 ATOMIC = frozenset({"collective", "sync_buffers"})
-# DDP's own forward/backward: entered at sequence number n, they may issue #n, #n+1, ...;
+# DDP's own forward/backward and its constructor (the shape check's all_gather, the state
+# broadcast, the reducer's set-up): entered at sequence number n, they may issue #n, #n+1, ...;
 # they wait only when their CPU is idle, and compute otherwise.
-COMPOUND = frozenset({"forward", "backward"})
+COMPOUND = frozenset({"forward", "backward", "ddp_init"})
 SYNC = ATOMIC | COMPOUND
 # Ops whose per-rank arguments legitimately differ in size (objects, splits, roots) or that are
 # not group collectives at all (point to point): never used to prove a size or order mismatch.
@@ -148,6 +149,8 @@ def op_label(phase: dict[str, Any]) -> str:
         return "allreduce"  # DDP's gradient buckets (and the unused-parameter map)
     if name == "forward":
         return "DDP forward"
+    if name == "ddp_init":
+        return "DDP constructor"
     return str(phase.get("op"))
 
 
@@ -157,6 +160,8 @@ def point(phase: dict[str, Any]) -> str:
     name = phase.get("name")
     if name == "sync_buffers":
         return f"broadcast #{seq} (DDP buffers)"
+    if name == "ddp_init":
+        return f"{op_label(phase)} #{seq}.."
     if name in COMPOUND:
         return f"{op_label(phase)} #{seq}.. (DDP {name})"
     return f"{phase.get('op')} #{seq}"

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hung.hang import SYNC_PHASES, hang_finding
 from ddpdoctor.trace import schema
@@ -73,6 +75,9 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
     elif phase.get("name") == "sync_buffers":
         ev = trace.kind(schema.SYNC_BUFFERS)
         hit = ev.ints(0) == seq
+    elif phase.get("name") == "ddp_init":
+        ev = trace.kind(schema.DDP_INIT)
+        hit = np.array([isinstance(f[0], dict) and f[0].get("seq") == seq for f in ev.fields], dtype=bool)
     else:
         return None, None
     durations = ev.dur[hit]
@@ -83,7 +88,8 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
 
 
 def _point(phase: dict[str, Any]) -> str:
-    op = "broadcast" if phase.get("name") == "sync_buffers" else phase.get("op")
+    named = {"sync_buffers": "broadcast", "ddp_init": "the DDP constructor"}
+    op = named.get(str(phase.get("name")), phase.get("op"))
     return f"{op} #{phase.get('seq')}"
 
 
