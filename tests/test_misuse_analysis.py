@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.simulate import simulate_run
 
 
@@ -41,3 +45,29 @@ def test_a_parameter_no_rank_ever_trains_is_a_warning_whatever_find_unused_param
         if used == 0:
             assert "never trained" in f.summary and f.details["never_trained"] == ["#1"]
             assert "connect" in f.fix
+
+
+def test_a_never_trained_parameter_points_at_the_line_that_hides_it(tmp_path: Path) -> None:
+    # find_unused_parameters=True is set where the model is wrapped: the DDP constructor's
+    # record names that line, and the warning points there, with the parameter's name.
+    site = {"id": 0, "file": "/job/train.py", "line": 34, "func": "main"}
+    model = {"module": "Model", "param_names": ["body.weight", "aux_head.weight"], "site": 0}
+    model["options"] = {"find_unused_parameters": True}
+    for rank in (0, 1):
+        records = [
+            ["header", {"schema": "ddpdoctor.trace/1", "rank": rank, "world_size": 2, "wall_ns": 0}],
+            ["site", 5, 0, -1, site],
+            ["ddp_init", 10, 100, -1, model],
+        ]
+        for step in range(6):
+            t = 1000 + 1000 * step
+            unused = {"params": [1], "used_on_ranks": [0], "scope": "global", "model": 0}
+            records += [["forward", t, 100, step, 1, 1, 3 + step, -1], ["backward", t + 200, 300, step]]
+            records.append(["unused", t + 500, 0, step, unused])
+        records.append(["end", 99_000, 0, -1, {"reason": "exit"}])
+        lines = "\n".join(json.dumps(r) for r in records)
+        (tmp_path / f"trace-rank{rank}.jsonl").write_text(lines + "\n")
+    (f,) = [f for f in diagnose(load_run([tmp_path])).findings if f.kind == "unused_parameters"]
+    assert f.severity == "warning" and f.details["never_trained"] == ["aux_head.weight"]
+    assert "DistributedDataParallel(..., find_unused_parameters=True) at train.py:34" in f.summary
+    assert f.details["place"] == "train.py:34" and "remove them" in f.fix

@@ -15,7 +15,7 @@ from ddpdoctor.analysis.diagnosis import Diagnosis, diagnose
 from ddpdoctor.analysis.failed import causes, failures, nodes  # noqa: F401
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.hung import awaited, waits  # noqa: F401
-from ddpdoctor.analysis.misuse import divergence, usage  # noqa: F401
+from ddpdoctor.analysis.misuse import divergence, unused, usage  # noqa: F401
 from ddpdoctor.analysis.slow import gpu_findings, gradsync, periodic, straggler  # noqa: F401
 
 __all__ = ["Diagnosis", "Finding", "diagnose"]

@@ -21,7 +21,8 @@ Event records are ``[kind, ts_us, dur_us, step, *fields]``:
 ==============  ===============================================================================
 kind            fields after ``step``
 ==============  ===============================================================================
-ddp_init        {params, param_bytes, buckets: [bytes...], options: {...}, module}
+ddp_init        {params, param_bytes, buckets: [bytes...], options: {...}, module, site: the call
+                site id (see ``site``) of the user's DistributedDataParallel(...) line}
 forward         grad mode (0/1), module.training (0/1), seq at entry, call site id (see ``site``)
 sync_buffers    seq at entry (DDP's buffer broadcast inside forward)
 backward        (none): the backward of the step's DDP forward, ending after its all-reduces

@@ -1,0 +1,173 @@
+"""Unused parameters: which parameters got no gradient, on which ranks and steps; a
+parameter no rank ever trains (hidden by find_unused_parameters=True); and the flag set where
+every parameter always gets a gradient (a graph walk per step for nothing)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ddpdoctor.analysis.failed.ledger import sites_of
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of
+from ddpdoctor.analysis.slow.phases import step_times
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+_FIX_UNUSED = (
+    "Either stop computing outputs that do not reach the loss (e.g. drop the unused head, or "
+    "add it to the loss), or pass find_unused_parameters=True to DistributedDataParallel "
+    "(it costs an autograd-graph walk after every forward)."
+)
+
+
+def _steps_text(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(s) for s in steps[:limit])
+    return shown + (f" (+{len(steps) - limit} more)" if len(steps) > limit else "")
+
+
+@detector
+def unused_parameters(run: Run) -> Iterable[Finding]:
+    per_param_steps: dict[str, set[int]] = defaultdict(set)
+    per_param_ranks: dict[str, set[int]] = defaultdict(set)
+    sizes: dict[str, int] = {}  # name -> elements, from the constructor's record
+    wrapped = ""  # where the model was wrapped in DDP (the user's line), from the same record
+    scope = "local"
+    errors: dict[int, list[str]] = {}
+    trained: set[str] = set()  # with find_unused_parameters: used on some rank in some step
+    for rank, trace in sorted(run.ranks.items()):
+        for _, step, info in trace.meta.get(schema.UNUSED, []):
+            model = model_of(trace, info)
+            if isinstance(model.get("site"), int):
+                wrapped = wrapped or sites_of(trace).get(model["site"], "")
+            names = list(model.get("param_names", []))
+            sizes.update(zip(names, model.get("param_numels") or [], strict=False))
+            scope = info.get("scope", scope)
+            used = info.get("used_on_ranks") or []
+            for j, i in enumerate(info.get("params", [])):
+                name = names[i] if 0 <= i < len(names) else f"#{i}"
+                per_param_steps[name].add(step)
+                per_param_ranks[name].add(rank)
+                if j < len(used) and used[j]:
+                    trained.add(name)  # some rank gave it a gradient in this step
+        for _, _, info in trace.meta.get(schema.DDP_ERROR, []):
+            if info.get("error") == "unfinished_reduction":
+                errors[rank] = list(info.get("params", []))
+    for params in errors.values():
+        for name in params:
+            per_param_ranks.setdefault(name, set())
+    if not per_param_ranks:
+        return
+    params = sorted(per_param_ranks)
+    steps = sorted(set().union(*per_param_steps.values())) if per_param_steps else []
+    ranks = sorted(set().union(*per_param_ranks.values()) | set(errors))
+    total_steps = max((t.steps for t in run.ranks.values()), default=0)
+    sized = [f"{n} ({sizes[n]:,} elements)" if n in sizes else n for n in params[:6]]
+    shown = ", ".join(sized) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    details = {
+        "parameters": params,
+        "steps": steps,
+        "per_parameter": {
+            name: {
+                "ranks": sorted(per_param_ranks[name]),
+                "steps": sorted(per_param_steps[name]),
+                "numel": sizes.get(name),
+            }
+            for name in params
+        },
+        "ddp_error": bool(errors),
+        "find_unused_parameters": scope == "global",
+    }
+    if scope == "global":
+        yield _unused_found(params, steps, total_steps, trained, ranks, details, wrapped)
+        return
+    where = f"at step(s) {_steps_text(steps)}" if steps else "before the crash"
+    summary = (
+        f"{len(params)} parameter(s) received no gradient {where} on rank(s) {rank_list(ranks)}: {shown}"
+    )
+    if errors:
+        summary += "; DDP then raised 'Expected to have finished reduction in the prior iteration'"
+    yield Finding("unused_parameters", "error", ranks, summary, fix=_FIX_UNUSED, details=details)
+
+
+def _unused_found(
+    params: list[str],
+    steps: list[int],
+    total_steps: int,
+    trained: set[str],
+    ranks: list[int],
+    details: dict[str, Any],
+    wrapped: str = "",
+) -> Finding:
+    """With find_unused_parameters=True DDP copes with parameters that get no gradient; one that
+    no rank trained in any step is still a waste (or a bug: a head cut off from the loss). The
+    place is the DDP constructor's line, where the flag that hides it is set."""
+    per = details["per_parameter"]
+    never = [p for p in params if p not in trained and len(per[p]["steps"]) >= total_steps]
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    if never and total_steps > 0:
+        named = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
+        at = f" (DistributedDataParallel(..., find_unused_parameters=True) at {wrapped})" if wrapped else ""
+        if wrapped:
+            details = {**details, "place": wrapped}
+        return Finding(
+            "unused_parameters",
+            "warning",
+            ranks,
+            f"{len(never)} parameter(s) never trained: no rank gave them a gradient in any of the "
+            f"{total_steps} steps ({named}); find_unused_parameters=True{at} hides it (DDP skips "
+            "them), at the cost of an autograd-graph walk every step",
+            fix="If they should be trained, connect them to the loss (e.g. add the unused head's "
+            "output to it); if not, remove them (or freeze them with requires_grad_(False)) and "
+            "turn find_unused_parameters off.",
+            details={**details, "never_trained": never},
+        )
+    return Finding(
+        "unused_parameters",
+        "info",
+        ranks,
+        f"{len(params)} parameter(s) got no gradient on some ranks in {len(steps)} of {total_steps} "
+        f"steps ({shown}); find_unused_parameters=True lets DDP go on without them",
+        fix="Nothing to do unless these parameters should be trained in those steps; if they "
+        "should never be used, remove them and turn find_unused_parameters off.",
+        details=details,
+    )
+
+
+@detector
+def find_unused_parameters_unneeded(run: Run) -> Iterable[Finding]:
+    models = ddp_models(run)
+    searching = [m for m in models if m.get("options", {}).get("find_unused_parameters")]
+    if not searching:
+        return
+    if any(t.meta.get(schema.UNUSED) for t in run.ranks.values()):
+        return
+    steps = min((t.steps for t in run.ranks.values()), default=0)
+    if steps < 3:
+        return
+    scans = np.concatenate([t.kind(schema.GRAPH_SCAN).dur for t in run.ranks.values()])
+    step_s = np.concatenate([step_times(t) for t in run.ranks.values()])
+    scan_ms = float(np.median(scans)) / 1e3 if len(scans) else 0.0
+    step_ms = float(np.median(step_s)) * 1e3 if len(step_s) else 0.0
+    cost = f"; the walk takes {scan_ms:.2f} ms per step" if len(scans) else ""
+    if step_ms:
+        cost += f" ({100 * scan_ms / step_ms:.1f}% of a {step_ms:.1f} ms step)"
+    yield Finding(
+        "find_unused_parameters_unneeded",
+        "warning",
+        sorted(run.ranks),
+        f"{', '.join(label(m, models) for m in searching)}: "
+        f"find_unused_parameters=True, but every parameter got a gradient in all {steps} steps on "
+        f"every rank: DDP walks the autograd graph after each forward for nothing{cost}",
+        fix="Construct DistributedDataParallel without find_unused_parameters (or with "
+        "static_graph=True if the graph never changes).",
+        details={
+            "steps": steps,
+            "graph_walk_ms": round(scan_ms, 3),
+            "step_ms": round(step_ms, 3),
+            "models": [m.get("index", 0) for m in searching],
+        },
+    )
