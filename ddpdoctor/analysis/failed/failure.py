@@ -55,7 +55,7 @@ class RankEnd:
     """How one rank's record ended and where it stood."""
 
     rank: int
-    how: str  # ledger.Ending.how
+    how: str  # ending.Ending.how
     how_text: str  # "killed by SIGKILL", "raised RuntimeError: ...", "os._exit(7)"
     step: int  # by the module's rule
     step_text: str

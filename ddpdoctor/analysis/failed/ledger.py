@@ -1,5 +1,5 @@
 """Every rank's ledger: the sync points it issued, in order, the steps and data passes it ran,
-and how it ended; then where the ledgers first part ways.
+and how it ended (``ending.py``); then where the ledgers first part ways.
 
 A distributed job goes wrong where its ranks stop doing the same thing: one issues a collective
 the others do not, leaves while they go on, or reads more batches. Errors that follow on the
@@ -12,14 +12,13 @@ first part ways is ``parting.first_divergence``.
 from __future__ import annotations
 
 import os
-import signal
 import sysconfig
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.findings import clip
+from ddpdoctor.analysis.failed.ending import Ending, how_it_ended, last_step_started, watch_facts
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -31,17 +30,6 @@ FORWARD = "DDP forward"
 DDP_INIT = "DDP constructor"
 # The live status' phase names, as ledger ops.
 _PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD, "ddp_init": DDP_INIT}
-# Errors a rank raises because a peer died or stalled: consequences, not the root cause.
-_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
-_CONSEQUENCE_TEXT = (
-    "connection closed by peer",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "socket",
-    "nccl communicator was aborted",
-)
 
 
 @dataclass(slots=True)
@@ -85,36 +73,6 @@ class Point:
 
 
 @dataclass(frozen=True)
-class Ending:
-    """How a rank's record ended. ``how``: clean_exit, exception, signal, vanished (no clean
-    close, no exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
-    interrupted (the user's Ctrl-C of a hung job, on which ddpdoctor ended its ranks),
-    running (the trace just stops: read while the job runs) or never_started (no trace)."""
-
-    how: str
-    step: int = -1
-    signal: str | None = None
-    error: dict[str, Any] | None = None
-    consequence: bool = False  # the error says a peer went away: not this rank's own fault
-    wall_s: float | None = None
-
-    def describe(self) -> str:
-        after = f" after step {self.step}" if self.step >= 0 else " before its first step"
-        if self.how == "exception" and self.error:
-            message = str(self.error.get("message") or "").splitlines()[:1]
-            return f"raised {self.error.get('type')}{': ' + clip(message[0], 160) if message else ''}{after}"
-        if self.how == "signal":
-            return f"was killed by {self.signal}{after}"
-        return {
-            "clean_exit": f"exited cleanly{after}",
-            "vanished": f"stopped without a clean exit, an exception or a signal seen{after}",
-            "stopped_on_hang": f"was stopped by ddpdoctor while hung{after}",
-            "interrupted": f"was stopped on the user's interrupt (Ctrl-C) while hung{after}",
-            "never_started": "never called init_process_group (no trace)",
-        }.get(self.how, f"was still running{after}")
-
-
-@dataclass(frozen=True)
 class Pass:
     """One DataLoader pass: how many batches it would give and how many the rank took."""
 
@@ -140,95 +98,6 @@ class Ledger:
     words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
     # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
     sync_logs: set[tuple[str, str]] = field(default_factory=set)
-
-
-def is_consequence(error: dict[str, Any]) -> bool:
-    """True for an error that says a peer went away, rather than one of this rank's own."""
-    kind, message = str(error.get("type", "")), str(error.get("message", "")).lower()
-    return kind in _CONSEQUENCE_TYPES or any(t in message for t in _CONSEQUENCE_TEXT)
-
-
-def signal_name(sig: Any) -> str | None:
-    if not sig:
-        return None
-    try:
-        return signal.Signals(int(sig)).name
-    except (ValueError, TypeError):
-        return f"signal {sig}"
-
-
-def _watch(run: Run) -> dict[str, Any]:
-    merged: dict[str, Any] = {"rank_exits": {}, "rank_errors": {}, "killed_on_hang": False}
-    for w in run.watches:
-        for key in ("rank_exits", "rank_errors"):
-            merged[key].update(w.get(key) or {})
-        merged["killed_on_hang"] = merged["killed_on_hang"] or bool(w.get("killed_on_hang"))
-    return merged
-
-
-def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> Ending:
-    """The one place that decides how a rank's record ended, from every fact there is: its own
-    trace (clean close, uncaught exception), the supervisor's exit record (signal, step) and
-    whether ddpdoctor stopped the job on a hang."""
-    watch = watch if watch is not None else _watch(run)
-    trace = run.ranks.get(rank)
-    exit_info = (watch.get("rank_exits") or {}).get(str(rank)) or {}
-    if trace is None:  # what the supervisor saw of its process, if it started (probes/early.py)
-        end = run.ends.get(rank) or {}
-        sig = end.get("signal") if end.get("how") == "signal" else None
-        return Ending(
-            "never_started",
-            signal=str(sig) if sig else signal_name(exit_info.get("signal")),
-            consequence=bool(end.get("consequence")),
-            wall_s=end.get("at_wall"),
-        )
-    step = last_step_started(trace)
-    if isinstance(exit_info.get("step"), int):
-        step = max(step, exit_info["step"])
-    errors = [
-        info for _, _, info in trace.meta.get(schema.RANK_ERROR, []) if info.get("thread") == "MainThread"
-    ]
-    if errors:
-        err = errors[0]
-        wall = err.get("wall_ns")
-        return Ending(
-            "exception", step, error=err, consequence=is_consequence(err), wall_s=wall / 1e9 if wall else None
-        )
-    sig = signal_name(exit_info.get("signal"))
-    when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
-    end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
-    if end.get("interrupted"):  # the user's Ctrl-C of a hung job: ddpdoctor ended it
-        return Ending("interrupted", step, signal=str(end.get("signal")), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "signal" and end.get("signal"):
-        return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "os_exit" and end.get("code"):
-        return Ending("vanished", step, wall_s=end.get("at_wall") or when)
-    if trace.ended_cleanly:
-        return Ending("clean_exit", step, wall_s=_end_wall(trace))
-    if watch.get("killed_on_hang"):
-        return Ending("stopped_on_hang", step, wall_s=when)
-    if sig:
-        return Ending("signal", step, signal=sig, wall_s=when)
-    if exit_info:
-        return Ending("vanished", step, wall_s=when)
-    return Ending("running", step)
-
-
-def last_step_started(trace: RankTrace) -> int:
-    """The last training step the rank began: its last forward's step, one that raised included
-    (it began its step, though it is no completed span), -1 before the first."""
-    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
-    for _, at, info in trace.meta.get(schema.RAISED, []):
-        if info.get("kind") == schema.FORWARD and (info.get("fields") or [0])[0] == 1:
-            step = max(step, at)
-    return step
-
-
-def _end_wall(trace: RankTrace) -> float | None:
-    ends = trace.meta.get(schema.END, [])
-    if not ends:
-        return None
-    return (int(trace.header.get("wall_ns", 0)) + ends[0][0] * 1000) / 1e9
 
 
 def sites_of(trace: RankTrace) -> dict[int, str]:
@@ -375,7 +244,7 @@ def _expected_batches(info: dict[str, Any], world: int) -> int | None:
 
 def build(run: Run) -> dict[int, Ledger]:
     """A ledger for every rank of the run, those that left no trace included."""
-    watch = _watch(run)
+    watch = watch_facts(run)
     ledgers: dict[int, Ledger] = {}
     elsewhere = run.elsewhere  # on a node whose run dir was not given: nothing to judge it by
     for rank in range(run.world_size):
