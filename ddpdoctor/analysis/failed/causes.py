@@ -24,6 +24,7 @@ from ddpdoctor.analysis.failed.ledger import (
 )
 from ddpdoctor.analysis.failed.parting import (
     Divergence,
+    accumulation_differs,
     first_divergence,
     rank_only_call,
     rank_only_logs,
@@ -142,6 +143,8 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
         return _mismatch(div, ledgers)
     if div.what == "steps":
         return skipped_sync(div, ledgers, _evidence(ledgers, ledgers))
+    if div.what == "accumulation":
+        return accumulation_differs(div, ledgers, _evidence(ledgers, ledgers))
     root = ledgers[div.root] if div.root is not None else None
     if root is None:
         return None

@@ -98,6 +98,12 @@ class Ledger:
     words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
     # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
     sync_logs: set[tuple[str, str]] = field(default_factory=set)
+    files: dict[str, str] = field(default_factory=dict)  # a site's file name -> its path
+
+    def path_of(self, site: str) -> tuple[str, int]:
+        """(the file's path, the line) of a ``file:line`` site, ("", 0) when not on record."""
+        name, _, line = site.rpartition(":")
+        return (self.files.get(name, ""), int(line)) if line.isdigit() else ("", 0)
 
 
 def sites_of(trace: RankTrace) -> dict[int, str]:
@@ -281,6 +287,8 @@ def _tail(events: Any) -> Any:
 
 def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     sites = sites_of(trace)
+    for _, _, info in trace.meta.get(schema.SITE, []):
+        ledger.files.setdefault(os.path.basename(str(info.get("file"))), str(info.get("file")))
     sigs = {info.get("id"): info for _, _, info in trace.meta.get(schema.SIGNATURE, [])}
     points: list[Point] = []
     coll = _tail(trace.kind(schema.COLLECTIVE))

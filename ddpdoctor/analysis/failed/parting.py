@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Ledger, Point
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
+from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
 from ddpdoctor.analysis.findings import Finding, rank_list
 
 FIX_BRANCH = (
@@ -41,7 +42,8 @@ FIX_SKIPPED = (
 class Divergence:
     """Where the ledgers first part ways, and the evidence."""
 
-    what: str  # left | mismatch | steps (one sync point matched across different steps)
+    what: str  # left | mismatch | steps (one sync point matched across different steps) |
+    # accumulation (one all-reduce over a different number of micro-batches on each rank)
     root: int | None
     others: list[int]
     points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
@@ -69,7 +71,7 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
                 if said and all(p.in_flight for p in have.values()):
                     evidence = {"seq": seq, "differs": "size", "backend": said}
                     return Divergence("mismatch", None, [], dict(at), evidence)
-                apart = _steps_apart(have)
+                apart = _steps_apart(have) or _accumulation_apart(have, present)
                 if apart is not None:
                     return apart
                 continue
@@ -101,6 +103,35 @@ def _steps_apart(have: dict[int, Point]) -> Divergence | None:
     others = sorted(r for r in have if steps[r] != ahead)
     seq = next(iter(have.values())).seq
     return Divergence("steps", root, others, dict(have), {"seq": seq, "steps": steps})
+
+
+def micro_batches(ledger: Ledger, step: int) -> int | None:
+    """Grad-mode forwards the rank ran in a step (micro-batches under no_sync() share one), or
+    None when the ledger's window of forwards may have cut that step short."""
+    steps = [s for s, grad, _, _ in ledger.forwards if grad]
+    if not steps or (len(ledger.forwards) >= TAIL and step <= min(steps)):
+        return None
+    return steps.count(step) or None
+
+
+def _accumulation_apart(have: dict[int, Point], ledgers: dict[int, Ledger]) -> Divergence | None:
+    """One gradient all-reduce, matched in the same step, that averages a different number of
+    micro-batches on each rank: their accumulation schedules (no_sync()) differ. The rank that
+    ran more forwards per all-reduce skipped the all-reduces the others made."""
+    if any(p.in_flight or p.op != GRAD_ALLREDUCE for p in have.values()):
+        return None
+    steps = {p.step for p in have.values()}
+    if len(steps) != 1:
+        return None
+    step = steps.pop()
+    counts = {r: micro_batches(ledgers[r], step) for r in have}
+    if any(n is None for n in counts.values()) or len(set(counts.values())) < 2:
+        return None
+    most = max(n for n in counts.values() if n is not None)
+    root = min(r for r, n in counts.items() if n == most)
+    seq = next(iter(have.values())).seq
+    evidence = {"seq": seq, "step": step, "micro_batches": counts}
+    return Divergence("accumulation", root, sorted(r for r in have if r != root), dict(have), evidence)
 
 
 def _op_of(sig: dict[str, Any]) -> str:
@@ -213,6 +244,15 @@ def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str
     if not ran:
         return None  # the fact the finding states (a step run without its all-reduce) is not on record
     step, site = ran[0]
+    path, line = lg.path_of(site)
+    branch = exits_after(path, line) if path else []
+    name = site.rpartition(":")[0]
+    left = (
+        f"; after that forward the loop can leave the iteration before its backward: the `if` at "
+        f"{name}:{branch[0]} and {name}:{branch[1]}"
+        if branch
+        else ""
+    )
     others = "; ".join(f"rank {r} all-reduced step {s}'s gradients there" for r, s in sorted(behind.items()))
     gone = [r for r, g in ledgers.items() if g.ending.how not in ("clean_exit", "running")]
     after = (
@@ -226,12 +266,56 @@ def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str
         "error" if gone else "warning",
         [root],
         f"rank {root} ran step {step}'s forward{at} but no gradient all-reduce for it (its backward "
-        f"was skipped, or ran under no_sync() there alone), so the backend matched the ranks' "
+        f"was skipped, or ran under no_sync() there alone{left}), so the backend matched the ranks' "
         f"gradient all-reduce #{seq} across steps: rank {root} all-reduced step {mine}'s gradients; "
         f"{others}. From step {step} on, the ranks' all-reduces pair with the wrong partners{after}",
         fix=FIX_SKIPPED,
-        details={"root_rank": root, "place": site, "seq": seq, "step": step,
-                 "steps_at_seq": {str(r): s for r, s in steps.items()}, "ranks": evidence},
+        details={"root_rank": root, "place": f"{name}:{branch[0]}" if branch else site, "seq": seq,
+                 "step": step, "forward": site, "steps_at_seq": {str(r): s for r, s in steps.items()},
+                 "ranks": evidence},
+    )  # fmt: skip
+
+
+def accumulation_differs(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding:
+    """Gradient all-reduces matched in the same step over different numbers of micro-batches:
+    each rank accumulates on its own schedule, so every all-reduce averages gradients of
+    different data, and the ranks' counts of all-reduces part at the end of the loop."""
+    assert div.root is not None
+    root, seq, step = div.root, div.evidence["seq"], div.evidence["step"]
+    counts: dict[int, int] = div.evidence["micro_batches"]
+    site = next((f for s, grad, _, f in ledgers[root].forwards if grad and s == step and f), "")
+    path, line = ledgers[root].path_of(site)
+    schedule = no_sync_schedule(path, line) if path else []
+    name = site.rpartition(":")[0]
+    decided = (
+        "; whether a forward runs under no_sync() is decided at "
+        + " <- ".join(f"{name}:{n}" for n in schedule)
+        if schedule
+        else ""
+    )
+    each = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts.items()))
+    gone = [r for r, g in ledgers.items() if g.ending.how not in ("clean_exit", "running")]
+    after = (
+        "; where the ranks' counts of all-reduces then part, the job stopped (the hang or errors "
+        "there are consequences)"
+        if gone
+        else "; the job went on, averaging gradients of different micro-batches"
+    )
+    return Finding(
+        "skipped_gradient_sync",
+        "error" if gone else "warning",
+        [root],
+        f"the ranks accumulate gradients on different schedules: gradient all-reduce #{seq} (step "
+        f"{step}, forward at {site or '?'}) averaged a different number of micro-batches on each rank "
+        f"({each}); rank {root} ran "
+        f"forwards under no_sync() where the others all-reduced{decided}{after}",
+        fix="Use one gradient accumulation schedule on every rank: the same number of micro-batches "
+        "per optimizer step (accum_steps) and the same no_sync() boundaries, derived from values "
+        "every rank shares (the global batch, not a per-rank micro-batch size), and the same number "
+        "of micro-steps per epoch.",
+        details={"root_rank": root, "place": f"{name}:{schedule[1]}" if len(schedule) > 1 else site,
+                 "seq": seq, "step": step, "micro_batches": {str(r): n for r, n in counts.items()},
+                 "schedule": [f"{name}:{n}" for n in schedule], "ranks": evidence},
     )  # fmt: skip
 
 

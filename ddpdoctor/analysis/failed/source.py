@@ -1,0 +1,131 @@
+"""What the user's own code says around a line the ledger names: the branch that leaves a loop's
+iteration after a forward (where a rank skipped its backward), and the lines that decide whether
+a forward runs under ``no_sync()`` (a gradient accumulation schedule).
+
+The trace says which forward ran without its gradient all-reduce; it cannot say which lines the
+rank then executed. The script itself can: read (when it is still on disk) and parsed, never
+run. Every answer is a list of lines, empty when the file is gone or the code has no such shape.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from functools import lru_cache
+
+_EXITS = (ast.Continue, ast.Break, ast.Return, ast.Raise)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+@lru_cache(maxsize=16)
+def _tree(path: str) -> ast.Module | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return ast.parse(fh.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _chain(path: str, line: int) -> list[ast.AST]:
+    """The nodes that hold ``line``, outermost first."""
+    tree = _tree(path) if os.path.isfile(path) else None
+    if tree is None:
+        return []
+    chain: list[ast.AST] = []
+    node: ast.AST = tree
+    while True:
+        inner = next(
+            (
+                child
+                for child in ast.iter_child_nodes(node)
+                if getattr(child, "lineno", None) is not None
+                and child.lineno <= line <= (child.end_lineno or child.lineno)  # type: ignore[attr-defined]
+            ),
+            None,
+        )
+        if inner is None:
+            return chain
+        chain.append(inner)
+        node = inner
+
+
+def _walk_here(node: ast.AST) -> list[ast.AST]:
+    """Nodes under ``node`` in the same loop iteration: not inside a nested loop or function."""
+    out: list[ast.AST] = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (*_SCOPES, *_LOOPS)):
+            continue
+        out.append(child)
+        out += _walk_here(child)
+    return out
+
+
+def exits_after(path: str, line: int) -> list[int]:
+    """The ``if`` after ``line`` in the innermost loop holding it that can leave the iteration
+    (continue, break, return, raise), and the line that leaves: [if line, exit line], or []."""
+    loops = [n for n in _chain(path, line) if isinstance(n, _LOOPS)]
+    if not loops:
+        return []
+    for stmt in _walk_here(loops[-1]):
+        if not isinstance(stmt, ast.If) or stmt.lineno <= line:
+            continue
+        exits = [n for n in _walk_here(stmt) if isinstance(n, _EXITS)]
+        if exits:
+            return [stmt.lineno, exits[0].lineno]
+    return []
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _assigned(function: ast.AST, name: str, before: int) -> ast.AST | None:
+    """The last plain assignment of ``name`` in the function above line ``before``."""
+    found = None
+    for node in ast.walk(function):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.lineno >= before:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if any(name in _names(t) for t in targets) and (found is None or node.lineno > found.lineno):
+            found = node
+    return found
+
+
+def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
+    """The lines that decide whether the forward at ``line`` runs under ``no_sync()``: the
+    ``with`` that enters it, then where the names of its condition are assigned (and theirs,
+    ``depth`` levels up), in the order they are read back from the ``with``; [] when the forward
+    is under no ``no_sync()``."""
+    chain = _chain(path, line)
+    withs = [
+        n
+        for n in chain
+        if isinstance(n, (ast.With, ast.AsyncWith))
+        and any(
+            isinstance(a, ast.Attribute) and a.attr == "no_sync" for a in ast.walk(n.items[0].context_expr)
+        )
+    ]
+    functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not withs or not functions:
+        return []
+    with_node = withs[-1]
+    expr = with_node.items[0].context_expr
+    if isinstance(expr, ast.IfExp):
+        condition: ast.AST | None = expr.test
+    else:  # `if <not boundary>: with model.no_sync(): ...`
+        ifs = [n for n in chain if isinstance(n, ast.If) and n.lineno < with_node.lineno]
+        condition = ifs[-1].test if ifs else None
+    lines = [with_node.lineno]
+    frontier = _names(condition) if condition is not None else set()
+    seen: set[str] = set()
+    for _ in range(depth):
+        nxt: set[str] = set()
+        for name in sorted(frontier - seen):
+            seen.add(name)
+            node = _assigned(functions[-1], name, with_node.lineno)
+            if node is not None and node.lineno not in lines:
+                lines.append(node.lineno)
+                nxt |= _names(node.value) if getattr(node, "value", None) is not None else set()  # type: ignore[attr-defined]
+        frontier = nxt
+    return lines

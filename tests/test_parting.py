@@ -1,0 +1,127 @@
+"""Where the ranks first parted, named in the user's code: the branch after a forward that left
+the iteration before its backward, and the lines that decide a gradient accumulation schedule
+(read from the script itself, ``analysis/failed/source.py``), on hand-written traces."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from ddpdoctor.analysis.failed.ledger import build
+from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
+from ddpdoctor.trace.reader import load_run
+from tests.test_ledger import _kinds, _skipping, _steps, _write
+
+SKIPPING_LOOP = """\
+import torch
+
+
+def main(model, loader, opt):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = model(x).sum()
+        if not torch.isfinite(loss):
+            print("skipping a bad batch")
+            continue
+        loss.backward()
+        opt.step()
+"""
+
+ACCUMULATING_LOOP = """\
+import contextlib
+
+
+def main(model, batches, rank):
+    micro = {0: 8, 1: 16}[rank]
+    accum = 64 // micro
+    for i, x in enumerate(batches):
+        boundary = (i + 1) % accum == 0
+        with contextlib.nullcontext() if boundary else model.no_sync():
+            loss = model(x).sum()
+            loss.backward()
+"""
+
+GUARDED_NO_SYNC = """\
+def main(model, batches, every):
+    for i, x in enumerate(batches):
+        last = (i + 1) % every == 0
+        if not last:
+            with model.no_sync():
+                model(x).sum().backward()
+"""
+
+
+def _script(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def test_the_branch_that_leaves_the_iteration_after_a_line(tmp_path: Path) -> None:
+    path = str(_script(tmp_path, "loop.py", SKIPPING_LOOP))
+    assert exits_after(path, 7) == [8, 10]  # the forward: the `if` and its `continue`
+    assert exits_after(path, 11) == []  # nothing after the backward leaves early
+    assert exits_after(str(tmp_path / "gone.py"), 7) == [], "a script no longer on disk: no lines"
+
+
+def test_the_lines_that_decide_no_sync(tmp_path: Path) -> None:
+    path = str(_script(tmp_path, "accum.py", ACCUMULATING_LOOP))
+    # the `with`, its condition `boundary`, `accum` it reads, and `micro` (where the rank enters)
+    assert no_sync_schedule(path, 10) == [9, 8, 6, 5]
+    guarded = str(_script(tmp_path, "guarded.py", GUARDED_NO_SYNC))
+    assert no_sync_schedule(guarded, 6) == [5, 3]  # `if not last:` around the with
+    assert no_sync_schedule(path, 8) == [], "a line under no no_sync()"
+
+
+def test_a_skipped_backward_names_the_branch_that_skipped_it(tmp_path: Path) -> None:
+    # The site of the forward is line 7 of a script on disk whose loop `continue`s at line 10.
+    script = _script(tmp_path, "train.py", SKIPPING_LOOP)
+    run_dir = tmp_path / "run"
+
+    def at_script(records: list[list]) -> list[list]:
+        for rec in records:
+            if rec[0] == "site":
+                rec[4] = {**rec[4], "file": str(script), "line": 7}
+        return records
+
+    _write(run_dir, 0, at_script(_skipping(6, skipped=-1)), end=False)
+    _write(run_dir, 1, at_script(_skipping(6, skipped=2)), end=False)
+    f = _kinds(run_dir)["skipped_gradient_sync"]
+    assert f["details"]["root_rank"] == 1 and f["details"]["place"] == "train.py:8"
+    assert "the `if` at train.py:8 and train.py:10" in f["summary"]
+    assert f["details"]["forward"] == "train.py:7"
+
+
+def _accumulating(steps: int, micro: int) -> list[list]:
+    """``steps`` optimizer steps of ``micro`` forwards each (the first micro - 1 under no_sync),
+    one gradient all-reduce per step, at the backend's sequence numbers 3, 4, ..."""
+    out = [r for r in _steps(0, loader=False)]
+    t = 100
+    for k in range(steps):
+        for _ in range(micro):
+            out.append(["forward", t, 100, k, 1, 1, 3 + k, 0])
+            out.append(["backward", t + 150, 100, k])
+            t += 300
+        out.append(["allreduce", t - 100, 50, k, 0, 2704, 3 + k])
+    return out
+
+
+def test_all_reduces_over_different_numbers_of_micro_batches_are_schedules_that_differ(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path, 0, _accumulating(4, micro=2), end=False)
+    _write(tmp_path, 1, _accumulating(4, micro=1), end=False)
+    div = first_divergence(build(load_run([tmp_path])))
+    assert div is not None and div.what == "accumulation" and div.root == 0
+    assert div.evidence == {"seq": 3, "step": 0, "micro_batches": {0: 2, 1: 1}}
+    f = _kinds(tmp_path)["skipped_gradient_sync"]
+    assert "accumulate gradients on different schedules" in f["summary"]
+    assert "(rank 0: 2, rank 1: 1)" in f["summary"] and "no_sync()" in f["fix"]
+
+
+def test_the_same_accumulation_on_every_rank_is_no_divergence(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        _write(tmp_path, rank, _accumulating(4, micro=3))
+    assert first_divergence(build(load_run([tmp_path]))) is None
+    assert "skipped_gradient_sync" not in _kinds(tmp_path)
