@@ -317,3 +317,44 @@ def test_a_new_group_only_rank0_creates_is_proven_against_the_ddp_constructor(
     cause = found["rank_only_collective"]
     assert cause["ranks"] == [0] and cause["details"]["place"] == "partial_group.py:8"
     assert "new_group(...) on every rank" in cause["fix"]
+
+
+def test_setup_before_the_ddp_constructor_is_a_one_time_wait_not_a_warning(
+    tmp_path: Path, write_script
+) -> None:
+    # Rank 0 prepares data before wrapping the model; rank 1 waits in DDP's constructor (a
+    # collective of its group): a wait on a busy rank, charged once before step 0 as an info.
+    script = write_script(
+        "prepare_then_wrap.py",
+        """
+        import time
+
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+        def prepare_dataset() -> None:
+            end = time.monotonic() + 6
+            while time.monotonic() < end:
+                sum(range(10_000))
+
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            prepare_dataset()
+        model = DDP(nn.Linear(4, 2))
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+        dist.destroy_process_group()
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script), timeout=120, DDPDOCTOR_HANG_FLOOR_S="3")
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "HANG" not in job.stderr
+    found = diagnose_json(job.run_dir)["findings"]
+    assert not [f for f in found if f["severity"] != "info"], [f["summary"] for f in found]
+    [work] = [f for f in found if f["kind"] == "rank_only_work"]
+    assert work["ranks"] == [0] and "the DDP constructor #" in work["summary"], work["summary"]
+    assert work["summary"].startswith("one-time setup before step 0")

@@ -69,5 +69,5 @@ def test_a_never_trained_parameter_points_at_the_line_that_hides_it(tmp_path: Pa
         (tmp_path / f"trace-rank{rank}.jsonl").write_text(lines + "\n")
     (f,) = [f for f in diagnose(load_run([tmp_path])).findings if f.kind == "unused_parameters"]
     assert f.severity == "warning" and f.details["never_trained"] == ["aux_head.weight"]
-    assert "DistributedDataParallel(..., find_unused_parameters=True) at train.py:34" in f.summary
+    assert "find_unused_parameters=True (set where the model is wrapped, at train.py:34)" in f.summary
     assert f.details["place"] == "train.py:34" and "remove them" in f.fix

@@ -110,7 +110,7 @@ def _unused_found(
     shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
     if never and total_steps > 0:
         named = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
-        at = f" (DistributedDataParallel(..., find_unused_parameters=True) at {wrapped})" if wrapped else ""
+        at = f" (set where the model is wrapped, at {wrapped})" if wrapped else ""
         if wrapped:
             details = {**details, "place": wrapped}
         return Finding(
