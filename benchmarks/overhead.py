@@ -63,8 +63,10 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, in
 def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, float]:
     """The training thread's cost per event, in-process: a 1-element gloo ``all_reduce``
     recorded vs the original, alternated ``pairs`` times (median and quartiles of the
-    differences); and the recording call every probe ends in (``Collector.emit``) for the
-    kinds a DDP step records (forward, backward, the comm hook's bucket all-reduce)."""
+    differences in wall time; and the median difference in the training thread's own CPU time,
+    which other processes on a shared machine disturb far less); and the recording call every
+    probe ends in (``Collector.emit``) for the kinds a DDP step records (forward, backward, the
+    comm hook's bucket all-reduce)."""
     code = f"""
 import os, time, json, tempfile, statistics
 os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
@@ -75,19 +77,21 @@ from ddpdoctor.probes import collector
 from ddpdoctor.probes.patching import original
 dist.init_process_group("gloo", rank=0, world_size=1)
 t = torch.ones(1)
-def bench(f, *a):
-    t0 = time.perf_counter()
+def bench(f, *a, clock=time.perf_counter):
+    t0 = clock()
     for _ in range({n}):
         f(*a)
-    return (time.perf_counter() - t0) / {n} * 1e6
+    return (clock() - t0) / {n} * 1e6
 rec, plain = dist.all_reduce, original(dist.all_reduce)
 diffs = [bench(rec, t) - bench(plain, t) for _ in range({pairs})]
+cpu = statistics.median(bench(rec, t, clock=time.thread_time) - bench(plain, t, clock=time.thread_time)
+                        for _ in range({pairs}))
 c = collector.ACTIVE
 emit = {{k: statistics.median(bench(c.emit, k, 1, 2, *f) for _ in range(5))
         for k, f in (("forward", (1, 1, 5, 0)), ("backward", (100,)), ("allreduce", (0, 4096, 7)))}}
 q = statistics.quantiles(diffs, n=4)
 print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": q[0], "per_event_q3_us": q[2],
-                  "emit_us": emit}}))
+                  "per_event_cpu_us": cpu, "emit_us": emit}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
