@@ -46,6 +46,7 @@ COLLECTIVE_OPS = (
 PROBE = "collectives"
 _now = time.monotonic_ns
 _COLLECTIVE = LivePhase.COLLECTIVE
+_KIND = schema.COLLECTIVE
 
 
 def install() -> None:
@@ -119,7 +120,10 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
-            if c is None or c.in_collective() or PROBE in c.disabled or _compiling():
+            if c is None or c.in_bucket_hook or PROBE in c.disabled or _compiling():
+                return orig(*args, **kwargs)
+            prev = c.progress
+            if prev is not None and prev[0] is _COLLECTIVE:  # c.in_collective(), inlined
                 return orig(*args, **kwargs)
             try:
                 group = kwargs.get("group") if kwargs else None
@@ -134,13 +138,16 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            fields = (op, nbytes, gname, gsize, seq, is_async, where)
-            prev = c.progress  # c.enter, inlined: this is the hottest probe
-            c.progress = (_COLLECTIVE, op, seq, _now(), gname, gsize, nbytes, pg)
+            # c.enter and c.leave, inlined: this is the hottest probe
+            t0 = _now()
+            c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg)
             try:
                 return orig(*args, **kwargs)
             finally:
-                c.leave(prev, schema.COLLECTIVE, *fields)
+                t1 = _now()
+                c.progress = prev
+                c.events += 1
+                c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where))
 
         return collective
 
