@@ -251,3 +251,32 @@ def _step_records(job: SyntheticJob, m: dict[str, np.ndarray], rank: int, anchor
         bar = (t_next[b] + base, (m["bar_end"] - t_next)[b], k[b], 1, 0, 2, job.ranks, (seq + nb)[b], 0, -1)
         out.append(_records(schema.COLLECTIVE, anchor, *bar))
     return out
+
+
+def append_records(path: Path, records: list[list[Any]]) -> None:
+    """Append JSON-lines-style records (``[kind, ts_us, dur_us, step, *fields]``, or metadata
+    ``[kind, ts_us, 0, step, {...}]``) to a binary trace, as the rank would have written them:
+    for tests that extend a synthetic run with a rank's last moments."""
+    dec = binfmt.decode(path.read_bytes(), events=False)
+    layout = (dec.header or {}).get("layout") or []
+    kinds = {name: (i + 1, spec) for i, (name, spec, _) in enumerate(layout)}
+    sid = max(dec.strings, default=-1) + 1
+    out = []
+    for kind, ts, dur, step, *fields in records:
+        if kind not in kinds:
+            out.append(binfmt.json_block(binfmt.META, [kind, ts, dur, step, *fields]))
+            continue
+        kid, spec = kinds[kind]
+        row = np.zeros(1, schema.record_dtype(spec))
+        row["t0"] = dec.anchor + ts * 1000
+        row["t1"] = row["t0"] + dur * 1000
+        row["step"] = step
+        for i, code in enumerate(spec):
+            value = fields[i] if i < len(fields) else -1
+            if code in schema.INTERNED:
+                out.append(binfmt.json_block(binfmt.STRING, [sid, value]))
+                value, sid = sid, sid + 1
+            row[f"f{i}"] = value
+        out.append(binfmt.events_block([(kid, row.tobytes(), 1)], dec.seq_hi, dec.seq_hi))
+    with open(path, "ab") as fh:
+        fh.write(b"".join(out))
