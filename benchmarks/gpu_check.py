@@ -10,7 +10,12 @@ bucket is ready. Then it asserts:
    after the step's last gradient was ready on the device;
 3. the step time from device spans (training forward starts) is within 5 % of the wall time
    per step the job measured itself (it syncs with ``loss.item()`` every step);
-4. and reports the overhead: mean step time under ddpdoctor vs a plain torchrun run.
+4. the model fingerprints (probes/fingerprint.py) were computed on the device and written on
+   every rank at construction and after step 0, the ranks' parameters agree, and no
+   divergence is reported (a healthy job);
+5. and reports the overhead: mean step time under ddpdoctor vs a plain torchrun run, and the
+   fingerprint's cost on this GPU per million parameters (device time, and the launch time
+   the training thread pays), measured in this process with CUDA events.
 
     PYTHONPATH=. python benchmarks/gpu_check.py [--steps 60] [--sleep-ms 20] [--out DIR]
 
@@ -92,6 +97,52 @@ def check_step_time(device_s: float, wall_s: float) -> str | None:
     if wall_s <= 0 or abs(device_s - wall_s) > TOLERANCE * wall_s:
         return f"step time from device spans {device_s * 1e3:.2f} ms vs wall {wall_s * 1e3:.2f} ms (> 5 %)"
     return None
+
+
+def check_fingerprints(run: Any, findings: list[dict[str, Any]]) -> str | None:
+    """Every rank fingerprinted at construction and after step 0, the ranks' parameters agree
+    at every check they share, and no finding says otherwise."""
+    from ddpdoctor.trace import schema
+
+    seen: dict[int, dict[tuple[int, str], list[int]]] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        records = [(step, info) for _, step, info in trace.meta.get(schema.FINGERPRINT, [])]
+        records = [(s, i) for s, i in records if i.get("model") == 0]
+        if [i.get("at") for _, i in records][:2] != ["init", "step"]:
+            return f"rank {rank}: no fingerprint at construction and after step 0"
+        params = int(records[0][1].get("n_params", 0))
+        seen[rank] = {(s, i["at"]): list(i.get("values", []))[:params] for s, i in records}
+    ranks = sorted(seen)
+    for key, values in seen[ranks[0]].items():
+        for rank in ranks[1:]:
+            other = seen[rank].get(key)
+            if other is not None and other != values:
+                return f"rank {rank} differs from rank {ranks[0]} at {key}"
+    loud = [f["kind"] for f in findings if f["kind"] in ("weights_diverged", "gradients_not_synced")]
+    return f"divergence reported on a healthy job: {loud}" if loud else None
+
+
+def fingerprint_cost(torch: Any, params: int = 100_000_000, tensors: int = 200) -> dict[str, float]:
+    """The fingerprint on this GPU: device ms and launch (CPU) ms per million parameters."""
+    from ddpdoctor.probes import fingerprint as fp
+
+    size = params // tensors
+    data = [torch.randn(size, device="cuda") for _ in range(tensors)]
+    fp.hashes(data[:2])  # warm-up: weights on the device, kernels loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    t0 = time.perf_counter()
+    values = torch.stack([fp.tensor_hash(t) for t in data])
+    launch_s = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    assert values.shape == (tensors,)
+    per_m = params / 1e6
+    return {
+        "fingerprint_device_ms_per_mparam": round(start.elapsed_time(end) / per_m, 5),
+        "fingerprint_launch_ms_per_tensor": round(launch_s * 1e3 / tensors, 4),
+    }
 
 
 # -- the job ------------------------------------------------------------------------------
@@ -198,6 +249,7 @@ def main() -> int:
             check_straggler(findings, args.slow),
             check_buckets(run),
             check_step_time(dev_s, wall_s),
+            check_fingerprints(run, findings),
         )
         if msg
     ]
@@ -209,6 +261,7 @@ def main() -> int:
         "step_ms_doctor": round(wall_s * 1e3, 3),
         "step_ms_device_spans": round(dev_s * 1e3, 3),
         "overhead": round(wall_s / plain_s - 1, 4),
+        **fingerprint_cost(torch),
         "failures": failures,
         "out": str(root),
     }

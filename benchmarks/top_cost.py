@@ -1,10 +1,11 @@
 """CPU cost of `ddpdoctor top` at scale: one frame over N synthetic status files (and 8 GPUs).
 
 Writes N ``status-rank{R}.json`` files shaped like the ranks' own (16 recent steps of bucket
-waits, a sync point on some ranks), a growing ``gpu-<host>.jsonl`` and run.json, then times
-``Top.snapshot`` + ``render`` (what one refresh does) in CPU seconds of this process. At one
-refresh a second, CPU seconds per frame is the share of one core. The status files are
-rewritten between frames (as the ranks do), so the page cache is warm but the JSON is new.
+waits, a sync point on some ranks, 4 fingerprint checks), a growing ``gpu-<host>.jsonl`` and
+run.json, then times ``Top.snapshot`` + ``render`` (what one refresh does) in CPU seconds of
+this process. At one refresh a second, CPU seconds per frame is the share of one core. The
+status files are rewritten between frames (as the ranks do), so the page cache is warm but the
+JSON is new.
 
     PYTHONPATH=. python benchmarks/top_cost.py --ranks 1024 --frames 20
     PYTHONPATH=. python benchmarks/top_cost.py --ranks 1024 --loop 30   # a real `top` process
@@ -53,6 +54,10 @@ def status(rank: int, step: int, now: float) -> dict:
         "last_step_wall": now - 0.1,
         "sync_wait_us": [[s, 20000 + (rank * 7919 + s * 104729) % 9000] for s in range(step - 16, step)],
         "last_collective": {"op": "allreduce", "seq": 4 * step - 1, "ago_s": 0.05},
+        "fingerprints": [
+            {"model": 0, "step": s, "at": "step", "params": 2**52 + s, "buffers": 2**51 + s + rank}
+            for s in (step - 193, step - 129, step - 65, step - 1)
+        ],
     }
 
 

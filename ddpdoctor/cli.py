@@ -9,6 +9,8 @@ its input cannot be read (or the command line is wrong).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import click
 
 import ddpdoctor
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED  # noqa: F401
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail  # noqa: F401
 from ddpdoctor.cli_common import load_run_dirs as _load
 from ddpdoctor.rundir import RunDir
 
@@ -138,6 +140,9 @@ def _run_and_summarise(
         command = command[1:]
     if not command:
         raise click.UsageError("no command to run: ddpdoctor run -- COMMAND ...")
+    if shutil.which(command[0]) is None and not os.path.exists(command[0]):  # before an empty run dir
+        click.echo(f"ddpdoctor: cannot start {command[0]!r}: command not found", err=True)
+        return EXIT_NOT_FOUND
     try:
         run_dir = new_run_dir(out)
     except OSError as exc:
@@ -165,8 +170,6 @@ def _startup_text(run_dir: Path) -> str:
         return f"ddpdoctor: startup failed: {errors[0]['line']}\n  run dir: {run_dir}"
     except Exception:
         return ""
-
-
 
 
 def _summary_text(run_dir: Path) -> str:
@@ -217,7 +220,9 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
 
 
+EXIT_NOT_FOUND = 127  # as a shell exits for a command it cannot find
 _FORMATS = ("html", "perfetto", "json")
+_REPORT_SCHEMA = "ddpdoctor.report/1"
 
 
 def _report_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,13 +253,13 @@ def _report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_j
     if output and reports.format_of(output) not in (None, fmt) and fmt != "json":
         raise click.BadParameter(f"{output} names another format than {fmt}", param_hint="--output")
     path = Path(output or Path(run_dirs[0]) / reports.FORMATS[fmt][2])
-    diag = _load(run_dirs)
+    diag = _load(run_dirs, as_json, _REPORT_SCHEMA)
     try:
         reports.write(diag, path, fmt)
     except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from exc
+        fail(f"cannot write {path}: {exc.strerror or exc}", as_json, _REPORT_SCHEMA, path=str(path))
     if as_json:
-        click.echo(json.dumps({"schema": "ddpdoctor.report/1", "format": fmt, "path": str(path)}))
+        click.echo(json.dumps({"schema": _REPORT_SCHEMA, "format": fmt, "path": str(path)}))
     else:
         click.echo(f"ddpdoctor: wrote {path}")
 

@@ -6,18 +6,36 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
+
+from ddpdoctor.rundir import RunDir
 
 EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
 EXIT_HANG_KILLED = 124  # `run --on-hang kill` stopped a hung job
 
 
-def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False) -> Any:
+def fail(message: str, as_json: bool, schema: str, **fields: Any) -> NoReturn:
+    """Exit 2 saying why: on stderr, and as the one JSON object (with an ``error`` field) on
+    stdout when the caller scripts against JSON, so a script never reads an empty stdout."""
+    click.echo(f"ddpdoctor: {message}", err=True)
+    if as_json:
+        click.echo(json.dumps({"schema": schema, "error": message, **fields}, indent=2))
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory ``ddpdoctor run`` (or a recorded rank) wrote: its run.json, a status or a trace."""
+    run = RunDir(path)
+    return (path / RunDir.RUN_META).is_file() or any(True for _ in run.statuses()) or bool(run.all_traces())
+
+
+def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False, schema: str = "") -> Any:
     """Read and diagnose RUN_DIRS, or exit 2 saying why they cannot be read (as a JSON error
-    object on stdout too when the caller scripts against JSON)."""
+    object on stdout too when the caller scripts against JSON: ``schema`` names the command's
+    own, the diagnosis' by default)."""
     from ddpdoctor.analysis import diagnose as diagnose_run
     from ddpdoctor.supervisor.ends import settle_unsupervised
     from ddpdoctor.trace.reader import TraceError, load_run
@@ -28,9 +46,10 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False) -> Any:
     try:
         return diagnose_run(load_run(run_dirs))
     except TraceError as exc:
-        click.echo(f"ddpdoctor: {exc}", err=True)
-        if as_json:
+        if as_json and not schema:
             from ddpdoctor.reports import json_report
 
+            click.echo(f"ddpdoctor: {exc}", err=True)
             click.echo(json.dumps(json_report.error(str(exc), run_dirs), indent=2))
-        sys.exit(EXIT_BAD_INPUT)
+            sys.exit(EXIT_BAD_INPUT)
+        fail(str(exc), as_json, schema, run_dirs=list(run_dirs))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, load_run_dirs
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, fail, is_run_dir, load_run_dirs
 
 
 @click.command()
@@ -114,12 +114,15 @@ def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
     from ddpdoctor.analysis.compare import compare as compare_runs
     from ddpdoctor.reports import compare as compare_report
 
-    result = compare_runs(load_run_dirs((run_dir_a,)), load_run_dirs((run_dir_b,)))
+    schema = "ddpdoctor.compare/1"
+    result = compare_runs(
+        load_run_dirs((run_dir_a,), as_json, schema), load_run_dirs((run_dir_b,), as_json, schema)
+    )
     click.echo(json.dumps(result, indent=2) if as_json else compare_report.render(result))
 
 
 @click.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.top/1) per refresh.")
 @click.option("--interval", default=1.0, show_default=True, metavar="SECONDS", help="Refresh period.")
@@ -140,12 +143,17 @@ def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -
     if not interval > 0:
         raise click.BadParameter("must be positive", param_hint="--interval")
     dirs = [Path(d) for d in run_dirs]
+    for d in dirs:  # a typo or another directory: say so, never watch nothing forever
+        if not d.is_dir():
+            fail(f"{d}: not a directory", as_json, "ddpdoctor.top/1", run_dirs=list(run_dirs))
+        if not is_run_dir(d):
+            fail(f"{d}: not a ddpdoctor run directory", as_json, "ddpdoctor.top/1", run_dirs=list(run_dirs))
     with contextlib.suppress(KeyboardInterrupt):
         live_top.run(dirs, once=once, as_json=as_json, interval=interval, echo=click.echo)
 
 
 @click.command()
-@click.argument("pid", type=int)
+@click.argument("pid")
 @click.option(
     "--watch",
     "watch_s",
@@ -163,7 +171,7 @@ def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -
     help="Run directory for the stacks and report (default: ./ddpdoctor-runs/<timestamp>).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.attach/1).")
-def attach(pid: int, watch_s: float, out: str | None, as_json: bool) -> None:
+def attach(pid: str, watch_s: float, out: str | None, as_json: bool) -> None:
     """Diagnose a running job that was started without ddpdoctor, from its ranks' stacks.
 
     \b
@@ -180,13 +188,16 @@ def attach(pid: int, watch_s: float, out: str | None, as_json: bool) -> None:
 
     if watch_s < 0:
         raise click.BadParameter("must be 0 or more", param_hint="--watch")
+    schema = "ddpdoctor.attach/1"
+    if not pid.isdigit():
+        hint = " (a run directory is read by `ddpdoctor diagnose`)" if Path(pid).exists() else ""
+        fail(f"{pid!r} is not a process id{hint}", as_json, schema)
     try:
-        result = attach_job(pid, watch_s, out)
+        result = attach_job(int(pid), watch_s, out)
     except AttachError as exc:
-        click.echo(f"ddpdoctor: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+        fail(str(exc), as_json, schema, pid=int(pid))
     except OSError as exc:
-        raise click.ClickException(f"cannot write the run directory: {exc}") from exc
+        fail(f"cannot write the run directory: {exc}", as_json, schema, pid=int(pid))
     click.echo(json.dumps(result.report, indent=2, default=str) if as_json else result.text)
     sys.exit(EXIT_FINDINGS if result.state == "stuck" else 0)
 

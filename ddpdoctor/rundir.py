@@ -25,6 +25,7 @@ class RunDir:
     path: Path
 
     RUN_META = "run.json"  # the supervisor: command, hosts, exit code (launch.py)
+    INTERRUPTED_HUNG = "interrupted_hung_ns"  # run.json: when a Ctrl-C made ddpdoctor end the hung ranks
     WATCH = "watch.json"  # the supervisor's hang watch: hangs, rank exits and errors (watch.py)
     WAITING = "waiting.json"  # while ranks wait on a busy rank: who, on whom, where (waits.py)
     ERROR_LOG = "probe-errors.log"  # probes that switched themselves off, and why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -62,6 +63,12 @@ def _once_more_on_exit_abort(launch, before_retry=lambda: None):
     return proc
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_doctor(cwd: Path, command: list[str], *options: str, timeout: float = 180, **env: str) -> Job:
     """`ddpdoctor run --out CWD/run OPTIONS -- COMMAND`, as a user would type it."""
     run_dir = cwd / "run"
@@ -107,12 +114,12 @@ def diagnose_json(*run_dirs: Path) -> dict:
 
 
 def read_lines(path: Path) -> list[list]:
-    """A JSON-lines file's records; a rank's trace (``trace-rankN.jsonl`` names the binary
-    ``trace-rankN.bin`` beside it) as its JSON-lines export."""
+    """A JSON-lines file's records; a rank's binary trace (``trace-rankN.bin``, or
+    ``trace-rankN.jsonl`` naming the binary one beside it) as its JSON-lines export."""
     from ddpdoctor.trace import binfmt
 
     binary = path.with_suffix(".bin")
-    if path.suffix == ".jsonl" and not path.exists() and binary.exists():
+    if path.suffix == ".bin" or (path.suffix == ".jsonl" and not path.exists() and binary.exists()):
         return binfmt.records(binfmt.decode(binary.read_bytes()))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, run_plain, torchrun
+from conftest import JOBS, diagnose_json, free_port, job_env, read_lines, run_doctor, run_plain, torchrun
 
 from ddpdoctor.trace import binfmt, schema
 from ddpdoctor.trace.merge import time_base
 from ddpdoctor.trace.reader import load_run
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_doctor(cwd: Path, command: list[str], *options: str, out: str = "run", **env: str):

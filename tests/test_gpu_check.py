@@ -63,3 +63,29 @@ def test_step_time_from_device_spans() -> None:
     assert gpu_check.check_step_time(0.1, 0.104) is None
     assert gpu_check.check_step_time(0.1, 0.106) is not None
     assert gpu_check.check_step_time(0.1, 0.0) is not None
+
+
+def test_fingerprint_check_wants_every_rank_checked_and_equal(tmp_path) -> None:
+    import json
+
+    from ddpdoctor.rundir import RunDir
+    from ddpdoctor.trace.reader import load_run
+    from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+
+    def run_with(values_of_rank1: list[int], name: str):
+        (run_dir,) = write_run(SyntheticJob(ranks=2, steps=4), tmp_path / name)
+        for rank in (0, 1):
+            values = [1, 2, 9] if rank == 0 else values_of_rank1
+            init = {"model": 0, "at": "init", "values": [1, 2, 9], "names": ["w", "b", "buf"], "n_params": 2}
+            step = {"model": 0, "at": "step", "values": values}
+            lines = [[schema.FINGERPRINT, 10, 0, -1, init], [schema.FINGERPRINT, 20, 0, 0, step]]
+            with open(RunDir(run_dir).trace(rank), "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(line) + "\n" for line in lines)
+        return load_run([run_dir])
+
+    equal = run_with([1, 2, 7], "equal")  # a buffer may differ; the parameters agree
+    assert gpu_check.check_fingerprints(equal, findings(equal)) is None
+    differ = run_with([1, 3, 9], "differ")
+    assert "differs" in gpu_check.check_fingerprints(differ, [])
+    assert "divergence reported" in gpu_check.check_fingerprints(equal, [{"kind": "weights_diverged"}])
+    assert "no fingerprint" in gpu_check.check_fingerprints(simulate_run(world=2, steps=4, seed=1), [])

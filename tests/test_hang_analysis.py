@@ -15,7 +15,8 @@ from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.hang import analyse, is_user_frame, main_thread, user_frame
 from ddpdoctor.probes.startup import classify
 from ddpdoctor.supervisor.stacks import parse_faulthandler
-from ddpdoctor.supervisor.watch import Watcher, adaptive_threshold, sync_wait_s
+from ddpdoctor.supervisor.statuses import adaptive_threshold, sync_wait_s
+from ddpdoctor.supervisor.watch import Watcher
 from ddpdoctor.trace.reader import load_run
 
 TORCH = "/usr/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"

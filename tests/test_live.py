@@ -10,7 +10,7 @@ from ddpdoctor.live import top as live_top
 from ddpdoctor.live.attach import phase_of
 from ddpdoctor.live.gpu import GpuTail
 from ddpdoctor.live.procs import CAP_SYS_PTRACE, Proc, find_ranks, ptrace_problem
-from ddpdoctor.probes.recent import RecentSteps
+from ddpdoctor.probes.recent import RecentFingerprints, RecentSteps, combine
 from ddpdoctor.trace import schema
 
 MS = 1_000_000  # ns
@@ -33,6 +33,28 @@ def test_recent_steps_rate_last_bucket_wait_and_last_collective() -> None:
     assert status["last_collective"] == {"op": "barrier", "seq": 12, "ago_s": 0.01}
     recent.finish()
     assert recent.status()["sync_wait_us"][-1] == [5, 12000]
+
+
+def test_fingerprint_records_become_two_numbers_per_check_in_the_status() -> None:
+    recent = RecentFingerprints(keep=2)
+    names = {"names": ["w", "b", "bn.running_mean"], "n_params": 2}
+    recent.fingerprint(
+        (schema.FINGERPRINT, 0, 0, -1, {"model": 0, "at": "init", "values": [1, 2, 3], **names})
+    )
+    recent.fingerprint((schema.FINGERPRINT, 0, 0, 0, {"model": 0, "at": "step", "values": [1, 5, 3]}))
+    recent.fingerprint(
+        (schema.FINGERPRINT, 0, 0, 0, {"model": -1, "at": "step", "values": [9], "n_params": 1})
+    )
+    # A parameter DDP never registered is left out: its divergence is gradients_not_synced.
+    recent.fingerprint(
+        (schema.FINGERPRINT, 0, 0, 63, {"model": 0, "at": "step", "values": [1, 7, 4], "unsynced": [1]})
+    )
+    assert recent.status()["fingerprints"] == [
+        {"model": 0, "step": 0, "at": "step", "params": combine([1, 5]), "buffers": combine([3])},
+        {"model": 0, "step": 63, "at": "step", "params": combine([1]), "buffers": combine([4])},
+    ]
+    assert len({combine([1, 5]), combine([5, 1]), combine([1, 5, 0]), combine([1, 4])}) == 4
+    assert 0 <= combine([2**53 - 1] * 1000) < 2**53
 
 
 def _status(rank: int, step: int, waits: list[float], **extra: object) -> dict:
@@ -83,7 +105,7 @@ def test_top_sees_no_straggler_when_the_latest_rank_changes(tmp_path: Path) -> N
     assert not [f for f in frame["findings"] if f["kind"] == "straggler"]
 
 
-def test_top_reports_a_hang_with_the_watchers_verdict(tmp_path: Path) -> None:
+def test_top_judges_a_hang_by_the_watchers_own_rule(tmp_path: Path) -> None:
     now = time.time()
     sync = {"name": "sync_buffers", "op": "broadcast", "seq": 40, "since_s": 45.0}
     barrier = {"name": "collective", "op": "barrier", "seq": 40, "since_s": 45.0}
@@ -93,13 +115,18 @@ def test_top_reports_a_hang_with_the_watchers_verdict(tmp_path: Path) -> None:
     frame = live_top.Top([tmp_path]).snapshot(now)
     [hang] = [f for f in frame["findings"] if f["kind"] == "hang"]
     assert hang["pattern"] == "rank_only_forward" and hang["ranks"] == [0]
-    assert "no progress for 45 s (threshold 30 s)" in hang["text"]
+    assert hang["text"].startswith("proven: ranks disagree on the op of collective #40")
     assert frame["job"]["since_progress_s"] == 45.0
-    # The same job 10 s earlier: waiting, not yet a hang.
+    # The same job 20 s earlier: the statuses prove it already, as the watcher's proof.judge says.
     _write(
         tmp_path,
         [{**s, "progress_wall": now - 25, "phase": {**s["phase"], "since_s": 25.0}} for s in statuses],
     )
+    [hang] = [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
+    assert hang["pattern"] == "rank_only_forward"
+    # One consistent barrier for 25 s: nothing on record says why, so only the threshold decides.
+    waiting = {**barrier, "since_s": 25.0}
+    _write(tmp_path, [{**s, "phase": waiting, "progress_wall": now - 25} for s in statuses])
     assert not [f for f in live_top.Top([tmp_path]).snapshot(now)["findings"] if f["kind"] == "hang"]
 
 
@@ -299,3 +326,44 @@ def test_top_uses_the_runs_hang_timeout_and_defers_to_the_watchers_report(tmp_pa
     (tmp_path / "hang-1" / "summary.json").write_text(json.dumps({"text": "ddpdoctor: HANG - the watcher's"}))
     kinds = [(f["kind"], f["text"]) for f in live_top.Top([tmp_path]).snapshot(now)["findings"]]
     assert kinds == [("hang_reported", "ddpdoctor: HANG - the watcher's")]
+
+
+def _fp(step: int, params: int, buffers: int = 7, at: str = "step", model: int = 0) -> dict:
+    return {"model": model, "step": step, "at": at, "params": params, "buffers": buffers}
+
+
+def _diverged(run_dir: Path, checks: dict[int, list[dict]]) -> list[dict]:
+    _write(run_dir, [_status(r, 200, [], fingerprints=fps) for r, fps in checks.items()])
+    return [f for f in live_top.Top([run_dir]).snapshot()["findings"] if f["kind"] == "weights_diverged"]
+
+
+def test_top_compares_the_ranks_parameters_at_the_latest_check_they_all_took(tmp_path: Path) -> None:
+    base = [_fp(-1, 10, at="init"), _fp(63, 11), _fp(127, 12)]
+    # Rank 2's parameters differ from the majority's at step 127: named, with the step.
+    checks = {r: list(base) for r in range(4)}
+    checks[2] = [*base[:2], _fp(127, 99)]
+    [f] = _diverged(tmp_path, checks)
+    assert f["ranks"] == [2] and f["step"] == 127 and f["model"] == 0 and f["groups"] == [[0, 1, 3], [2]]
+    assert "rank(s) 2 differ from the other ranks' at step 127, after its optimizer step" in f["text"]
+    assert "`ddpdoctor diagnose` names the parameters and the cause" in f["text"]
+    # Rank 3 already checked step 191 (a different number: different weights, or not): only the
+    # latest check every rank has, step 127, is compared.
+    checks[3] = [*base[1:], _fp(191, 55)]
+    assert [f["step"] for f in _diverged(tmp_path, checks)] == [127]
+    checks[2] = list(base)
+    assert _diverged(tmp_path, checks) == []
+    # Equal parameters, buffers that differ (BatchNorm statistics): silent.
+    assert _diverged(tmp_path, {r: [_fp(63, 11, buffers=r)] for r in range(4)}) == []
+    # No step in common, or a rank without a check yet: nothing to compare.
+    assert _diverged(tmp_path, {r: [_fp(63 + r, r)] for r in range(4)}) == []
+    assert _diverged(tmp_path, {0: [_fp(63, 1)], 1: [_fp(63, 2)], 2: [_fp(63, 1)], 3: []}) == []
+    # Two ranks at exit: no majority, both named; another model of the same ranks is its own.
+    (tmp_path / "status-rank2.json").unlink(), (tmp_path / "status-rank3.json").unlink()
+    two = {0: [_fp(99, 1, at="exit"), _fp(99, 5, model=1)], 1: [_fp(99, 2, at="exit"), _fp(99, 5, model=1)]}
+    [f] = _diverged(tmp_path, two)
+    assert (
+        f["ranks"] == [0, 1]
+        and f["model"] == 0
+        and "differ across ranks 0-1 (no majority) at exit (step 99)" in f["text"]
+    )
+    assert "  weights_diverged [" in live_top.render(live_top.Top([tmp_path]).snapshot())

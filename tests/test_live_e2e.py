@@ -23,7 +23,8 @@ import pytest
 
 from ddpdoctor.live.attach import pyspy
 from ddpdoctor.live.procs import all_procs, find_ranks
-from tests.conftest import JOBS, job_env, torchrun
+from ddpdoctor.supervisor.statuses import read_statuses
+from tests.conftest import JOBS, REPO, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 FAULTY = JOBS / "faulty_train.py"
@@ -34,11 +35,11 @@ READY_S = 120  # torchrun start-up on a loaded 2-core machine
 class Job:
     """A job in the background; ``output`` grows as it prints (read by a thread, never blocking)."""
 
-    def __init__(self, command: list[str], cwd: Path) -> None:
+    def __init__(self, command: list[str], cwd: Path, **env: str) -> None:
         self.proc = subprocess.Popen(
             command,
             cwd=cwd,
-            env=job_env(),
+            env=job_env(**env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -59,8 +60,8 @@ class Job:
 
 
 @contextlib.contextmanager
-def background(command: list[str], cwd: Path) -> Iterator[Job]:
-    job = Job(command, cwd)
+def background(command: list[str], cwd: Path, **env: str) -> Iterator[Job]:
+    job = Job(command, cwd, **env)
     try:
         yield job
     finally:
@@ -194,12 +195,14 @@ def test_top_once_on_a_live_job_and_on_its_finished_run(tmp_path: Path) -> None:
             return frame if steps == [8, 8] and frame["ranks"][1]["op"] == "barrier" else None
 
         frame = wait_for(held, "both ranks at 8 steps in top", timeout=60, every=1.0)
-        assert [r["state"] for r in frame["ranks"]] == ["running", "running"]
+        # held: alive, and after 10 step periods (at least 2 s) without a step "stalled"
+        assert {r["state"] for r in frame["ranks"]} <= {"running", "stalled"}
         assert all(r["late_ms"] is not None for r in frame["ranks"]), "lateness over the recent steps"
         assert frame["runs"][0]["status"] == "running" and not frame["job"]["finished"]
         text = ddpdoctor("top", "--once", str(run_dir)).stdout
         rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
-        assert [(r[0], r[3], r[4]) for r in rows] == [("0", "running", "8"), ("1", "running", "8")], text
+        assert [(r[0], r[4]) for r in rows] == [("0", "8"), ("1", "8")], text
+        assert {r[3] for r in rows} <= {"running", "stalled"}, text
         assert "collective barrier" in text
         release.touch()
         assert job.proc.wait(timeout=120) == 0, job.output
@@ -211,6 +214,51 @@ def test_top_once_on_a_live_job_and_on_its_finished_run(tmp_path: Path) -> None:
     ]
     text = ddpdoctor("top", "--once", str(run_dir)).stdout
     assert "finished, exit 0" in text and "2/2 ranks, 12 steps" in text
+
+
+@pytest.mark.parametrize("case", ["weights_loaded_after_wrap", "ckpt_before"])
+def test_top_compares_the_ranks_weights_while_the_job_trains(tmp_path: Path, case: str) -> None:
+    """The issue's reproduction (rank 0 loads weights after wrapping) and its healthy twin (a
+    checkpoint loaded before wrapping), 3 ranks held after their first optimizer step."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    if case == "ckpt_before":
+        job_cmd = torchrun(3, JOBS / "divergence.py", "ckpt_before")
+    else:
+        job_cmd = torchrun(3, REPO / "tests" / "zoo" / f"{case}.py")
+    command = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *job_cmd]
+    with background(command, tmp_path, RELEASE_FILE=str(release), CKPT_DIR=str(tmp_path)) as job:
+
+        def checked_step0() -> dict[int, int] | None:
+            statuses = read_statuses(run_dir)
+            params = {
+                r: fp["params"]
+                for r, st in statuses.items()
+                for fp in st.get("fingerprints") or []
+                if (fp["model"], fp["step"], fp["at"]) == (0, 0, "step")
+            }
+            return params if len(params) == 3 else None
+
+        params = wait_for(checked_step0, "every rank's fingerprint after step 0 in its status", every=1.0)
+        frame = top_frame(run_dir)
+        assert not frame["job"]["finished"]
+        found = [f for f in frame["findings"] if f["kind"] == "weights_diverged"]
+        if case == "ckpt_before":  # silent, and not for want of looking: the ranks agree
+            assert found == [] and len(set(params.values())) == 1, frame["findings"]
+        else:
+            [f] = found
+            assert f["ranks"] == [0] and f["step"] == 0 and f["groups"] == [[1, 2], [0]]
+            assert "rank(s) 0 differ from the other ranks' at step 0" in f["text"]
+            assert "`ddpdoctor diagnose` names the parameters and the cause" in f["text"]
+            text = ddpdoctor("top", "--once", str(run_dir)).stdout
+            assert "weights_diverged [rank 0]" in text, text
+        release.touch()
+        assert job.proc.wait(timeout=120) == 0, job.output
+    # The finished run: the final statuses carry the checks taken at exit.
+    found = [f for f in top_frame(run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    if case == "ckpt_before":
+        assert found == []
+    else:
+        assert [(f["ranks"], f["at"]) for f in found] == [([0], "exit")]
 
 
 SPAWNED_EVAL0 = """

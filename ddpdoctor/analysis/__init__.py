@@ -5,7 +5,18 @@ on synthetic traces.
 """
 
 # Each detector module registers its findings on import; this is the one list of them.
-from ddpdoctor.analysis import causes, failures, gpu_findings, gradsync, misuse, periodic, straggler, waits  # noqa: F401
+from ddpdoctor.analysis import (  # noqa: F401
+    causes,
+    divergence,
+    failures,
+    gpu_findings,
+    gradsync,
+    misuse,
+    nodes,
+    periodic,
+    straggler,
+    waits,
+)
 from ddpdoctor.analysis.diagnosis import Diagnosis, diagnose
 from ddpdoctor.analysis.findings import Finding
 

@@ -30,6 +30,7 @@ from ddpdoctor.trace.reader import Run
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
+    "node_lost",
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",
@@ -282,7 +283,8 @@ def _rank_only_forwards(ledgers: dict[int, Ledger], found: Finding | None) -> It
             extra,
             f"rank(s) {rank_list(extra)} ran {top} forward(s) through the DDP wrapper at {site} "
             f"({mode}) that rank(s) {rank_list(r for r in per_rank if r not in extra)} did not "
-            f"({per_rank}); it did not hang here, but with buffers or grad enabled it would",
+            f"({', '.join(f'rank {r}: {n}' for r, n in sorted(per_rank.items()))}); it did not hang "
+            "here, but with buffers or grad enabled it would",
             fix=FIX_FORWARD,
             details={"root_rank": root, "place": site, "forwards": {str(r): n for r, n in per_rank.items()}},
         )

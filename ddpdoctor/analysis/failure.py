@@ -26,14 +26,17 @@ from typing import Any
 from ddpdoctor.analysis import ledger as ledgers
 from ddpdoctor.analysis.failure_parts import StackGroup, parting_table, stack_groups
 from ddpdoctor.analysis.failure_spans import Clock, OpenSpan, open_spans
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, clip
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
 
 SCHEMA = "ddpdoctor.failure/1"
 LAST_STEPS = 3  # the timeline opens on this many steps before the failure
-_FAILED = ("exception", "signal", "vanished", "stopped_on_hang")
+STUCK_SHARE = 0.5  # ... and on this much more of what followed (their time's share)
+_FAILED = ("exception", "signal", "vanished", "stopped_on_hang", "interrupted")
+_STOPPED = ("stopped_on_hang", "interrupted")  # ended by ddpdoctor or the user, not by a failure
 
 
 @dataclass
@@ -131,8 +134,13 @@ def failure_view(
         kill = clock.wall(None, hang.get("killed_wall") or hang.get("reported_wall")) if killed else None
         if kill is not None:
             view.markers.append(Marker(kill, "killed by ddpdoctor (--on-hang kill)", "kill", title="killed"))
+        interrupt = _interrupted(run, clock)
+        if interrupt is not None and kill is None:
+            label = "the user's interrupt (Ctrl-C): ddpdoctor ended the hung ranks"
+            view.markers.append(Marker(interrupt, label, "kill", title="Ctrl-C"))
+            view.verdict = view.verdict.replace(":", ", then the user interrupted it (Ctrl-C):", 1)
         view.first_rank = next(iter(_culprits(findings)), None)
-    firsts = sorted((e.end_s, r) for r, e in view.ranks.items() if e.failed and e.how != "stopped_on_hang")
+    firsts = sorted((e.end_s, r) for r, e in view.ranks.items() if e.failed and e.how not in _STOPPED)
     own = [(t, r) for t, r in firsts if not failed[r].consequence]
     if firsts and hang is None:
         t, rank = (own or firsts)[0]
@@ -144,6 +152,13 @@ def failure_view(
     view.parting = parting_table(books, view.open_spans)
     view.window_s = _window(steps, view)
     return view
+
+
+def _interrupted(run: Run, clock: Clock) -> float | None:
+    """When the user's Ctrl-C made ddpdoctor end the hung job (common base), or None."""
+    key = RunDir.INTERRUPTED_HUNG
+    at = [m[key] / 1e9 for m in run.metas if isinstance(m.get(key), int)]
+    return clock.wall(None, min(at)) if at else None
 
 
 def _live_hang(run: Run, findings: list[Finding]) -> dict[str, Any] | None:
@@ -242,11 +257,17 @@ def _rank_end(
     pairs = zip(backwards.step.tolist(), backwards.ts.tolist())
     finished = any(s == last and (schema.BACKWARD, t) not in cut for s, t in pairs)
     # A training forward the trace never recorded: the step it began (the trace's last + 1).
-    entering = any(s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None for s in spans)
+    entering = [
+        s for s in spans if s.kind == schema.FORWARD and s.label == "forward" and s.recorded_ts is None
+    ]
     # An evaluation forward (no grad) runs between steps: it does not make a step.
     in_step = any(s.kind in (schema.BACKWARD, schema.ALLREDUCE) or s.label == "forward" for s in spans)
-    if entering:
-        step, text = last + 1, f"at step {last + 1}, in its forward"
+    if trace.header.get("attached"):  # its stacks only: which step it was at is not known
+        step, text = -1, "step unknown (attached: nothing recorded)"
+    elif entering:
+        # the step it began (a hang's status, a raised record), else the trace's last + 1
+        step = entering[0].step if entering[0].step >= max(last, 0) else last + 1
+        text = f"at step {step}, in its forward"
     elif last < 0 and not in_step:
         step, text = 0, "before its first step"
     elif finished and not in_step and any(s.kind != schema.USER_CODE for s in spans):
@@ -265,11 +286,12 @@ def _rank_end(
         step = max(last, 0)
         inner = next((s.label for s in reversed(spans) if s.kind in (schema.FORWARD, schema.BACKWARD)), "")
         text = f"at step {step}" + (f", in its {inner}" if inner else "")
-    done = [p for p in book.points if not p.in_flight]
+    done = [p for p in book.points if not p.in_flight and not p.raised]
     open_point = next((s.label for s in reversed(spans) if s.kind != schema.USER_CODE), "")
     user = next((s.user_frame for s in spans if s.user_frame), "") or book.place
+    how = _how_text(ending) if not trace.header.get("attached") else _how_text(ledgers.Ending("attached"))
     return RankEnd(
-        rank, ending.how, _how_text(ending), step, text, round(end_s, 6),
+        rank, ending.how, how, step, text, round(end_s, 6),
         done[-1].describe() if done else "", open_point, user, ending.how in _FAILED, _mark(ending),
     )  # fmt: skip
 
@@ -279,20 +301,26 @@ def _mark(ending: ledgers.Ending) -> str:
         return str(ending.error.get("type") or "exception")
     if ending.how == "signal":
         return str(ending.signal)
-    return {"vanished": "vanished", "stopped_on_hang": "stopped on hang"}.get(ending.how, "")
+    return {
+        "vanished": "vanished",
+        "stopped_on_hang": "stopped on hang",
+        "interrupted": "interrupted (Ctrl-C)",
+    }.get(ending.how, "")
 
 
 def _how_text(ending: ledgers.Ending) -> str:
     if ending.how == "exception" and ending.error:
         message = str(ending.error.get("message") or "").splitlines()[:1]
-        return f"raised {ending.error.get('type')}" + (f": {message[0][:200]}" if message else "")
+        return f"raised {ending.error.get('type')}" + (f": {clip(message[0], 200)}" if message else "")
     if ending.how == "signal":
         return f"killed by {ending.signal}"
     return {
         "clean_exit": "exited cleanly",
         "vanished": "ended without an exception or a signal seen (os._exit?)",
         "stopped_on_hang": "stopped by ddpdoctor while hung",
+        "interrupted": "stopped on the user's interrupt (Ctrl-C) while hung",
         "running": "still running when the record ends",
+        "attached": "still running when ddpdoctor attached",
     }.get(ending.how, ending.how)
 
 
@@ -308,6 +336,10 @@ def _window(spans: dict[int, tuple[float, float]], view: FailureView) -> tuple[f
         last = max(spans)
         first = max(min(spans), last - LAST_STEPS + 1)
         lo = spans[first][0]
+        # The steps fill most of the axis and the stuck spans run on past its right edge: a
+        # hang of minutes drawn whole would leave the steps a few pixels wide.
+        stuck = max([spans[last][1], *starts])
+        hi = min(hi, stuck + max(STUCK_SHARE * (stuck - lo), 1e-3))
     else:
         lo = min(starts, default=hi)
     lo = min([lo] + starts)

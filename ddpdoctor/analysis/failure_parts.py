@@ -63,7 +63,7 @@ def _cell(point: ledgers.Point, in_flight: bool) -> dict[str, Any]:
         "bytes": point.nbytes or None,
         "site": point.site,
         "step": point.step,
-        "in_flight": in_flight or point.in_flight,
+        "in_flight": in_flight or point.in_flight or point.raised,
     }
 
 

@@ -192,8 +192,47 @@ def _user_code(rank: int, start: float, end: float, step: int, user: str, ended_
 def _cut_short(
     rank: int, trace: RankTrace, clock: Clock, end: float, step: int, user: str, ended_by: str
 ) -> list[OpenSpan]:
-    """The recorded spans an exception unwound: the rank's last span and those enclosing it
-    (a backward ends after its bucket all-reduces), each redrawn up to the exception."""
+    """The spans an exception unwound, each drawn up to the exception: the trace's ``raised``
+    records of the last exception (a raised record that later spans follow was caught)."""
+    done = [
+        int(ev.end.max())
+        for k, ev in trace.events.items()
+        if len(ev) and k in schema.KINDS and k not in schema.DEVICE_KINDS.values()
+    ]
+    raised = [(ts + int(i.get("dur_us") or 0), ts, s, i) for ts, s, i in trace.meta.get(schema.RAISED, [])]
+    last = max((r[0] for r in raised), default=None)
+    if last is None:
+        return _cut_short_before_raised(rank, trace, clock, end, step, user, ended_by)
+    spans = []
+    for stop, ts, span_step, info in sorted(raised, key=lambda r: r[1]):
+        kind = str(info.get("kind"))
+        if kind not in schema.KINDS or stop < last - 100_000 or stop < max(done, default=0):
+            continue
+        spans.append(_span_of(rank, clock, kind, tuple(info.get("fields") or ()), ts, span_step, end))
+    for span in spans:
+        span.user_frame, span.ended_by = user, ended_by
+    return spans
+
+
+def _span_of(rank: int, clock: Clock, kind: str, fields: tuple, ts: int, step: int, end: float) -> OpenSpan:
+    args = schema.KINDS[kind].args(fields)
+    seq = args.get("seq") if isinstance(args.get("seq"), int) and args["seq"] >= 0 else None
+    op = args.get("op") if kind == schema.COLLECTIVE else None
+    lane = next((p.lane for p in schema.PHASES.values() if p.kind == kind), schema.Lane.COMPUTE)
+    label = schema.KINDS[kind].describe(fields) + (
+        f" #{seq}" if kind != schema.FORWARD and seq is not None else ""
+    )
+    start = float(clock.tb.rel(rank, ts)) / 1e6
+    span = OpenSpan(rank, kind, _phase_of(kind, op), int(lane), label, start, max(end, start), step)
+    span.op, span.seq = op, seq
+    return span
+
+
+def _cut_short_before_raised(
+    rank: int, trace: RankTrace, clock: Clock, end: float, step: int, user: str, ended_by: str
+) -> list[OpenSpan]:
+    """Traces written before ``raised`` records recorded an unwound span as if it had ended:
+    the rank's last span and those enclosing it (a backward ends after its bucket all-reduces)."""
     found: list[tuple[int, int, str, tuple, int]] = []  # end, ts, kind, fields, step
     for kind, ev in trace.events.items():
         if kind not in schema.KINDS or not len(ev) or schema.KINDS[kind].name.startswith("dev_"):
@@ -208,14 +247,8 @@ def _cut_short(
     for e, ts, kind, fields, span_step in sorted(found, key=lambda f: f[1]):
         if e < last_end - 1000 or ts > last_start:  # not the last span, nor one around it
             continue
-        args = schema.KINDS[kind].args(fields)
-        seq = args.get("seq") if isinstance(args.get("seq"), int) else None
-        op = args.get("op") if kind == schema.COLLECTIVE else None
-        lane = next((p.lane for p in schema.PHASES.values() if p.kind == kind), schema.Lane.COMPUTE)
-        label = schema.KINDS[kind].describe(fields) + (f" #{seq}" if seq is not None and seq >= 0 else "")
-        start = float(clock.tb.rel(rank, ts)) / 1e6
-        span = OpenSpan(rank, kind, _phase_of(kind, op), int(lane), label, start, max(end, start), span_step)
-        span.op, span.seq, span.user_frame, span.ended_by, span.recorded_ts = op, seq, user, ended_by, ts
+        span = _span_of(rank, clock, kind, fields, ts, span_step, end)
+        span.user_frame, span.ended_by, span.recorded_ts = user, ended_by, ts
         spans.append(span)
     return spans
 

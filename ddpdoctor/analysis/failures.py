@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis import frameworks
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hang import hang_finding
-from ddpdoctor.analysis.ledger import is_consequence
+from ddpdoctor.analysis.ledger import is_consequence, last_step_started
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -94,7 +94,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     if not candidates and not code:
         return
     unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
-    last_step = {str(r): int(t.kind(schema.FORWARD).step.max(initial=-1)) for r, t in run.ranks.items()}
+    last_step = {str(r): last_step_started(t) for r, t in run.ranks.items()}
     details: dict[str, Any] = {"exit_code": code, "unclean_ranks": unclean, "last_step": last_step}
     if not candidates:
         summary = f"the job exited with code {code}"
@@ -127,7 +127,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     if error is not None:
         summary = (
             f"rank {rank} failed first {at}: {error.get('type')}: "
-            f"{str(error.get('message', '')).splitlines()[0][:200] if error.get('message') else ''}"
+            f"{clip(str(error.get('message', '')).splitlines()[0], 200) if error.get('message') else ''}"
             f"{_where(error.get('frames') or [])}"
         )
         fix = (

@@ -48,6 +48,15 @@ def find_all(run: Run) -> list[Finding]:
     return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), f.kind, f.ranks))
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters at a word's end, with "..." when cut: an error
+    message quoted in a finding never ends mid-word."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return cut.rstrip(" ,;:") + "..."
+
+
 def rank_list(ranks: Iterable[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out: list[str] = []
@@ -67,7 +76,7 @@ def missing_ranks(run: Run) -> Iterable[Finding]:
     # A rank the supervisor saw start and end without initialising is no missing file:
     # rank_never_started says what became of it.
     known = {r for r, end in run.ends.items() if end.get("initialised") is False}
-    missing = sorted(set(range(run.world_size)) - set(run.ranks) - known)
+    missing = sorted(set(range(run.world_size)) - set(run.ranks) - known - set(run.elsewhere))
     if missing:
         yield Finding(
             "missing_ranks",

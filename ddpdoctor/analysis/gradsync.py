@@ -84,12 +84,22 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         ends, has_end = grid.put(bwd.step, bwd.end)
         everywhere &= has_ready & has_end
         exposed = np.minimum(exposed, np.maximum(0, ends - last_ready))
-        if len(bwd) > 1:
-            periods.append(np.diff(np.sort(bwd.end)))
+        step_ends = np.sort(last_per_step(bwd.step, bwd.end)[1])  # a step's last micro-batch ends it
+        if len(step_ends) > 1:
+            periods.append(np.diff(step_ends))
     everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
     if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0
     return float(np.median(exposed[everywhere])), float(np.median(np.concatenate(periods)))
+
+
+def accumulates(run: Run) -> bool:
+    """The job accumulates gradients: some step ran several backwards (under no_sync())."""
+    for trace in run.ranks.values():
+        steps = trace.kind(schema.BACKWARD).step
+        if len(steps) > len(np.unique(steps)):
+            return True
+    return False
 
 
 def bucket_stats(run: Run) -> list[dict[str, Any]]:
@@ -165,6 +175,11 @@ def comm_not_overlapped(run: Run) -> Iterable[Finding]:
         f"{waiting} ({len(layout)} bucket(s), {total / 2**20:.1f} MB): communication, not "
         "compute, sets the pace",
         fix="Expected for small models or slow links. To trade it down: a larger per-rank batch, "
-        "gradient accumulation with no_sync(), or a compression hook (fp16/bf16).",
+        + (
+            "more micro-batches per all-reduce (the job already accumulates under no_sync()), "
+            if accumulates(run)
+            else "gradient accumulation with no_sync(), "
+        )
+        + "or a compression hook (fp16/bf16).",
         details=details,
     )

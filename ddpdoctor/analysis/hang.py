@@ -220,6 +220,8 @@ def analyse(
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)
     pattern, culprits, explanation, fix = _judge(states, world_size, busy=proof.startswith("busy: "))
+    # A sequence number nobody could read (stacks taken by `attach`, no probes) is -1: no number.
+    explanation = explanation.replace(" #-1", "")
     return HangDiagnosis(pattern, culprits, explanation, fix, states, groups, quiet_s, threshold_s, proof)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import ddpdoctor
+from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -54,12 +55,15 @@ class Point:
     ts: int = 0
     in_flight: bool = False
     died_in: bool = False  # the rank died inside it (its death stack), seq: the next after its last
+    # It raised (a ``raised`` record): not completed, but its op and size are the recorded ones,
+    # so it still counts where ranks are compared (a size mismatch that made gloo raise).
+    raised: bool = False
 
     def describe(self) -> str:
         where = f" at {self.site}" if self.site else ""
         size = f", {self.nbytes} bytes" if self.nbytes else ""
         seq = f" #{self.seq}" if self.seq >= 0 else ""
-        died = ", where it ended" if self.died_in else ""
+        died = ", raised" if self.raised else ", where it ended" if self.died_in else ""
         return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
 
 
@@ -67,6 +71,7 @@ class Point:
 class Ending:
     """How a rank's record ended. ``how``: clean_exit, exception, signal, vanished (no clean
     close, no exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
+    interrupted (the user's Ctrl-C of a hung job, on which ddpdoctor ended its ranks),
     running (the trace just stops: read while the job runs) or never_started (no trace)."""
 
     how: str
@@ -80,13 +85,14 @@ class Ending:
         after = f" after step {self.step}" if self.step >= 0 else " before its first step"
         if self.how == "exception" and self.error:
             message = str(self.error.get("message") or "").splitlines()[:1]
-            return f"raised {self.error.get('type')}{': ' + message[0][:160] if message else ''}{after}"
+            return f"raised {self.error.get('type')}{': ' + clip(message[0], 160) if message else ''}{after}"
         if self.how == "signal":
             return f"was killed by {self.signal}{after}"
         return {
             "clean_exit": f"exited cleanly{after}",
             "vanished": f"stopped without a clean exit, an exception or a signal seen{after}",
             "stopped_on_hang": f"was stopped by ddpdoctor while hung{after}",
+            "interrupted": f"was stopped on the user's interrupt (Ctrl-C) while hung{after}",
             "never_started": "never called init_process_group (no trace)",
         }.get(self.how, f"was still running{after}")
 
@@ -157,7 +163,7 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
             consequence=bool(end.get("consequence")),
             wall_s=end.get("at_wall"),
         )
-    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    step = last_step_started(trace)
     if isinstance(exit_info.get("step"), int):
         step = max(step, exit_info["step"])
     errors = [
@@ -172,6 +178,8 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     sig = signal_name(exit_info.get("signal"))
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
     end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
+    if end.get("interrupted"):  # the user's Ctrl-C of a hung job: ddpdoctor ended it
+        return Ending("interrupted", step, signal=str(end.get("signal")), wall_s=end.get("at_wall") or when)
     if end.get("how") == "signal" and end.get("signal"):
         return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
     if end.get("how") == "os_exit" and end.get("code"):
@@ -185,6 +193,16 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     if exit_info:
         return Ending("vanished", step, wall_s=when)
     return Ending("running", step)
+
+
+def last_step_started(trace: RankTrace) -> int:
+    """The last training step the rank began: its last forward's step, one that raised included
+    (it began its step, though it is no completed span), -1 before the first."""
+    step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    for _, at, info in trace.meta.get(schema.RAISED, []):
+        if info.get("kind") == schema.FORWARD and (info.get("fields") or [0])[0] == 1:
+            step = max(step, at)
+    return step
 
 
 def _end_wall(trace: RankTrace) -> float | None:
@@ -348,7 +366,10 @@ def build(run: Run) -> dict[int, Ledger]:
     """A ledger for every rank of the run, those that left no trace included."""
     watch = _watch(run)
     ledgers: dict[int, Ledger] = {}
+    elsewhere = run.elsewhere  # on a node whose run dir was not given: nothing to judge it by
     for rank in range(run.world_size):
+        if rank in elsewhere:
+            continue
         ledger = Ledger(rank, ending=how_it_ended(run, rank, watch))
         ledger.words = [str(w) for w in (run.ends.get(rank) or {}).get("words") or []]
         trace = run.ranks.get(rank)
@@ -357,6 +378,8 @@ def build(run: Run) -> dict[int, Ledger]:
         flight, place = _in_flight(run, rank)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
+            if any(p.died_in for p in ledger.points):  # its trace says which one raised
+                flight = None
         if flight is not None:
             ledger.points.append(flight)
         ledger.place = place or (ledger.points[-1].site if ledger.points else "")
@@ -396,10 +419,22 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     buf = _tail(trace.kind(schema.SYNC_BUFFERS))
     for ts, step, f in zip(buf.ts.tolist(), buf.step.tolist(), buf.fields, strict=True):
         points.append(Point(int(f[0]), BUFFERS, 0, "WORLD", step, "", ts))
+    raised = ledger.ending.how == "exception"
+    for ts, step, info in trace.meta.get(schema.RAISED, []):
+        fields = info.get("fields") or []
+        if info.get("kind") == schema.COLLECTIVE and len(fields) >= 5:
+            site = sites.get(int(fields[6]), "") if len(fields) > 6 and isinstance(fields[6], int) else ""
+            op, nbytes, group, seq = str(fields[0]), int(fields[1]), str(fields[2]), int(fields[4])
+        elif info.get("kind") == schema.SYNC_BUFFERS and fields:
+            site, op, nbytes, group, seq = "", BUFFERS, 0, "WORLD", int(fields[0])
+        else:
+            continue
+        points.append(Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
-    ledger.steps = len(trace.kind(schema.BACKWARD))
+    ledger.steps = len(np.unique(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
+    ledger.last_step = max(ledger.last_step, last_step_started(trace))
     ledger.passes = _passes(trace, world)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from ddpdoctor.analysis import reads
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.models import ddp_models, label, model_of
-from ddpdoctor.analysis.phases import step_times
+from ddpdoctor.analysis.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -31,11 +31,14 @@ def _steps_text(steps: list[int], limit: int = 8) -> str:
 def unused_parameters(run: Run) -> Iterable[Finding]:
     per_param_steps: dict[str, set[int]] = defaultdict(set)
     per_param_ranks: dict[str, set[int]] = defaultdict(set)
+    sizes: dict[str, int] = {}  # name -> elements, from the constructor's record
     scope = "local"
     errors: dict[int, list[str]] = {}
     for rank, trace in sorted(run.ranks.items()):
         for _, step, info in trace.meta.get(schema.UNUSED, []):
-            names = list(model_of(trace, info).get("param_names", []))
+            model = model_of(trace, info)
+            names = list(model.get("param_names", []))
+            sizes.update(zip(names, model.get("param_numels") or [], strict=False))
             scope = info.get("scope", scope)
             for i in info.get("params", []):
                 name = names[i] if 0 <= i < len(names) else f"#{i}"
@@ -53,12 +56,17 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     steps = sorted(set().union(*per_param_steps.values())) if per_param_steps else []
     ranks = sorted(set().union(*per_param_ranks.values()) | set(errors))
     total_steps = max((t.steps for t in run.ranks.values()), default=0)
-    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    sized = [f"{n} ({sizes[n]:,} elements)" if n in sizes else n for n in params[:6]]
+    shown = ", ".join(sized) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
     details = {
         "parameters": params,
         "steps": steps,
         "per_parameter": {
-            name: {"ranks": sorted(per_param_ranks[name]), "steps": sorted(per_param_steps[name])}
+            name: {
+                "ranks": sorted(per_param_ranks[name]),
+                "steps": sorted(per_param_steps[name]),
+                "numel": sizes.get(name),
+            }
             for name in params
         },
         "ddp_error": bool(errors),
@@ -310,17 +318,16 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
     step_s: list[np.ndarray] = []
     kind = ""
     for trace in run.ranks.values():
-        steps = max(trace.steps, 1)
         sync = trace.kind(schema.SYNC_BUFFERS)
         if len(sync):
             kind = "buffer broadcast (broadcast_buffers=True)"
-            per_step.append(float(sync.dur.sum()) / steps)
+            per_step.append(_median_per_step(sync.step, sync.dur))
         else:
             fwd, coll = trace.kind(schema.FORWARD), trace.kind(schema.COLLECTIVE)
             inside = _inside(coll, fwd)
             if inside.any():
                 kind = _forward_collective_source(trace, coll, inside)
-                per_step.append(float(coll.dur[inside].sum()) / steps)
+                per_step.append(_median_per_step(coll.step[inside], coll.dur[inside]))
         step_s.append(step_times(trace))
     all_steps = np.concatenate(step_s) if step_s else np.zeros(0)
     if not per_step or not len(all_steps):
@@ -343,6 +350,14 @@ def forward_sync_cost(run: Run) -> Iterable[Finding]:
         "need it.",
         details={"kind": kind, "ms_per_step": round(cost_ms, 3), "step_ms": round(step_ms, 3)},
     )
+
+
+def _median_per_step(steps: np.ndarray, durs: np.ndarray) -> float:
+    """The typical step's total (µs): a median over steps, so one long wait (a peer that died,
+    a checkpoint) is not spread over every step as a mean would."""
+    grid = StepGrid.spanning([steps])
+    sums, present = grid.put(steps, durs, np.add)
+    return float(np.median(sums[present])) if present.any() else 0.0
 
 
 def _forward_collective_source(trace: Any, coll: Any, inside: np.ndarray) -> str:

@@ -90,7 +90,48 @@ class Verdict:
             "idle_s": round(self.idle_s, 3),
             "where": {str(r): w for r, w in sorted(self.where.items())},
             "phases": {str(r): p for r, p in sorted(self.phases.items())},
+            "rank_only": self.rank_only,
         }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Verdict:
+        """The verdict as another node's watcher wrote it (supervisor/board.py)."""
+        return cls(
+            str(d.get("state") or "running"),
+            str(d.get("proof") or ""),
+            [int(r) for r in d.get("culprits") or []],
+            [int(r) for r in d.get("waiting") or []],
+            float(d.get("wait_s") or 0.0),
+            float(d.get("idle_s") or 0.0),
+            {int(r): str(w) for r, w in (d.get("where") or {}).items()},
+            {int(r): p for r, p in (d.get("phases") or {}).items()},
+            bool(d.get("rank_only")),
+        )
+
+
+def is_hang(
+    verdict: Verdict,
+    threshold: float,
+    *,
+    hang_timeout: float | None,
+    longest: float,
+    quiet: float,
+    started: bool,
+) -> bool:
+    """The one live rule (the watcher, `top`, `attach`): proven now; stalled or blocked past the
+    threshold; busy only past an explicit ``--hang-timeout``; unmeasured by the clock alone."""
+    state = verdict.state
+    if state == "proven":
+        return True
+    if state in ("stalled", "quiet"):
+        return verdict.idle_s >= threshold
+    if state == "busy":
+        return hang_timeout is not None and verdict.wait_s >= hang_timeout
+    if state == "blocked":
+        return verdict.wait_s >= threshold
+    if state == "unmeasured":  # no /proc, no stack: the wait alone decides
+        return longest > threshold or (started and quiet > threshold)
+    return False
 
 
 def phase_since(status: dict[str, Any], now: float) -> float:
@@ -233,6 +274,8 @@ def _prove(
                 if key == "WORLD" and seq > int(phase.get("seq", -1)) >= 0:
                     continue  # it issued this collective before leaving: the wait may still end
                 how = "exited" if final.get("exited") else "died"
+                if final.get("lost"):  # its node stopped reporting (supervisor/board.py)
+                    how = f"was lost with {final['lost']}"
                 who = sorted(w for w, q in waits.items() if str(q.get("group") or "WORLD") == key)
                 return (
                     f"rank {d} {how} (after step {final.get('step')}) while rank(s) {rank_list(who)} "

@@ -81,9 +81,25 @@ def _point(phase: dict[str, Any]) -> str:
 
 def _episodes(run: Run) -> Iterable[dict[str, Any]]:
     """Every wait on a busy rank: noted live, or a hang verdict the job then outlived."""
+    seen: set[tuple[Any, ...]] = set()
+    # A wait that turned into a hang verdict on the same rank is the hang's start, not work:
+    # a stuck rank looks busy until its CPU has been idle for a full measuring window.
+    stuck = [
+        (set((h.get("verdict") or {}).get("culprits") or []), float(h.get("detected_wall") or 0.0))
+        for h in run.hangs
+        if not went_on(h, run)
+    ]
     for watch in run.watches:
         for ep in watch.get("waits") or []:
-            yield {**ep, "live_verdict": None}
+            busy = set(ep.get("busy") or [])
+            if any(busy and busy <= c and float(ep.get("start_wall") or 0.0) <= t for c, t in stuck):
+                continue
+            # Every node of a multi-node job notes the job's wait (supervisor/board.py): once.
+            points = sorted((r, _point(p)) for r, p in (ep.get("phases") or {}).items())
+            key = (tuple(ep.get("waiting") or ()), tuple(ep.get("busy") or ()), tuple(points))
+            if key not in seen:
+                seen.add(key)
+                yield {**ep, "live_verdict": None}
     for summary in run.hangs:
         if not went_on(summary, run):
             continue

@@ -255,6 +255,10 @@ def _write_run_dir(
     }
     layout = RunDir(run_dir)
     write_atomic(layout / RunDir.RUN_META, json.dumps(meta, indent=2))
+    # The traces' clock starts with the first look, so the stuck spans run from it to the
+    # verdict on the timeline (a header stamped now would put the verdict before its start).
+    wall_ns = int((now - quiet_s) * 1e9)
+    mono_ns = time.monotonic_ns() - (time.time_ns() - wall_ns)
     for r, lk in looks.items():
         header = {
             "schema": schema.JSONL_SCHEMA,  # a header alone: the JSON-lines form says it plainly
@@ -263,8 +267,8 @@ def _write_run_dir(
             "local_rank": lk.proc.local_rank,
             "host": host,
             "pid": lk.proc.pid,
-            "wall_ns": time.time_ns(),
-            "mono_ns": time.monotonic_ns(),
+            "wall_ns": wall_ns,
+            "mono_ns": mono_ns,
             "argv": lk.proc.cmdline,
             "restart": 0,
             "attached": True,

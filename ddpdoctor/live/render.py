@@ -30,7 +30,7 @@ def render(frame: dict[str, Any]) -> str:
     lo, hi = job["steps_min"], job["steps_max"]
     lines.append(f"job: {seen} ranks, {lo if lo == hi else f'{lo}-{hi}'} steps, {rate}{slow}{quiet}")
     head = (
-        f"{'rank':>5} {'host':<12} {'pid':>7} {'state':<8} {'steps':>6} {'steps/s':>8}  {'in':<26} "
+        f"{'rank':>5} {'host':<12} {'pid':>7} {'state':<8} {'steps':>6} {'steps/s':>8}  {'in':<34} "
         f"{'for':>7}  {'last collective':<18} {'late/step':>9} {'gpu':>9}"
     )
     lines.append(head)
@@ -56,7 +56,7 @@ def _row_text(r: dict[str, Any]) -> str:
     host = str(r["host"] or "?")[:12]
     return (
         f"{r['rank']:>5} {host:<12} {r['pid'] or 0:>7} {r['state']:<8} {r['steps']:>6} {rate:>8}  "
-        f"{where[:26]:<26} {since:>7}  {last[:18]:<18} {late:>9} {gtext:>9}"
+        f"{where[:34]:<34} {since:>7}  {last[:18]:<18} {late:>9} {gtext:>9}"
     )
 
 

@@ -7,7 +7,8 @@ the tail of the node's GPU samples and run.json, so it costs the job nothing and
 a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
 already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
 analysis/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
-the recent steps, a rank that raised or vanished.
+the recent steps, a rank that raised or vanished, ranks whose model parameters differ at a
+fingerprint check they all took (live/replicas.py).
 """
 
 from __future__ import annotations
@@ -23,21 +24,23 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.hang import analyse
+from ddpdoctor.analysis.proof import Activity, Verdict, is_hang, judge
 from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.render import render
+from ddpdoctor.live.replicas import weights_diverged
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.supervisor.watch import (
-    DEFAULT_FLOOR_S,
-    HANG_MULTIPLE,
-    adaptive_threshold,
-    pid_alive,
-    sync_wait_s,
-)
+from ddpdoctor.supervisor.activity import pid_alive
+from ddpdoctor.supervisor.board import Board
+from ddpdoctor.supervisor.jobview import JobView
+from ddpdoctor.supervisor.layout import Layout
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, sync_wait_s
+from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, HANG_MULTIPLE
 from ddpdoctor.trace.reader import read_meta
 
 TOP_SCHEMA = "ddpdoctor.top/1"
 CPU_BUDGET = 0.04  # of one core, at most, for the refresh loop (the issue asks < 5 %)
+STALL_S, STALL_STEPS = 2.0, 10  # no step for this long and this many step periods: stalled
 STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (or the node is gone)
 
 
@@ -51,15 +54,36 @@ class Top:
         self.host = os.uname().nodename
         self._prev: dict[int, tuple[float, int]] = {}  # rank -> (wall, step) at the last look
         self._hang_text: dict[Path, str] = {}
+        self._boards: dict[Path, Board] = {}  # a multi-node job's store, read like any node
+
+    def _board(self, run_dir: Path, meta: dict[str, Any]) -> Board | None:
+        """The job's store (run.json's ``job.store``) while a multi-node job runs: every node's
+        ranks, and the leading watcher's verdict."""
+        job = meta.get("job") or {}
+        if run_dir not in self._boards and job.get("store") and int(job.get("nnodes") or 1) > 1:
+            host, _, port = str(job["store"]).rpartition(":")
+            if port.isdigit() and meta.get("status") == "running":
+                layout = Layout(int(job["nnodes"]), job.get("node_rank"), None, (host, int(port)))
+                self._boards[run_dir] = Board(layout)
+        return self._boards.get(run_dir)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """One frame, as the JSON object `--json` prints."""
         now = time.time() if now is None else now
         statuses: dict[int, dict[str, Any]] = {}
         runs = []
+        view: JobView | None = None
+        state: dict[str, Any] | None = None
         for run_dir in self.run_dirs:
             meta = read_meta(run_dir)
             found = read_statuses(run_dir)
+            board = self._board(run_dir, meta)
+            if board is not None and view is None:
+                view = board.read(now)
+                state = board.job_state() if view is not None else None
+            if view is not None:
+                for rank, st in view.statuses.items():
+                    statuses.setdefault(rank, st)  # another node's rank, through the store
             statuses.update(found)
             runs.append(
                 {
@@ -79,7 +103,10 @@ class Top:
         job = _job(statuses, ranks, lateness, now, finished)
         reported = any(run["hangs"] for run in runs)
         timeout = "reported" if reported else self._hang_timeout()
-        findings = _findings(statuses, ranks, lateness, job, now, self.floor_s, finished, timeout)
+        activity = view.activity if view is not None else {}
+        findings = _findings(
+            statuses, ranks, lateness, job, now, self.floor_s, finished, timeout, activity, state
+        )
         for run in runs:
             for hang in run["hangs"]:
                 findings.append({"kind": "hang_reported", "ranks": [], "text": hang})
@@ -101,6 +128,8 @@ class Top:
         if rate is None and prev is not None and now > prev[0] and not finished:
             rate = round((step - prev[1]) / (now - prev[0]), 4)
         self._prev[rank] = (now, step)
+        if _stalled(st, now):
+            rate = 0.0  # the rate of its last steps is no rate of a rank that stopped stepping
         phase = st.get("phase") or {}
         last = st.get("last_collective") or {}
         return {
@@ -135,7 +164,7 @@ class Top:
             return "ended"
         if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
             return "silent"
-        return "running"
+        return "stalled" if _stalled(st, now) else "running"
 
     def _hang_timeout(self) -> float | None:
         """`ddpdoctor run --hang-timeout`, when the watcher recorded it (watch.json)."""
@@ -162,20 +191,12 @@ class Top:
         return out
 
 
-def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's latest status in ``run_dir`` (a file being replaced is read next time): one
-    read and one parse per file, the floor of a refresh's cost."""
-    out: dict[int, dict[str, Any]] = {}
-    loads = json.loads
-    for rank, path in RunDir(run_dir).statuses():
-        try:
-            with open(path, "rb") as fh:
-                status = loads(fh.read())
-        except (OSError, ValueError):
-            continue
-        if isinstance(status, dict):
-            out[rank] = status
-    return out
+def _stalled(st: dict[str, Any], now: float) -> bool:
+    """Alive but no step began for many times its recent step period (a hang, a long wait)."""
+    last, rate = st.get("last_step_wall"), st.get("steps_per_s")
+    if not isinstance(last, (int, float)) or not isinstance(rate, (int, float)) or rate <= 0:
+        return False
+    return now - last > max(STALL_S, STALL_STEPS / rate)
 
 
 def _in_phase_s(st: dict[str, Any], now: float) -> float:
@@ -267,7 +288,12 @@ def _findings(
     floor_s: float,
     finished: bool,
     hang_timeout: float | str | None = None,
+    activity: dict[int, Activity] | None = None,
+    state: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """What the status data prove: a rank that raised or vanished, a straggler, replicas that
+    differ, and the watcher's own live rule (``proof.judge``, ``proof.is_hang``) for a hang or a wait."""
+    activity = activity or {}
     out: list[dict[str, Any]] = []
     for row in ranks:
         if row["state"] == "raised":
@@ -280,6 +306,7 @@ def _findings(
     straggler = _straggler(statuses, lateness)
     if straggler:
         out.append(straggler)
+    out += weights_diverged(statuses)
     live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
         return out  # a failing rank explains the others' wait (the watcher says the same)
@@ -289,14 +316,33 @@ def _findings(
     longest = max((sync_wait_s(s, now) for s in live.values()), default=0.0)
     started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
     quiet = job["since_progress_s"] or 0.0
-    if longest > threshold or (started and quiet > threshold):
-        world = job["world_size"] if len(statuses) < (job["world_size"] or 0) else None
+    world = job["world_size"]
+    if state is not None:  # the leading watcher's verdict, judged with what it measured
+        verdict, threshold = Verdict.from_json(state["verdict"]), float(state["threshold"])
+    else:  # the watcher's own rule over what the status files show (no CPU measured here)
+        alive = {r: Activity(alive=not s.get("exited")) for r, s in statuses.items()}
+        verdict = judge(statuses, {**alive, **activity}, now, world)
+    timeout = hang_timeout if isinstance(hang_timeout, (int, float)) else None
+    if verdict.state == "busy":
+        out.append({"kind": "waiting", "ranks": verdict.culprits, "text": f"not a hang: {verdict.proof}"})
+    if is_hang(verdict, threshold, hang_timeout=timeout, longest=longest, quiet=quiet, started=started):
+        partial = world if len(statuses) < (world or 0) else None
+        proof = verdict.proof if verdict.state == "proven" else ""
         diag = analyse(
-            live, {}, threshold_s=threshold, quiet_s=max(longest, quiet), now=now, world_size=world
+            live,
+            {},
+            threshold_s=threshold,
+            quiet_s=max(longest, quiet),
+            now=now,
+            world_size=partial,
+            proof=proof,
         )
-        text = (
-            f"no progress for {quiet:.0f} s (threshold {threshold:g} s): {diag.explanation} Fix: {diag.fix}"
+        lead = (
+            f"proven: {verdict.proof}."
+            if proof
+            else f"no progress for {max(longest, quiet):.0f} s (threshold {threshold:g} s):"
         )
+        text = f"{lead} {diag.explanation} Fix: {diag.fix}"
         out.append({"kind": "hang", "ranks": diag.culprits, "pattern": diag.pattern, "text": text})
     return out
 

@@ -142,12 +142,15 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             t0 = _now()
             c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg)
             try:
-                return orig(*args, **kwargs)
-            finally:
-                t1 = _now()
-                c.progress = prev
-                c.events += 1
-                c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where))
+                result = orig(*args, **kwargs)
+            except BaseException:
+                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, where)
+                raise
+            t1 = _now()
+            c.progress = prev
+            c.events += 1
+            c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where))
+            return result
 
         return collective
 

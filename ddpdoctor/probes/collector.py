@@ -44,6 +44,9 @@ class Collector:
         self.default_pg = default_pg
         self.step = -1
         self.awaiting_backward = False  # a grad-mode DDP forward has not had its backward yet
+        # The pace model's last forward ran under no_sync(): the next one is the same step's
+        # next micro-batch (gradient accumulation), not a new step.
+        self.accumulating = False
         self.optimizer_t0 = 0
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far
@@ -98,6 +101,17 @@ class Collector:
         if kind is not None:
             self.events += 1
             self.record(kind, t0, _now(), self.step, fields)
+
+    def raised(self, prev: Progress | None, kind: str, *fields: Any) -> None:
+        """Leave the sync point entered last by an exception: record it as raised (a ``raised``
+        record naming the span), never as a span of ``kind``: it did not complete, and a
+        collective that waited seconds for a dead peer is no step's time."""
+        t0 = self.progress[3] if self.progress is not None else _now()
+        self.progress = prev
+        t1 = _now()
+        self.events += 1
+        info = {"kind": kind, "fields": list(fields), "dur_us": (t1 - t0) // 1000}
+        self.put((schema.RAISED, t0, t1, self.step, info))
 
     def in_collective(self) -> bool:
         """Inside a recorded collective or a bucket's comm hook: collectives called there

@@ -17,6 +17,7 @@ from typing import Any
 from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes import fingerprint as _fp
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
@@ -76,6 +77,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             setattr(self, _STATE, state)
             c.emit(schema.DDP_INIT, t0, t1, _describe(self, seq, state))
             _ct.start(c, self.module)  # device spans when the model is on CUDA
+            _fp.on_ddp_init(c, self, state.index, state.params)
         except Exception as exc:
             c.fail(PROBE, exc)
 
@@ -113,6 +115,7 @@ def _describe(ddp: Any, seq: int, state: _ModelState) -> dict[str, Any]:
         "seq": seq,
         "index": state.index,
         "param_names": state.param_names,
+        "param_numels": [p.numel() for p in params],
         "options": {
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "broadcast_buffers": bool(ddp.broadcast_buffers),
@@ -141,8 +144,10 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if grad:
                 if c.pace_model is None:
                     c.pace_model = state
-                new_step = state is c.pace_model
+                new_step = state is c.pace_model and not c.accumulating
                 c.step += new_step
+                if state is c.pace_model:  # micro-batches under no_sync() share one optimizer step
+                    c.accumulating = not getattr(self, "require_backward_grad_sync", True)
                 c.awaiting_backward = True
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.builtin_hook:
@@ -162,15 +167,17 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         fields = (int(grad), int(self.training), seq, where)
         span = timer.begin(_ct.DEV_FORWARD, c.step, fields) if timer else None
         try:
-            return forward(self, *inputs, **kwargs)
-        except RuntimeError as exc:
-            if state is not None and _UNFINISHED_REDUCTION in str(exc):
+            result = forward(self, *inputs, **kwargs)
+        except BaseException as exc:
+            c.raised(prev, schema.FORWARD, *fields)
+            if isinstance(exc, RuntimeError) and state is not None and _UNFINISHED_REDUCTION in str(exc):
                 _record_ddp_error(c, state, str(exc))
             raise
         finally:
-            c.leave(prev, schema.FORWARD, int(grad), int(self.training), seq, where)
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
+        c.leave(prev, schema.FORWARD, *fields)
+        return result
 
     return forward_
 
@@ -243,9 +250,12 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
         op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
         prev = c.enter(LivePhase.SYNC_BUFFERS, op, seq, group=(gname, gsize, -1, pg))
         try:
-            return sync(self, *args, **kwargs)
-        finally:
-            c.leave(prev, schema.SYNC_BUFFERS, seq)
+            result = sync(self, *args, **kwargs)
+        except BaseException:
+            c.raised(prev, schema.SYNC_BUFFERS, seq)
+            raise
+        c.leave(prev, schema.SYNC_BUFFERS, seq)
+        return result
 
     return _sync_buffers
 
@@ -261,10 +271,13 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:
             result = backward(*args, **kwargs)
+        except BaseException:
+            c.raised(prev, schema.BACKWARD, run_queue_us())
+            raise
         finally:
-            c.leave(prev, schema.BACKWARD, run_queue_us())
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
+        c.leave(prev, schema.BACKWARD, run_queue_us())
         try:
             check_unused(c)
         except Exception as exc:

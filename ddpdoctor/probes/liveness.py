@@ -30,7 +30,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.probes import flight_recorder
-from ddpdoctor.probes.recent import RecentSteps
+from ddpdoctor.probes.recent import RecentFingerprints, RecentSteps
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
@@ -59,7 +59,10 @@ class _Liveness:
         self.host = socket.gethostname()
         local_rank = os.environ.get("LOCAL_RANK", "")
         self.local_rank = int(local_rank) if local_rank.isdigit() else None
+        node = os.environ.get("GROUP_RANK", "")  # torchrun's node rank: which node's watcher reads us
+        self.node = int(node) if node.isdigit() else None
         self.recent = RecentSteps()
+        self.fingerprints = RecentFingerprints()
         self.seen_events = -1
         self.progress_wall = time.time()  # when the event count last moved
         self.exited = False
@@ -91,6 +94,7 @@ class _Liveness:
             "rank": c.rank,
             "world_size": self.world_size,
             "local_rank": self.local_rank,
+            "node": self.node,
             "host": self.host,
             "pid": self.pid,
             "heartbeat_wall": wall,
@@ -106,6 +110,7 @@ class _Liveness:
             "error": self.error,
             "cpu_s": round(cpu_s, 3),
             **self.recent.status(now),
+            **self.fingerprints.status(),
         }
 
     def seq(self) -> int:
@@ -222,7 +227,7 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
 
 def install(c: Collector) -> None:
     live = _Liveness(c)
-    c.writer.taps.update(guarded_taps(c, live.recent.taps()))
+    c.writer.taps.update(guarded_taps(c, {**live.recent.taps(), **live.fingerprints.taps()}))
     c.writer.on_tick = live.publish
     live.publish()
     atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)

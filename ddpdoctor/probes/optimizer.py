@@ -10,6 +10,7 @@ from typing import Any
 
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes import fingerprint as _fp
 from ddpdoctor.trace import schema
 
 PROBE = "optimizer"
@@ -42,3 +43,4 @@ def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if timer is not None and timer.optimizer_span is not None:
         span, timer.optimizer_span = timer.optimizer_span, None
         timer.finish(span)
+    _fp.after_step(c, optimizer)  # after the device span: its cost is not the optimizer's

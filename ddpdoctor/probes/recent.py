@@ -9,6 +9,11 @@ Lateness needs no cross-host clock (as in analysis/straggler.py): the last bucke
 all-reduce ends at about the same moment on every rank, so a rank that got it ready later waits
 less. Each rank publishes its wait in that bucket for its last completed steps; `top` lines the
 ranks up by step.
+
+The model fingerprints (probes/fingerprint.py) reach the status the same way: the writer thread
+folds each ``fingerprint`` record's per-tensor hashes into two numbers, parameters and buffers
+(buffers may differ by design, see analysis/divergence.py), and keeps the last few checks, so
+`top` compares the ranks' weights at a step they all checked without any per-tensor data.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from typing import Any
 from ddpdoctor.trace import schema
 
 KEEP_STEPS = 16  # steps kept: enough for a steady rate and lateness, small enough to publish
+KEEP_CHECKS = 4  # fingerprint checks kept per model: ranks on different intervals still share one
+KEEP_MODELS = 4  # the models checked last (a wrapper rebuilt each epoch gets a new index)
+_M64 = (1 << 64) - 1
+_MULT = 0x9E3779B97F4A7C15  # odd: the rolling hash below is a bijection of its state
 
 
 class RecentSteps:
@@ -84,4 +93,56 @@ class RecentSteps:
             "last_collective": {"op": last[0], "seq": last[1], "ago_s": round((now_ns - last[2]) / 1e9, 3)}
             if last
             else None,
+        }
+
+
+def combine(values: list[int]) -> int:
+    """One number for a list of per-tensor fingerprints, order included: a multiplicative
+    rolling hash modulo 2**64, folded to 53 bits like the per-tensor ones (JSON holds it)."""
+    h = len(values)
+    for v in values:
+        h = (h * _MULT + int(v)) & _M64
+    return (h ^ (h >> 53)) & ((1 << 53) - 1)
+
+
+class RecentFingerprints:
+    """Fed by the ``fingerprint`` writer tap: per DDP model, the last checks as
+    (step, at, parameters, buffers). Parameters DDP never registered (``unsynced``) are left out
+    of the parameters' number: their divergence is the analysis' gradients_not_synced."""
+
+    def __init__(self, keep: int = KEEP_CHECKS) -> None:
+        self.keep = keep
+        self.n_params: dict[int, int] = {}  # model -> parameters first in its values
+        self.checks: dict[int, deque[list[Any]]] = {}
+
+    def taps(self) -> dict[str, Any]:
+        return {schema.FINGERPRINT: self.fingerprint}
+
+    def fingerprint(self, event: tuple) -> None:
+        _, _, _, step, info = event[:5]
+        model, values = info.get("model"), info.get("values")
+        if not isinstance(model, int) or model < 0 or not isinstance(values, list):
+            return  # model -1: an optimizer's parameters outside every DDP model
+        if "n_params" in info:  # with the names: the first record, and whenever they change
+            self.n_params[model] = int(info["n_params"])
+        n = self.n_params.get(model)
+        if n is None or n > len(values):
+            return
+        skip = set(info.get("unsynced") or ())
+        params = combine([v for i, v in enumerate(values[:n]) if i not in skip])
+        buffers = combine(values[n:]) if len(values) > n else None
+        checks = self.checks.pop(model, None) or deque(maxlen=self.keep)
+        checks.append([int(step), info.get("at"), params, buffers])
+        self.checks[model] = checks  # last in order: the model checked most recently
+        while len(self.checks) > KEEP_MODELS:
+            del self.checks[next(iter(self.checks))]
+
+    def status(self) -> dict[str, Any]:
+        """The field this adds to ``status-rank{R}.json``."""
+        return {
+            "fingerprints": [
+                {"model": m, "step": c[0], "at": c[1], "params": c[2], "buffers": c[3]}
+                for m, checks in list(self.checks.items())
+                for c in list(checks)
+            ]
         }

@@ -147,11 +147,17 @@ def header_section(diag: Diagnosis) -> str:
     return f'<section id="run"><h2>Run</h2>{kv_table(rows)}</section>'
 
 
-def _steps_text(diag: Diagnosis) -> str:
+def _steps_text(diag: Diagnosis, unit: bool = False) -> str:
+    """ "40", or "7 to 8 (the ranks differ)"; with ``unit``, "40 steps". An attached run
+    recorded no steps: "unknown (attached)", never a 0 the job did not run."""
     counts = sorted(set(diag.steps.values()))
-    if not counts:
-        return "0"
-    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (ranks differ)"
+    if any(m.get("attached") for m in diag.run.metas):
+        return (
+            "steps unknown (attached, nothing recorded)" if unit else "unknown (attached, nothing recorded)"
+        )
+    n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}" if counts else "0"
+    text = f"{n} step{'' if n == '1' else 's'}" if unit else n
+    return text + (" (the ranks differ)" if len(counts) > 1 else "")
 
 
 def _finding_item(f: Any) -> str:
@@ -197,27 +203,32 @@ def findings_section(diag: Diagnosis, notes: list[str]) -> str:
     )
 
 
-TABLE_STATS = (("mean", "mean_s"), ("p50", "p50_s"), ("p95", "p95_s"), ("total", "total_s"))
+# Two columns per phase (typical and tail) keep the table within a laptop's width; a phase that
+# happens once (DDP init) gets one. Every statistic stays in diagnose --json.
+TABLE_STATS = (("p50", "p50_s"), ("p95", "p95_s"))
+ONCE_STATS = (("total", "total_s"),)
+SHADE_MIN_RANKS = 3  # with two ranks one of them is always "the slower": shading would say nothing
+SHADE_ABOVE = 1.2  # a cell this far above its column's median across ranks stands out
 
 
 def _shown(diag: Diagnosis, phase: str) -> bool:
-    """Device phases only when the run recorded device spans (CPU jobs never do)."""
-    if schema.PHASES[phase].lane < schema.Lane.DEVICE:
-        return True
+    """Phases that happened on some rank; device phases only when the run recorded device spans."""
     return any(ph.get(phase, {}).get("count") for ph in diag.phases.values())
 
 
 def phase_table(diag: Diagnosis) -> str:
-    phases = [p for p in schema.PHASES if any(p in ph for ph in diag.phases.values()) and _shown(diag, p)]
-    colmax = {
-        (p, key): max((diag.phases[r].get(p, {}).get(key, 0.0) for r in diag.phases), default=0.0)
+    phases = [p for p in schema.PHASES if _shown(diag, p)]
+    stats = {p: TABLE_STATS if schema.PHASES[p].per_step else ONCE_STATS for p in phases}
+    shade = len(diag.run.ranks) >= SHADE_MIN_RANKS
+    median = {
+        (p, key): float(np.median([diag.phases[r].get(p, {}).get(key, 0.0) for r in diag.phases]))
         for p in phases
-        for _, key in TABLE_STATS
+        for _, key in stats[p]
     }
     head1 = "<th rowspan=2>rank</th><th rowspan=2>host</th><th colspan=2>step time</th>" + "".join(
-        f"<th colspan={len(TABLE_STATS)}>{esc(schema.PHASES[p].label)}</th>" for p in phases
+        f"<th colspan={len(stats[p])}>{esc(schema.PHASES[p].label)}</th>" for p in phases
     )
-    head2 = "<th>p50</th><th>p95</th>" + "".join(f"<th>{s}</th>" for p in phases for s, _ in TABLE_STATS)
+    head2 = "<th>p50</th><th>p95</th>" + "".join(f"<th>{s}</th>" for p in phases for s, _ in stats[p])
     body = []
     for rank in sorted(diag.run.ranks):
         st = diag.step_time_s.get(rank, {})
@@ -225,18 +236,27 @@ def phase_table(diag: Diagnosis) -> str:
         cells += [f"<td>{st[k] * 1e3:.1f}</td>" if k in st else "<td>-</td>" for k in ("p50", "p95")]
         for p in phases:
             ph = diag.phases.get(rank, {}).get(p)
-            for _, key in TABLE_STATS:
-                if not ph:
+            for _, key in stats[p]:
+                if not ph or not ph.get("count"):
                     cells.append("<td>-</td>")
                     continue
-                value, top = ph[key], colmax[(p, key)]
-                alpha = 0.55 * value / top if top > 0 else 0.0
-                cells.append(f'<td style="background:rgba(225,87,89,{alpha:.2f})">{value * 1e3:.1f}</td>')
+                value, mid = ph[key], median[(p, key)]
+                above = value / mid - 1 if mid > 0 else 0.0
+                style = ""
+                if shade and value > SHADE_ABOVE * mid:
+                    style = f' style="background:rgba(225,87,89,{min(0.55, 0.15 + 0.4 * above):.2f})"'
+                cells.append(f"<td{style}>{value * 1e3:.1f}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
+    shading = (
+        f"a shaded cell is more than {SHADE_ABOVE - 1:.0%} above its column's median over the ranks "
+        "(the darker, the further)"
+        if shade
+        else "with fewer than 3 ranks no cell is shaded (one of two is always the slower)"
+    )
     return (
         '<section id="phases"><h2>Time per phase and rank</h2>'
-        "<p class=hint>Milliseconds per event (mean, median, 95th percentile) and in total; "
-        "the darker a cell, the closer to the slowest rank in that column.</p>"
+        "<p class=hint>Milliseconds per event: median (p50) and 95th percentile (p95); DDP init once, "
+        f"in total; {shading}. diagnose --json holds every statistic.</p>"
         f'<div class="scroll"><table class="phases"><thead><tr>{head1}</tr><tr>{head2}</tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table></div></section>"
     )
@@ -266,7 +286,7 @@ def render(diag: Diagnosis, *, max_segments: int = MAX_SEGMENTS) -> str:
     tb = diag.time_base
     assert tb is not None
     run = diag.run
-    title = f"ddpdoctor report: {run.world_size} rank(s), {_steps_text(diag)} step(s)"
+    title = f"ddpdoctor report: {run.world_size} rank(s), {_steps_text(diag, unit=True)}"
     sub = (
         f"{len(run.hosts)} host(s) · generated {time.strftime('%Y-%m-%d %H:%M:%S')} by ddpdoctor "
         f"{ddpdoctor.__version__}"

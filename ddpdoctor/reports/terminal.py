@@ -38,6 +38,11 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     header = f"  {'rank':>5} {'steps':>6} {'step p50':>9} {'fwd':>8} {'bwd':>8} {'data':>8} {'opt':>8}"
     lines.append(header)
     lines.append("  " + "-" * (len(header) - 2) + "  (ms, mean)")
+    attached = any(m.get("attached") for m in run.metas)  # stacks only: no step was recorded
+
+    def steps(rank: int) -> str:
+        return "?" if attached else str(diag.steps.get(rank, 0))
+
     for rank in sorted(run.ranks):
         ph = diag.phases.get(rank, {})
         st = diag.step_time_s.get(rank)
@@ -46,7 +51,7 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
             return _ms(ph[name]["mean_s"]) if name in ph else "-"
 
         lines.append(
-            f"  {rank:>5} {diag.steps.get(rank, 0):>6} {(_ms(st['p50']) if st else '-'):>9} "
+            f"  {rank:>5} {steps(rank):>6} {(_ms(st['p50']) if st else '-'):>9} "
             f"{mean('forward'):>8} {mean('backward'):>8} {mean('data_wait'):>8} {mean('optimizer'):>8}"
         )
     lines.extend(gpu_lines(diag))

@@ -283,7 +283,8 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
     if window is not None:  # a failed run: the failure above needs the room
         hint = (
             "Hatched: spans a rank entered and never left (did not finish); dashed: the moments above; "
-            "x: where a rank ended. Opens on the last steps and the failure; 'whole run' shows it all."
+            "x: where a rank ended. Opens on the last steps and the start of the failure (what did not "
+            "finish runs on to the right); 'whole run' shows it all."
         )
     return (
         f'<section id="timeline-section"><h2>Timeline</h2><p class=hint>{hint}</p>'

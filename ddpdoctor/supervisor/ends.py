@@ -183,7 +183,9 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         )
     elif error is not None:
         end.update(how="exception", code=1, at_wall=(error.get("wall_ns") or 0) / 1e9 or None)
-        end["source"] = f"{error.get('type')}: {str(error.get('message', '')).splitlines()[0][:200]}"
+        from ddpdoctor.analysis.findings import clip
+
+        end["source"] = f"{error.get('type')}: {clip(str(error.get('message', '')).splitlines()[0], 200)}"
     elif term.strip():
         end.update(how="signal", signal="SIGTERM", stack=term[-8000:], at_wall=_mtime(term_path))
     elif exit_info.get("how") == "os._exit":
@@ -214,10 +216,13 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
         ends[str(rank)] = end
     _never_ranks(run_dir, ends, exits)
     _sources(ends)
+    _interrupted(run_dir, ends)
     failed = [
         (e.get("at_wall") or 0.0, int(r))
         for r, e in ends.items()
-        if (e["how"] != "exit" or e.get("initialised") is False) and not e["consequence"]
+        if (e["how"] != "exit" or e.get("initialised") is False)
+        and not e["consequence"]
+        and not e.get("interrupted")
     ]
     return ends, (min(failed)[1] if failed else None)
 
@@ -251,6 +256,22 @@ def _never_ranks(run_dir: Path, ends: dict[str, Any], exits: dict[str, Any]) -> 
             name = signal.Signals(sig).name if sig in signal.valid_signals() else "SIGKILL"
             end.update(how="signal", signal=name, at_wall=_mtime(path), inferred=sig is None)
         ends[str(rank)] = end
+
+
+def _interrupted(run_dir: Path, ends: dict[str, Any]) -> None:
+    """The user pressed Ctrl-C on a hung job: ddpdoctor SIGKILLed its ranks (blocked in a
+    collective, they would not act on SIGINT). Those kills are the interrupt, no rank's failure."""
+    from ddpdoctor.trace.reader import read_meta
+
+    at = read_meta(run_dir).get(RunDir.INTERRUPTED_HUNG)
+    if not isinstance(at, int):
+        return
+    for end in ends.values():
+        if end["how"] == "signal" and end["signal"] == "SIGKILL" and end.get("inferred", True):
+            end.update(
+                interrupted=True, consequence=False, at_wall=at / 1e9,
+                source="ddpdoctor, on the user's interrupt (Ctrl-C) of the hung job",
+            )  # fmt: skip
 
 
 def _sources(ends: dict[str, Any]) -> None:

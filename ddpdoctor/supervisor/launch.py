@@ -8,6 +8,7 @@ launcher itself (torchrun passes them on to its workers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,8 @@ import ddpdoctor
 from ddpdoctor import _env
 from ddpdoctor.probes import flight_recorder
 from ddpdoctor.rundir import RunDir, write_atomic
+from ddpdoctor.supervisor.activity import pid_alive
+from ddpdoctor.supervisor.layout import Layout, parse_layout
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
 RUN_SCHEMA = "ddpdoctor.run/1"
@@ -81,6 +84,8 @@ def run_job(
         "started_ns": time.time_ns(),
         "status": "running",
     }
+    layout = parse_layout(command, dict(os.environ))
+    meta["job"] = layout.to_json()  # where `top` finds the job's store while it runs
     write_meta(run_dir, meta)
     sampler = _start_sampler(run_dir, nvml_interval)
     try:
@@ -95,13 +100,14 @@ def run_job(
     write_meta(run_dir, meta)
     result = JobResult(exit_code=0)
     terminal = _ForegroundTerminal(proc.pid)
-    watcher = _start_watcher(run_dir, proc.pid, watch)
+    watcher = _start_watcher(run_dir, proc.pid, watch, layout)
     previous = {sig: signal.getsignal(sig) for sig in _FORWARDED}
 
     def forward(signum: int, frame: Any) -> None:
         result.interrupted_by.append(signal.Signals(signum).name)
         if signum == signal.SIGINT and watcher is not None and watcher.hung:
             # Ranks blocked in a collective only act on SIGINT once it returns: end them now.
+            meta.setdefault(RunDir.INTERRUPTED_HUNG, time.time_ns())  # the user's Ctrl-C ended them
             threading.Thread(target=watcher.kill_job, args=(watcher.rank_pids(),), daemon=True).start()
         try:
             if signum == signal.SIGINT:
@@ -126,10 +132,12 @@ def run_job(
         if watcher is not None:
             watcher.stop()
             result.hangs, result.killed_on_hang = len(watcher.hangs), watcher.killed
+            meta["job"] = watcher.job_layout()
         if sampler is not None:
             sampler.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    write_meta(run_dir, meta)  # settle reads whether the user interrupted a hung job
     _settle(run_dir)
     if code < 0:
         result.signal = -code
@@ -151,12 +159,15 @@ def run_job(
     return result
 
 
-def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None) -> Any:
-    """Start the hang watcher; a failure here costs the watching, never the job."""
+def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None, layout: Layout) -> Any:
+    """Start the hang watcher, sharing with the other nodes' watchers through the job's own
+    rendezvous store when the launcher says the job spans nodes; a failure here costs the
+    watching, never the job."""
     if watch is None:
         return None
     try:
-        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher, stop_job
+        from ddpdoctor.supervisor.board import Board
+        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher
 
         watcher = Watcher(
             run_dir,
@@ -165,6 +176,7 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None)
             floor_s=watch.floor_s if watch.floor_s is not None else DEFAULT_FLOOR_S,
             report=eprint,
             kill_job=lambda pids: stop_job(launcher_pid, pids),
+            board=Board(layout, report=eprint),
         )
         watcher.start()
         return watcher
@@ -181,6 +193,29 @@ def _settle(run_dir: Path) -> None:
         settle(run_dir)
     except Exception as exc:
         eprint(f"ddpdoctor: could not complete the traces after the job: {exc!r}")
+
+
+def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> None:
+    """Stop a hung job: ranks blocked in a collective ignore SIGTERM until it returns, so they
+    get SIGKILL (their traces are flushed continuously and their stacks are already taken);
+    the launcher then sees its workers fail and exits; if not, SIGTERM, then SIGKILL its group."""
+    for pid in rank_pids:
+        if pid > 0:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(OSError):
+                if sig == signal.SIGKILL:
+                    os.killpg(launcher_pid, sig)
+                else:
+                    os.kill(launcher_pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not pid_alive(launcher_pid):
+                return
+            time.sleep(0.1)
+
 
 
 def _start_sampler(run_dir: Path, interval: float | None) -> Any:

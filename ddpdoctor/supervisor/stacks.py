@@ -151,3 +151,12 @@ def dump_all(statuses: dict[int, dict[str, Any]], use_pyspy: bool = True) -> dic
     with ThreadPoolExecutor(max_workers=min(16, len(statuses))) as pool:
         futures = {r: pool.submit(dump_rank, s, use_pyspy) for r, s in statuses.items()}
         return {r: f.result() for r, f in futures.items()}
+
+
+def render_stack(rank: int, dump: dict[str, Any], raw: str) -> str:
+    lines = [f"rank {rank}: stack by {dump.get('method') or 'nothing'} {dump.get('error') or ''}".rstrip()]
+    for t in dump.get("threads") or []:
+        lines.append(f"\nThread {t.get('name')} (most recent call first):")
+        for f in t.get("frames") or []:
+            lines.append(f'  File "{f.get("file")}", line {f.get("line")}, in {f.get("function")}')
+    return "\n".join(lines) + "\n"

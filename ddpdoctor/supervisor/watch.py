@@ -12,14 +12,17 @@ The default threshold adapts: ``HANG_MULTIPLE`` times the slowest step any rank 
 below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hang.py),
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
 It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
+
+A job that spans nodes is judged as one: each node's watcher puts its look on the job's board
+(board.py, the rendezvous store), the node of rank 0 judges every node's ranks and the others
+follow its verdict; on a hang each node dumps its own ranks' stacks and prints the same report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,11 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis import flight
-from ddpdoctor.analysis.hang import SYNC_PHASES, analyse
-from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, judge, phase_since
+from ddpdoctor.analysis.hang import analyse
+from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
+from ddpdoctor.supervisor.board import Board
+from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
+from ddpdoctor.supervisor.stacks import render_stack
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -42,32 +49,10 @@ LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
 
 
-def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """The latest status of every rank (a file being replaced is simply read next time)."""
-    out: dict[int, dict[str, Any]] = {}
-    for rank, path in RunDir(run_dir).statuses():
-        try:
-            with open(path, "rb") as fh:
-                status = json.loads(fh.read())
-        except (OSError, ValueError):
-            continue
-        if isinstance(status, dict):
-            out[rank] = status
-    return out
 
 
-def adaptive_threshold(statuses: dict[int, dict[str, Any]], floor_s: float, multiple: float) -> float:
-    """``multiple`` x the slowest step seen on any rank, never below ``floor_s``."""
-    slowest = max((float(s.get("max_step_s") or 0.0) for s in statuses.values()), default=0.0)
-    return max(floor_s, multiple * slowest)
 
 
-def sync_wait_s(status: dict[str, Any], now: float) -> float:
-    """How long the rank has been inside its current sync point (0 if it is in none)."""
-    phase = status.get("phase")
-    if not phase or phase.get("name") not in SYNC_PHASES:
-        return 0.0
-    return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
 
 
 class Watcher:
@@ -86,6 +71,7 @@ class Watcher:
         kill_job: Callable[[list[int]], None] | None = None,
         use_pyspy: bool = True,
         since_wall: float | None = None,
+        board: Board | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.hang_timeout = hang_timeout
@@ -112,6 +98,19 @@ class Watcher:
         self._rank_change: dict[int, float] = {}  # when each rank last recorded an event
         self._tracker = ActivityTracker(dump=pyspy_sample if use_pyspy else None)
         self._notes = WaitNotes(self.run_dir, on_change=self._write_watch)
+        # The job as the board shows it (supervisor/board.py): this node alone, or every node.
+        self.board = board or Board.local()
+        self._host = socket.gethostname()
+        self._local_events: dict[int, int] = {}
+        self._measuring = False  # the leader says someone in the job waits: measure our ranks
+        self._declared = 0  # hangs the leader declared (the leader's count)
+        self._hang_payload: dict[str, Any] | None = None
+        self._state: dict[str, Any] = {}
+        self._view = JobView({})
+        self._lost: dict[int, dict[str, Any]] = {}
+        self._nodes: dict[str, Any] = {}  # the job's node map, as the leader last posted it
+        self._layout_v = 0
+        self._nodes_seen: dict[str, dict[str, Any]] = {}  # the leader's last look at each node
 
     def start(self) -> None:
         self._thread.start()
@@ -130,7 +129,19 @@ class Watcher:
     @property
     def hung(self) -> bool:
         """A hang was reported and the job has not moved since."""
-        return bool(self.hangs) and not self._armed
+        return bool(self.hangs) and not self.hangs[-1]["recovered"]
+
+    def job_layout(self) -> dict[str, Any]:
+        """Which node held which ranks (run.json's ``job``), as the board last showed it."""
+        nodes = {**self._nodes, **self._view.layout()} if self.board.leading else self._nodes
+        return {**self.board.layout.to_json(), "node": self.board.node, "nodes": nodes or self._view.layout()}
+
+    def _node(self, statuses: dict[int, dict[str, Any]]) -> int:
+        """This node's rank in the job: its ranks' GROUP_RANK, else the launcher's --node_rank."""
+        for st in statuses.values():
+            if isinstance(st.get("node"), int):
+                return int(st["node"])
+        return self.board.node if self.board.node is not None else 0
 
     def rank_pids(self) -> list[int]:
         return [int(s.get("pid") or 0) for s in self._statuses.values()]
@@ -153,136 +164,212 @@ class Watcher:
                 return
 
     def poll_once(self, now: float, detect: bool = True) -> dict[str, Any] | None:
-        """One look at the ranks; returns the hang summary if this look caught one."""
+        """One look: this node's ranks, shared on the board; the leader judges the job, every
+        node follows its verdict. Returns the hang summary if this look caught one."""
         with self._lock:
             statuses = {
                 r: st
                 for r, st in read_statuses(self.run_dir).items()
                 if float(st.get("heartbeat_wall") or 0.0) >= self._started_wall
             }
-            if not statuses:
+            if not statuses and not self.board.layout.multi_node:
                 return None
-            self._statuses = statuses
-            changed = False
-            failing = False  # a rank of the current attempt raised: a failure, not a hang
-            alive: dict[int, bool] = {}
-            for rank, st in statuses.items():
-                events = int(st.get("events") or 0)
-                if self._last_events.get(rank) != events:
-                    self._last_events[rank] = events
-                    self._rank_change[rank] = now
-                    changed = True
-                if st.get("error") and rank not in self.errors:
-                    self.errors[rank] = {"seen_wall": now, **st["error"], "others": _snapshot(statuses, rank)}
-                    self._write_watch()
-                pid = int(st.get("pid") or 0)
-                # A heartbeat written in the last second is proof of life, and costs no syscall.
-                fresh = now - float(st.get("heartbeat_wall") or 0.0) < FRESH_S and not st.get("exited")
-                alive[rank] = True if fresh or not pid else pid_alive(pid)
-                failing = failing or bool(st.get("error"))
-                if pid and rank not in self.exits and not alive[rank]:
-                    self.exits[rank] = {
-                        "pid": pid,
-                        "seen_wall": now,
-                        "signal": zombie_signal(pid),
-                        "exited": bool(st.get("exited")),
-                        "step": st.get("step"),
-                        "last_heartbeat_wall": st.get("heartbeat_wall"),
-                        "error": st.get("error"),
-                        "others": _snapshot(statuses, rank),
-                    }
-                    self._write_watch()
-            if changed:
-                self._last_change = now
-            threshold = self.threshold(statuses)
-            quiet = now - self._last_change
-            verdict = self._judge(statuses, alive, now, quiet)
-            longest = max((sync_wait_s(s, now) for r, s in statuses.items() if alive[r]), default=0.0)
-            if not self._armed and changed and longest <= threshold and verdict.state != "proven":
-                # Every rank is out of the stuck sync point and moving: the job recovered.
-                self._armed = True
-                if self.hangs:
-                    self.hangs[-1]["recovered"] = True
-                    self._save_hang(self.hangs[-1])
-            self._notes.update(verdict, now, threshold, self.report)
-            if not detect or not self._armed or failing:
+            alive = self._look_local(statuses, now)
+            mine = NodeView(
+                self._node(statuses),
+                self._host,
+                str(self.run_dir.resolve()),
+                now,
+                statuses,
+                self._measure(statuses, alive, now),
+                self._measuring,
+            )
+            running = any(a and not statuses[r].get("exited") for r, a in alive.items())
+            self._view = self.board.exchange(mine, now, running)
+            if self.board.leading:
+                state = self._decide(self._view, now, detect)
+                self.board.post_state(state)
+            else:
+                state = self.board.job_state()
+            if state is None:
                 return None
-            started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
-            if not self._is_hang(verdict, threshold, longest, quiet, started):
+            if state.get("layout_v") != self._state.get("layout_v") and not self.board.leading:
+                self._nodes = self.board.layout_map() or self._nodes
+            self._state = state
+            verdict = Verdict.from_json(state["verdict"])
+            self._measuring = bool(state.get("measure"))
+            self._notes.update(verdict, now, float(state["threshold"]), self.report)
+            if self.hangs and state.get("recovered") and not self.hangs[-1]["recovered"]:
+                self.hangs[-1]["recovered"] = True
+                self._save_hang(self.hangs[-1])
+            n = int(state.get("hangs") or 0)
+            if not detect or n <= len(self.hangs):
                 return None
-            self._armed = False
-        return self._on_hang(statuses, threshold, max(longest, quiet if started else 0.0), now, verdict)
+            hang = self._hang_payload if self.board.leading else self.board.hang(n)
+            if hang is None:
+                return None
+        return self._on_hang(hang, now)
 
-    def _judge(
-        self, statuses: dict[int, dict[str, Any]], alive: dict[int, bool], now: float, quiet: float
-    ) -> Verdict:
-        """The proof over this look, measuring the ranks' CPU and stacks only while it matters."""
+    def _look_local(self, statuses: dict[int, dict[str, Any]], now: float) -> dict[int, bool]:
+        """This node's facts: which ranks are alive, which raised or left (for rank_failure)."""
+        self._statuses = statuses
+        alive: dict[int, bool] = {}
+        for rank, st in statuses.items():
+            events = int(st.get("events") or 0)
+            if self._local_events.get(rank) != events:
+                self._local_events[rank] = events
+                self._rank_change[rank] = now
+            if st.get("error") and rank not in self.errors:
+                self.errors[rank] = {"seen_wall": now, **st["error"], "others": snapshot(statuses, rank)}
+                self._write_watch()
+            pid = int(st.get("pid") or 0)
+            # A heartbeat written in the last second is proof of life, and costs no syscall.
+            fresh = now - float(st.get("heartbeat_wall") or 0.0) < FRESH_S and not st.get("exited")
+            alive[rank] = True if fresh or not pid else pid_alive(pid)
+            if pid and rank not in self.exits and not alive[rank]:
+                self.exits[rank] = {
+                    "pid": pid,
+                    "seen_wall": now,
+                    "signal": zombie_signal(pid),
+                    "exited": bool(st.get("exited")),
+                    "step": st.get("step"),
+                    "last_heartbeat_wall": st.get("heartbeat_wall"),
+                    "error": st.get("error"),
+                    "others": snapshot(statuses, rank),
+                }
+                self._write_watch()
+        return alive
+
+    def _measure(
+        self, statuses: dict[int, dict[str, Any]], alive: dict[int, bool], now: float
+    ) -> dict[int, Activity]:
+        """This node's ranks' CPU time and stacks, measured only while someone in the job waits
+        or nothing moves (the leader says so for ranks on other nodes)."""
         live = {r for r, a in alive.items() if a and not statuses[r].get("exited")}
         waiting = any(
             (statuses[r].get("phase") or {}).get("name") in SYNC and phase_since(statuses[r], now) >= 1.0
             for r in live
         )
-        if not waiting and quiet < 1.0:
+        quiet = now - max(self._rank_change.values(), default=now)
+        if not (waiting or self._measuring or quiet >= 1.0):
             self._tracker.forget()
-            return judge(
-                statuses, {r: Activity(alive=alive[r]) for r in statuses}, now, self._world(statuses)
-            )
+            return {r: Activity(alive=alive[r]) for r in statuses}
         measure = {r for r in live if (statuses[r].get("phase") or {}).get("name") not in ATOMIC}
-        activity = self._tracker.look(
-            statuses, now, measure, alive, want_frame=measure if waiting else None, since=self._rank_change
+        want = measure if waiting or self._measuring else None
+        return self._tracker.look(statuses, now, measure, alive, want_frame=want, since=self._rank_change)
+
+    def _decide(self, view: JobView, now: float, detect: bool) -> dict[str, Any]:
+        """The leader's judgement of the whole job (a single node leads itself)."""
+        statuses, activity = view.statuses, view.activity
+        changed = False
+        for rank, st in statuses.items():
+            events = int(st.get("events") or 0)
+            if self._last_events.get(rank) != events:
+                self._last_events[rank] = events
+                changed = True
+        if changed:
+            self._last_change = now
+        for n, v in view.nodes.items():
+            seen = now if n == self.board.node else self.board.last_seen(n)
+            self._nodes_seen[str(n)] = {
+                "host": v.host,
+                "ranks": sorted(v.statuses),
+                "seen_wall": seen,
+                "steps": {str(r): st.get("step") for r, st in v.statuses.items()},
+                "running": any(not st.get("exited") and not st.get("error") for st in v.statuses.values()),
+            }
+        self._lost = {
+            n: {"host": view.nodes[n].host, "ranks": sorted(view.nodes[n].statuses), "silent_s": round(s, 3)}
+            for n, s in view.lost.items()
+        }
+        threshold = self.threshold(statuses)
+        quiet = now - self._last_change
+        verdict = judge(statuses, activity, now, self._world(statuses))
+        alive = {r: activity[r].alive for r in statuses}
+        longest = max((sync_wait_s(s, now) for r, s in statuses.items() if alive[r]), default=0.0)
+        recovered = False
+        if not self._armed and changed and longest <= threshold and verdict.state != "proven":
+            self._armed = True  # every rank is out of the stuck sync point and moving
+            recovered = True
+        failing = any(st.get("error") for st in statuses.values())
+        started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
+        waiting = bool(verdict.waiting) or any(
+            (s.get("phase") or {}).get("name") in SYNC and phase_since(s, now) >= 1.0
+            for s in statuses.values()
         )
-        return judge(statuses, activity, now, self._world(statuses))
+        hang = is_hang(
+            verdict, threshold, hang_timeout=self.hang_timeout, longest=longest, quiet=quiet, started=started
+        )
+        if detect and self._armed and not failing and hang:
+            self._armed = False
+            self._declared += 1
+            self._hang_payload = {
+                "n": self._declared,
+                "detected_wall": now,
+                "threshold_s": threshold,
+                "quiet_s": round(max(longest, quiet if started else 0.0), 3),
+                "verdict": verdict.to_json(),
+                "statuses": {str(r): s for r, s in statuses.items()},
+                "nodes": view.layout(),
+            }
+            self.board.post_hang(self._hang_payload)
+        layout = view.layout()
+        if layout != self._nodes:
+            self._nodes = {**self._nodes, **layout}
+            self._layout_v += 1
+            self.board.post_layout(self._nodes)
+        return {
+            "layout_v": self._layout_v,
+            "wall": now,
+            "verdict": compact(verdict.to_json()) if self.board.shared else verdict.to_json(),
+            "threshold": threshold,
+            "measure": waiting or quiet >= 1.0,
+            "hangs": self._declared,
+            "recovered": recovered or (self._armed and self._declared > 0),
+        }
 
     @staticmethod
     def _world(statuses: dict[int, dict[str, Any]]) -> int | None:
         return max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
 
-    def _is_hang(
-        self, verdict: Verdict, threshold: float, longest: float, quiet: float, started: bool
-    ) -> bool:
-        """Proven: now. Stalled or blocked: past the threshold. Busy: only past --hang-timeout."""
-        state = verdict.state
-        if state == "proven":
-            return True
-        if state in ("stalled", "quiet"):
-            return verdict.idle_s >= threshold
-        if state == "busy":
-            return self.hang_timeout is not None and verdict.wait_s >= self.hang_timeout
-        if state == "blocked":
-            return verdict.wait_s >= threshold
-        if state == "unmeasured":  # no /proc, no stack: the wait alone decides, as it always did
-            return longest > threshold or (started and quiet > threshold)
-        return False
-
-    def _on_hang(
-        self,
-        statuses: dict[int, dict[str, Any]],
-        threshold: float,
-        quiet: float,
-        now: float,
-        verdict: Verdict | None = None,
-    ) -> dict[str, Any]:
-        n = len(self.hangs) + 1
+    def _on_hang(self, hang: dict[str, Any], now: float) -> dict[str, Any]:
+        """Every node: dump its own ranks' stacks, share them, gather the others', and print the
+        job's report (the same on every node); with ``--on-hang kill``, stop its own ranks."""
+        n = int(hang["n"])
         hang_dir = RunDir(self.run_dir).hang(n)
         hang_dir.mkdir(exist_ok=True)
-        stacks = _stacks.dump_all(statuses, self.use_pyspy)
-        world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
+        statuses = {int(r): s for r, s in (hang.get("statuses") or {}).items()}
+        mine = {r: s for r, s in self._statuses.items() if r in statuses}
+        stacks = _stacks.dump_all(mine, self.use_pyspy)
+        self.board.share_stacks(n, stacks)
+        nodes = {int(k): v for k, v in (hang.get("nodes") or {}).items()}
+        stacks.update(self.board.gather_stacks(n, [k for k, v in nodes.items() if not v.get("lost")]))
+        verdict = Verdict.from_json(hang["verdict"]) if hang.get("verdict") else None
+        threshold, quiet = float(hang["threshold_s"]), float(hang["quiet_s"])
         proof = ""
         if verdict is not None and verdict.state in ("proven", "busy"):
             proof = verdict.proof if verdict.state == "proven" else f"busy: {verdict.proof}"
         diag = analyse(
-            statuses, stacks, threshold_s=threshold, quiet_s=quiet, now=now, world_size=world, proof=proof
+            statuses,
+            stacks,
+            threshold_s=threshold,
+            quiet_s=quiet,
+            now=float(hang["detected_wall"]),
+            world_size=self._world(statuses),
+            proof=proof,
         )
-        text = diag.text(str(hang_dir)) + flight.on_hang(self.run_dir, hang_dir, statuses)
+        text = diag.text(str(hang_dir)) + nodes_text(nodes, n) + flight.on_hang(self.run_dir, hang_dir, mine)
         summary = {
             "schema": HANG_SCHEMA,
             "n": n,
             "detected_wall": now,
             "threshold_s": threshold,
-            "quiet_s": round(quiet, 3),
-            "world_size": world,
+            "quiet_s": quiet,
+            "world_size": self._world(statuses),
             "action": self.on_hang,
             "hang_dir": str(hang_dir),
+            "node": self.board.node,
+            "nodes": hang.get("nodes") or {},
             "statuses": {str(r): s for r, s in statuses.items()},
             "stacks": {str(r): s for r, s in stacks.items()},
             "text": text,
@@ -291,9 +378,10 @@ class Watcher:
             "recovered": False,
         }
         for rank, dump in stacks.items():
-            raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
-            with contextlib.suppress(OSError):
-                RunDir(self.run_dir).hang_stack(n, rank).write_text(_render_stack(rank, dump, raw))
+            if rank in mine:
+                raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
+                with contextlib.suppress(OSError):
+                    RunDir(self.run_dir).hang_stack(n, rank).write_text(render_stack(rank, dump, raw))
         self._save_hang(summary)
         self.hangs.append(summary)
         self.report(text)
@@ -303,7 +391,7 @@ class Watcher:
             self.report("ddpdoctor: --on-hang kill: stopping the job")
             summary["killed_wall"] = time.time()  # where the report draws the kill
             self._save_hang(summary)
-            self.kill_job([int(s.get("pid") or 0) for s in statuses.values()])
+            self.kill_job([int(s.get("pid") or 0) for s in mine.values()])
         return summary
 
     def _save_hang(self, summary: dict[str, Any]) -> None:
@@ -322,57 +410,19 @@ class Watcher:
                 "rank_exits": {str(r): e for r, e in self.exits.items()},
                 "rank_errors": {str(r): e for r, e in self.errors.items()},
                 "waits": self._notes.episodes,
+                "node": self.board.node,
+                "lost_nodes": {str(n): v for n, v in self._lost.items()},
+                "nodes": self._nodes_seen if self.board.leading else {},
+                "nodes_read_wall": self.board.last_ok if self.board.leading else None,
             },
         )
 
 
-def _snapshot(statuses: dict[int, dict[str, Any]], but: int) -> dict[str, Any]:
-    """What the other ranks were doing: phase, op, seq and step."""
-    out = {}
-    for rank, st in sorted(statuses.items()):
-        if rank == but:
-            continue
-        phase = st.get("phase") or {}
-        out[str(rank)] = {
-            "phase": phase.get("name"),
-            "op": phase.get("op"),
-            "seq": phase.get("seq"),
-            "step": st.get("step"),
-        }
-    return out
 
 
-def _render_stack(rank: int, dump: dict[str, Any], raw: str) -> str:
-    lines = [f"rank {rank}: stack by {dump.get('method') or 'nothing'} {dump.get('error') or ''}".rstrip()]
-    for t in dump.get("threads") or []:
-        lines.append(f"\nThread {t.get('name')} (most recent call first):")
-        for f in t.get("frames") or []:
-            lines.append(f'  File "{f.get("file")}", line {f.get("line")}, in {f.get("function")}')
-    return "\n".join(lines) + "\n"
 
 
 def _write_json(path: Path, obj: Any) -> None:
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps(obj, indent=1, default=str))
 
-
-def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> None:
-    """Stop a hung job: ranks blocked in a collective ignore SIGTERM until it returns, so they
-    get SIGKILL (their traces are flushed continuously and their stacks are already taken);
-    the launcher then sees its workers fail and exits; if not, SIGTERM, then SIGKILL its group."""
-    for pid in rank_pids:
-        if pid > 0:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if sig is not None:
-            with contextlib.suppress(OSError):
-                if sig == signal.SIGKILL:
-                    os.killpg(launcher_pid, sig)
-                else:
-                    os.kill(launcher_pid, sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not pid_alive(launcher_pid):
-                return
-            time.sleep(0.1)

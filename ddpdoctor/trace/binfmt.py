@@ -8,11 +8,17 @@ A trace is a sequence of blocks, each ``<4s tag><u32 length><payload>``, appende
           file recorded with more or fewer fields or kinds still reads.
 ``STR_``  JSON ``[id, value]``: one interned value (a string, or a list/dict for "v" fields),
           written once, before any record that refers to it.
-``META``  JSON ``[kind, ts_us, 0, step, {...}]``: a metadata record, as in the JSON lines.
+``META``  JSON ``[kind, mono_ns, 0, step, {...}]``: a metadata record, stamped on the same
+          monotonic clock as the events (the header's ``mono_ns`` anchors both).
 ``EVTS``  ``<u64 seq_lo><u64 seq_hi><u32 parts>``, then per part ``<u16 kind id><u32 count>``
           and ``count`` records of that kind (``schema.record_dtype``): the events numbered
           ``[seq_lo, seq_hi)`` by the recording ring (``trace/ring.py``), grouped by kind, in
           order within a kind.
+
+A file whose header block was cut or damaged (a disk that filled at the first write) still
+reads: the blocks after it are found again, the events decoded with this version's layout
+(``Decoded.header_cut``), their times left on the rank's monotonic clock for
+``trace/recover.py`` to place.
 """
 
 from __future__ import annotations
@@ -60,9 +66,12 @@ def events_block(parts: list[tuple[int, bytes, int]], seq_lo: int, seq_hi: int) 
     return block(EVENTS, b"".join(out))
 
 
-def blocks(data: bytes | memoryview) -> Iterator[tuple[bytes, int, int]]:
-    """(tag, payload start, payload end) of every whole block; stops at a torn one."""
-    pos, size = 0, len(data)
+_TAGS = (HEAD, STRING, META, EVENTS)
+
+
+def blocks(data: bytes | memoryview, pos: int = 0) -> Iterator[tuple[bytes, int, int]]:
+    """(tag, payload start, payload end) of every whole block from ``pos``; stops at a torn one."""
+    size = len(data)
     while pos + _BLOCK.size <= size:
         tag, n = _BLOCK.unpack_from(data, pos)
         start = pos + _BLOCK.size
@@ -84,6 +93,7 @@ class Decoded:
     specs: dict[str, str] = field(default_factory=dict)
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     seq_hi: int = 0  # events numbered below this are in the file
+    header_cut: bool = False  # the header block was unreadable: the blocks after it kept
     end: int = 0  # bytes of whole blocks
     skipped: int = 0  # unreadable blocks
 
@@ -98,7 +108,15 @@ def decode(data: bytes, events: bool = True) -> Decoded:
     kinds: dict[int, tuple[str, np.dtype]] = {}
     pieces: dict[int, list[memoryview]] = {}
     view = memoryview(data)
-    for tag, start, end in blocks(data):
+    pos = 0
+    if is_binary(data) and _unreadable_head(data):
+        out.header_cut = True
+        pos = _resync(data, _BLOCK.size)
+        kinds = {i + 1: (name, schema.record_dtype(spec)) for i, (name, spec, _) in enumerate(layout())}
+        for name, spec, names in layout():
+            out.specs[name], out.names[name] = spec, tuple(names)
+        out.skipped += 1
+    for tag, start, end in blocks(data, pos):
         out.end = end
         if tag == EVENTS:
             lo, hi, nparts = _BATCH.unpack_from(data, start)
@@ -139,6 +157,36 @@ def decode(data: bytes, events: bool = True) -> Decoded:
     return out
 
 
+def _unreadable_head(data: bytes) -> bool:
+    for tag, start, end in blocks(data):
+        try:
+            return tag != HEAD or not isinstance(json.loads(data[start:end]), dict)
+        except ValueError:
+            return True
+    return True
+
+
+def _resync(data: bytes, pos: int) -> int:
+    """Where the whole blocks after a damaged one start: the first tag from ``pos`` whose chain
+    of blocks runs to the file's end (its last block may be torn)."""
+    size = len(data)
+    while True:
+        found = [p for p in (data.find(t, pos) for t in _TAGS) if p >= 0]
+        if not found:
+            return size
+        p = at = min(found)
+        whole = 0
+        while at + _BLOCK.size <= size:
+            tag, n = _BLOCK.unpack_from(data, at)
+            if tag not in _TAGS:
+                break
+            at += _BLOCK.size + n
+            whole += at <= size
+        if at + _BLOCK.size > size and whole:  # reached the end, or a torn last block
+            return p
+        pos = p + 1
+
+
 def value(strings: dict[int, Any], sid: int) -> Any:
     return strings.get(sid, "?")
 
@@ -147,7 +195,10 @@ def records(dec: Decoded) -> list[list[Any]]:
     """The trace as the JSON-lines records of format 2 (``[kind, ts_us, dur_us, step,
     *fields]``), header first, then by time: the export for people who grep traces."""
     anchor = dec.anchor
-    rows: list[tuple[int, list[Any]]] = [(int(m[1]), m) for m in dec.meta]
+    rows: list[tuple[int, list[Any]]] = []
+    for kind, ts, dur, step, info in dec.meta:
+        t = (int(ts) - anchor) // 1000
+        rows.append((t, [kind, t, dur, step, info]))
     for kind, rec in dec.records.items():
         spec = dec.specs[kind]
         cols = [rec[f"f{i}"].tolist() for i in range(len(spec))]

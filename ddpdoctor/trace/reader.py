@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.trace import binfmt, schema
+from ddpdoctor.trace import binfmt, recover, schema
 from ddpdoctor.trace.columns import Events, Fields, Packed, Strings
 
 _I64 = 2**63
@@ -62,8 +62,10 @@ class RankTrace:
 
     @property
     def steps(self) -> int:
-        """Training steps: DDP forwards in grad mode."""
-        return int((self.kind(schema.FORWARD).ints(0) == 1).sum())
+        """Training steps: the steps DDP forwards in grad mode ran in (the micro-batches of
+        gradient accumulation under no_sync() share their optimizer step's number)."""
+        fwd = self.kind(schema.FORWARD)
+        return len(np.unique(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
 
     def wall_offset_us(self) -> int:
         """Add to this rank's timestamps to get its own wall-clock µs since the epoch."""
@@ -77,22 +79,32 @@ class RankTrace:
         return None
 
 
-def read_trace(path: Path) -> RankTrace:
+def read_trace(path: Path, rank: int | None = None) -> RankTrace:
     """Read one rank's trace: binary (``binfmt.py``), or the JSON lines of traces recorded
-    before version 3. Raises TraceError only when it has no readable header, or was written by
-    a later ddpdoctor (saying which version it needs)."""
+    before version 3. Raises TraceError when it has no readable header and no events, or no
+    header and no ``rank`` (from its file name) to stand in for it, or was written by a later
+    ddpdoctor (saying which version it needs). A trace whose header was cut keeps its events
+    under a stand-in header, filled in by ``recover.restore_headers``."""
     data = Path(path).read_bytes()
     if binfmt.is_binary(data):
-        return _read_binary(Path(path), data)
-    return _read_jsonl(Path(path), _records(path, data))
+        return _read_binary(Path(path), data, rank)
+    return _read_jsonl(Path(path), _records(path, data), rank)
 
 
-def _read_binary(path: Path, data: bytes) -> RankTrace:
-    dec = binfmt.decode(data)
-    header = dec.header
-    if header is None or "rank" not in header:
+def _stand_in(path: Path, header: dict[str, Any] | None, rank: int | None, found: bool) -> dict[str, Any]:
+    """The trace's header, or a stand-in for a cut one (its events then keep the rank's own
+    clock: ``recover.restore_headers`` places it)."""
+    if header is not None and "rank" in header:
+        _check_version(path, header)
+        return header
+    if rank is None or not found:
         raise TraceError(f"{path}: no trace header")
-    _check_version(path, header)
+    return {"rank": rank, recover.CUT: True}
+
+
+def _read_binary(path: Path, data: bytes, rank: int | None) -> RankTrace:
+    dec = binfmt.decode(data)
+    header = _stand_in(path, dec.header, rank, bool(dec.records or dec.meta))
     anchor = dec.anchor
     events: dict[str, Events] = {}
     for kind, rec in dec.records.items():
@@ -115,7 +127,7 @@ def _read_binary(path: Path, data: bytes) -> RankTrace:
     meta: dict[str, list[tuple[int, int, dict[str, Any]]]] = {}
     for kind, ts, _, step, info in dec.meta:
         if isinstance(kind, str) and isinstance(ts, int) and isinstance(step, int):
-            meta.setdefault(kind, []).append((ts, step, info))
+            meta.setdefault(kind, []).append(((ts - anchor) // 1000, step, info))
     for records in meta.values():
         records.sort(key=lambda r: r[0])
     return RankTrace(int(header["rank"]), header, path, events, meta, dec.skipped + (dec.end < len(data)))
@@ -130,7 +142,7 @@ def _check_version(path: Path, header: dict[str, Any]) -> None:
         )
 
 
-def _read_jsonl(path: Path, recs: list[Any]) -> RankTrace:
+def _read_jsonl(path: Path, recs: list[Any], rank: int | None) -> RankTrace:
     """A JSON-lines trace (versions 1 and 2, or an export): every line through ``json``."""
     header: dict[str, Any] | None = None
     skipped = 0
@@ -156,9 +168,7 @@ def _read_jsonl(path: Path, recs: list[Any]) -> RankTrace:
             cols = columns[kind] = ([], [], [], [])
         for col, value in zip(cols, (rec[1], rec[2], rec[3], tuple(rec[4:])), strict=True):
             col.append(value)
-    if header is None or "rank" not in header:
-        raise TraceError(f"{path}: no trace header")
-    _check_version(path, header)
+    header = _stand_in(path, header, rank, bool(columns or meta))
     events = {
         kind: Events(*(Packed.of(np.asarray(c, dtype=np.int64)) for c in cols[:3]), cols[3])
         for kind, cols in sorted(columns.items())
@@ -251,6 +261,26 @@ class Run:
         return max(sizes + [len(self.ranks), max(self.ends, default=-1) + 1])
 
     @property
+    def elsewhere(self) -> dict[int, str]:
+        """Ranks of the job whose node's run dir is not among those read, with where they ran:
+        no trace and no record of their process here, and the job spans nodes (the watchers'
+        shared node map in run.json, else the launcher's --nnodes)."""
+        jobs = [m.get("job") or {} for m in self.metas]
+        here = {int(job["node"]) for job in jobs if isinstance(job.get("node"), int)}
+        where: dict[int, str] = {}
+        multi = False
+        for job in jobs:
+            multi = multi or int(job.get("nnodes") or 1) > 1
+            for node, info in (job.get("nodes") or {}).items():
+                if str(node).isdigit() and int(node) not in here:
+                    for r in info.get("ranks") or []:
+                        where[int(r)] = f"node {node} ({info.get('host')}, run dir {info.get('run_dir')})"
+        if not multi and not where:
+            return {}
+        absent = set(range(self.world_size)) - set(self.ranks) - set(self.ends)
+        return {r: where.get(r, "another node") for r in sorted(absent)}
+
+    @property
     def hosts(self) -> list[str]:
         return sorted({t.host for t in self.ranks.values()})
 
@@ -301,13 +331,14 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
             raise TraceError(f"{run_dir}: not a directory")
         metas.append(read_meta(run_dir))
     files = [(rank, path) for run_dir in paths for rank, path in RunDir(run_dir).traces().items()]
-    for (rank, path), trace in zip(files, _read_all([p for _, p in files]), strict=True):
+    for (rank, path), trace in zip(files, _read_all(files), strict=True):
         if isinstance(trace, str):
             notes.append(trace)
             continue
         if rank in ranks:
             notes.append(f"rank {rank} appears in {ranks[rank].path} and {path}; using the latter")
         ranks[rank] = trace
+    recover.restore_headers(ranks, paths, notes)
     skipped = sum(t.skipped_lines for t in ranks.values())
     if skipped:
         notes.append(f"skipped {skipped} truncated or corrupt trace line(s)")
@@ -317,6 +348,7 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         for path in RunDir(run_dir).hang_summaries():
             hangs.extend(_json_object(path))
         watches.extend(_json_object(run_dir / RunDir.WATCH))
+    hangs = _one_per_job_verdict(hangs)
     ends: dict[int, dict[str, Any]] = {}
     for found in (_json_object(run_dir / RunDir.ENDS) for run_dir in paths):
         for rank, end in (found[0].get("ranks") or {} if found else {}).items():
@@ -332,6 +364,29 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
     return run
 
 
+def _one_per_job_verdict(hangs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every node writes the job's hang n (supervisor/board.py): one summary of it, with every
+    node's stacks and the earliest kill. Summaries of one node's own verdict stay apart."""
+    out: list[dict[str, Any]] = []
+    shared: dict[int, dict[str, Any]] = {}
+    for h in hangs:
+        if len(h.get("nodes") or {}) < 2 or not isinstance(h.get("n"), int):
+            out.append(h)
+            continue
+        first = shared.get(h["n"])
+        if first is None:
+            shared[h["n"]] = first = dict(h)
+            out.append(first)
+            continue
+        first["stacks"] = {**(h.get("stacks") or {}), **(first.get("stacks") or {})}
+        first["statuses"] = {**(h.get("statuses") or {}), **(first.get("statuses") or {})}
+        kills = [k for k in (first.get("killed_wall"), h.get("killed_wall")) if k is not None]
+        if kills:
+            first["killed_wall"] = min(kills)
+        first["recovered"] = bool(first.get("recovered")) and bool(h.get("recovered"))
+    return out
+
+
 def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
     """Every node's GPU samples; an unreadable file is a note, never an error."""
     out: list[GpuTrace] = []
@@ -344,10 +399,11 @@ def _gpu_traces(paths: list[Path], notes: list[str]) -> list[GpuTrace]:
     return out
 
 
-def _read_one(path: Path) -> RankTrace | str:
+def _read_one(file: tuple[int, Path]) -> RankTrace | str:
     """A rank's trace, or why it cannot be read (a note)."""
+    rank, path = file
     try:
-        return read_trace(path)
+        return read_trace(path, rank)
     except TraceError as exc:
         return str(exc)
     except OSError as exc:
@@ -365,7 +421,7 @@ def read_workers(files: int) -> int:
 PARALLEL_MIN_FILES = 16
 
 
-def _read_all(files: list[Path]) -> Iterator[RankTrace | str]:
+def _read_all(files: list[tuple[int, Path]]) -> Iterator[RankTrace | str]:
     """Read every file, in order; in worker processes when there are many (parsing is CPU-bound
     numpy and Python, and the compact columns are cheap to send back)."""
     workers = read_workers(len(files))

@@ -189,8 +189,7 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
     if lost > 0:
         last = rows[real][:, BODY_AT + 12 : BODY_AT + 20].copy().view("<i8") if real.any() else None
         last_ns = int(last.max()) if last is not None else dec.anchor
-        now_us = (last_ns - dec.anchor) // 1000
-        out.append(binfmt.json_block(binfmt.META, [schema.DROPPED, now_us, 0, -1, {"count": lost}]))
+        out.append(binfmt.json_block(binfmt.META, [schema.DROPPED, last_ns, 0, -1, {"count": lost}]))
     with open(trace_path, "r+b") as fh:
         if dec.end < len(data):
             fh.truncate(dec.end)  # a block cut by the death: its events are in the ring

@@ -70,6 +70,18 @@ ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished r
 save            {path, module_prefix, ms}: ``torch.save`` to a file (module_prefix: the state
                 came from the DDP wrapper, keys start with "module.")
 load            {path, map_location}: ``torch.load`` from a file, and whether it was mapped
+load_state      {target ("model" or "optimizer"), class, site, model}: ``load_state_dict`` on a
+                module or an optimizer; ``model``: the index of the DDP model the module is
+                (or is inside), null when it is in none (e.g. loaded before wrapping)
+fingerprint     {model, at, values, [names, n_params, numels], [unsynced], [optimizer]}: a
+                hash of every tensor of a DDP model (``probes/fingerprint.py``), ``at``
+                "init" (after its constructor), "step" (after an optimizer step; ``step`` is
+                the step) or "exit"; ``values`` in the order of ``names`` (parameters, then
+                buffers from index ``n_params``), which is written with the first record of
+                a model and again whenever the list changes; ``unsynced``: indices of
+                parameters that have a gradient but that DDP never registered (never
+                all-reduced); ``model`` -1: the parameters optimizer ``optimizer`` trains
+                outside every DDP model
 probe_error     {probe, error}: a probe failed and switched itself off
 dropped         {count}: events lost because the buffer was full
 end             {reason}: the rank's trace was closed cleanly ("exit")
@@ -79,6 +91,10 @@ clock           {offset_ns, rtt_ns, ref_rank}: add ``offset_ns`` to this rank's 
 site            {id, file, line, func}: the user's line that issued a sync point (the first
                 frame outside torch, the frameworks, ddpdoctor and the standard library),
                 written once per site; forward and collective events carry its id (-1: none)
+raised          {kind, fields, dur_us}: a span the rank entered and left by an exception (a
+                collective that raised "Connection closed by peer", a forward that raised):
+                ``kind`` and ``fields`` as the span would have had, ``ts`` its start. Never
+                recorded as the span: it did not complete, and its time is no step's
 rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
                 last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
                 threading.excepthook for other threads), flushed at once
@@ -175,11 +191,14 @@ UNUSED = "unused"
 DDP_ERROR = "ddp_error"
 SAVE = "save"
 LOAD = "load"
+LOAD_STATE = "load_state"  # load_state_dict on a module or an optimizer
+FINGERPRINT = "fingerprint"  # per-tensor hashes of a DDP model: are the ranks' copies equal?
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
 CLOCK = "clock"
 RANK_ERROR = "rank_error"
+RAISED = "raised"
 SITE = "site"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
@@ -301,7 +320,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR,)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, RAISED)
 )
 
 

@@ -147,12 +147,13 @@ def _rank_bytes(rank: int) -> bytes:
     strings = ["AdamW", "barrier", "WORLD", head[1][4]]  # the last: ddp_init's info
     out = [binfmt.json_block(binfmt.HEAD, header)]
     out += [binfmt.json_block(binfmt.STRING, [i, v]) for i, v in enumerate(strings)]
-    out += [binfmt.json_block(binfmt.META, r) for r in head[2:]]
+    out += [binfmt.json_block(binfmt.META, [k, anchor + ts * 1000, *r]) for k, ts, *r in head[2:]]
     init = _records(schema.DDP_INIT, anchor, [head[1][1]], [head[1][2]], [-1], [3])
     parts = [init] + _step_records(job, m, rank, anchor)
     kinds = {name: i + 1 for i, name in enumerate(schema.KINDS)}
     out.append(binfmt.events_block([(kinds[k], r.tobytes(), len(r)) for k, r in parts], 1, 1))
-    end = [schema.END, int(m["t_end"][rank]) - int(m["start"][rank]), 0, job.steps - 1, {"reason": "exit"}]
+    end_ns = anchor + (int(m["t_end"][rank]) - int(m["start"][rank])) * 1000
+    end = [schema.END, end_ns, 0, job.steps - 1, {"reason": "exit"}]
     out.append(binfmt.json_block(binfmt.META, end))
     return b"".join(out)
 
@@ -264,7 +265,7 @@ def append_records(path: Path, records: list[list[Any]]) -> None:
     out = []
     for kind, ts, dur, step, *fields in records:
         if kind not in kinds:
-            out.append(binfmt.json_block(binfmt.META, [kind, ts, dur, step, *fields]))
+            out.append(binfmt.json_block(binfmt.META, [kind, dec.anchor + ts * 1000, dur, step, *fields]))
             continue
         kid, spec = kinds[kind]
         row = np.zeros(1, schema.record_dtype(spec))

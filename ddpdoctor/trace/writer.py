@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,7 @@ class TraceWriter:
         # kind -> callback that sees the newest events of that kind as they are written (on
         # this thread, never the training thread): liveness keeps its recent-step summary so.
         self.taps: dict[str, Callable[[tuple], None]] = {}
+        self._meta_taps: deque[tuple] = deque(maxlen=TAP_TAIL)  # tapped metadata, for that thread
         layout = binfmt.layout()
         self._kinds = {name: _Kind(i + 1, spec) for i, (name, spec, _) in enumerate(layout)}
         self._names = {k.kid: name for name, k in self._kinds.items()}
@@ -103,8 +105,13 @@ class TraceWriter:
         self._thread.start()
 
     def put(self, event: tuple) -> None:
-        """Record ``(kind, t0_ns, t1_ns, step, *fields)``."""
-        self.record(event[0], event[1], event[2], event[3], event[4:])
+        """Record ``(kind, t0_ns, t1_ns, step, *fields)``, or a metadata record stamped with its
+        own start, ``(kind, t0_ns, t1_ns, step, {...})`` (a ``raised`` span, a ``fingerprint``)."""
+        kind = event[0]
+        if kind in schema.META_KINDS:
+            self.meta(kind, event[3], event[4], event[1])
+            return
+        self.record(kind, event[1], event[2], event[3], event[4:])
 
     def record(self, kind: str, t0: int, t1: int, step: int, fields: tuple) -> None:
         """Hot path: pack one event into the ring. Never blocks, never raises."""
@@ -152,11 +159,14 @@ class TraceWriter:
             self._write(binfmt.json_block(binfmt.STRING, [sid, self._values[sid]]))
         return sid
 
-    def meta(self, kind: str, step: int, info: dict[str, Any]) -> None:
-        """Write a metadata record stamped now (at once: they are rare)."""
-        now_us = (time.monotonic_ns() - self.mono_anchor_ns) // 1000
+    def meta(self, kind: str, step: int, info: dict[str, Any], t0: int = 0) -> None:
+        """Write a metadata record stamped ``t0`` (monotonic ns), else now, at once: they are
+        rare. A tapped kind reaches its tap on the writer thread, at the next flush."""
         if not self._failed and not self._closed:
-            self._write(binfmt.json_block(binfmt.META, [kind, now_us, 0, step, info]))
+            ts = t0 or time.monotonic_ns()
+            self._write(binfmt.json_block(binfmt.META, [kind, ts, 0, step, info]))
+            if kind in self.taps:
+                self._meta_taps.append((kind, ts, ts, step, info))
 
     def flush(self) -> None:
         """Write everything recorded so far (any thread)."""
@@ -175,8 +185,8 @@ class TraceWriter:
                 return
             self._drain()
             if not self._failed:
-                now_us = (time.monotonic_ns() - self.mono_anchor_ns) // 1000
-                self._write(binfmt.json_block(binfmt.META, [schema.END, now_us, 0, -1, {"reason": reason}]))
+                end = [schema.END, time.monotonic_ns(), 0, -1, {"reason": reason}]
+                self._write(binfmt.json_block(binfmt.META, end))
             self._closed = True
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -208,10 +218,16 @@ class TraceWriter:
             self._write(binfmt.events_block(parts, lo, hi))
             if self.taps:
                 self._tap(parts)
+        while self._meta_taps:
+            event = self._meta_taps.popleft()
+            tap = self.taps.get(event[0])
+            if tap is not None:
+                with contextlib.suppress(Exception):  # a tap that fails must not cost the trace
+                    tap(event)
         if self.dropped != self._reported_dropped:
             count, self._reported_dropped = self.dropped, self.dropped
-            now_us = (time.monotonic_ns() - self.mono_anchor_ns) // 1000
-            self._write(binfmt.json_block(binfmt.META, [schema.DROPPED, now_us, 0, -1, {"count": count}]))
+            dropped = [schema.DROPPED, time.monotonic_ns(), 0, -1, {"count": count}]
+            self._write(binfmt.json_block(binfmt.META, dropped))
 
     def _tap(self, parts: list[tuple[int, bytes, int]]) -> None:
         """Hand each tap the newest events of its kind, as tuples (bounded per flush)."""

@@ -1,0 +1,398 @@
+"""Ranks that silently disagree: model replicas whose weights or buffers are not the same.
+
+Each rank fingerprints every tensor of every DDP model at construction, after optimizer steps
+at steps common to all ranks, and at exit (``probes/fingerprint.py``). Here the fingerprints
+of each check are compared across ranks, tensor by tensor; a tensor that differs is traced to
+the first check where it differed and the last where it was equal, and to a cause from what
+else was recorded: a parameter DDP never registered (added after construction, unfrozen after
+wrapping, or outside every DDP model) never has its gradient all-reduced; weights equal after
+the constructor's broadcast but different after the first optimizer step were changed after
+wrapping (a ``load_state_dict`` on some ranks names the line); later divergence of a
+registered parameter comes from rank-dependent updates or optimizer state. Buffers that DDP
+broadcasts every forward are expected to differ between forwards; BatchNorm statistics with
+``broadcast_buffers=False`` differ by design (a note).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.ledger import sites_of
+from ddpdoctor.analysis.models import ddp_models
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+
+AT_ORDER = {"init": 0, "step": 1, "exit": 2}
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+Key = tuple[int, int, str]  # (step, order of "at", at): the checks in the order they happened
+
+
+@dataclass
+class _Check:
+    ts: int
+    names: tuple[str, ...]
+    values: list[int]
+
+
+@dataclass
+class Series:
+    """One DDP model (or one optimizer's outside parameters) as the ranks fingerprinted it."""
+
+    model: int  # -1: parameters an optimizer trains outside every DDP model
+    optimizer: int | None = None
+    checks: dict[int, dict[Key, _Check]] = field(default_factory=lambda: defaultdict(dict))  # rank ->
+    init_names: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    n_params: dict[tuple[str, ...], int] = field(default_factory=dict)
+    numels: dict[str, int] = field(default_factory=dict)
+    unsynced: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # name -> ranks
+
+
+def collect(run: Run) -> dict[tuple[int, int | None], Series]:
+    """Every rank's fingerprints, by (model, optimizer)."""
+    out: dict[tuple[int, int | None], Series] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        names: dict[tuple[int, int | None], tuple[str, ...]] = {}
+        for ts, step, info in trace.meta.get(schema.FINGERPRINT, []):
+            model, opt = info.get("model"), info.get("optimizer")
+            at, values = info.get("at"), info.get("values")
+            if not isinstance(model, int) or at not in AT_ORDER or not isinstance(values, list):
+                continue
+            key = (model, opt if model < 0 else None)
+            series = out.setdefault(key, Series(model, key[1]))
+            if isinstance(info.get("names"), list):
+                names[key] = tuple(str(n) for n in info["names"])
+                series.n_params[names[key]] = int(info.get("n_params", len(names[key])))
+                for n, size in zip(names[key], info.get("numels") or [], strict=False):
+                    series.numels[n] = int(size)
+                if at == "init":
+                    series.init_names.setdefault(rank, names[key])
+            current = names.get(key)
+            if current is None or len(current) != len(values):
+                continue
+            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values)
+            for i in info.get("unsynced") or []:
+                if isinstance(i, int) and 0 <= i < len(current):
+                    series.unsynced[current[i]].add(rank)
+    return out
+
+
+@dataclass
+class Divergence:
+    """One tensor that differs across ranks."""
+
+    name: str
+    buffer: bool
+    first: Key  # the first check where it differed
+    last_equal: Key | None  # the last check before that where every rank agreed
+    groups: list[list[int]]  # ranks by value at the first difference
+    still: bool  # still different at the last check compared
+
+
+def compare(series: Series) -> list[Divergence]:
+    """Tensors that differ at some check where every rank recorded the same names."""
+    keys = sorted(set().union(*(set(c) for c in series.checks.values())) if series.checks else set())
+    first: dict[str, Divergence] = {}
+    equal_at: dict[str, Key] = {}
+    for key in keys:
+        present = {r: c[key] for r, c in series.checks.items() if key in c}
+        if len(present) < 2:
+            continue
+        ranks = sorted(present)
+        names = present[ranks[0]].names
+        ranks = [r for r in ranks if present[r].names == names]
+        if len(ranks) < 2:
+            continue
+        matrix = np.array([present[r].values for r in ranks], dtype=np.int64)
+        differs = (matrix != matrix[0]).any(axis=0)
+        n_params = series.n_params.get(names, len(names))
+        for i, name in enumerate(names):
+            if not differs[i]:
+                equal_at[name] = key
+                if name in first:
+                    first[name].still = False
+                continue
+            if name in first:
+                first[name].still = True
+                continue
+            groups: dict[int, list[int]] = defaultdict(list)
+            for row, r in enumerate(ranks):
+                groups[int(matrix[row, i])].append(r)
+            ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+            first[name] = Divergence(name, i >= n_params, key, equal_at.get(name), ordered, True)
+    return list(first.values())
+
+
+def odd_ranks(groups: list[list[int]], suspects: set[int]) -> list[int]:
+    """The ranks that differ from the others: outside the largest group; on a tie, the group
+    the evidence points at (a rank that loaded weights), else every rank is named."""
+    if len(groups[0]) > len(groups[1]):
+        return sorted(r for g in groups[1:] for r in g)
+    marked = [g for g in groups if set(g) <= suspects]
+    if len(marked) == 1 and len(marked[0]) < sum(map(len, groups)):
+        return sorted(marked[0])
+    return sorted(r for g in groups for r in g)
+
+
+def when_checked(key: Key | None) -> str:
+    if key is None:
+        return "never compared equal"
+    step, _, at = key
+    return {"init": "after DDP construction", "exit": f"at exit (step {step})"}.get(
+        at, f"step {step}, after its optimizer step"
+    )
+
+
+def _loads(run: Run, model: int, target: str) -> dict[int, list[tuple[int, int, str]]]:
+    """rank -> [(ts, step, file:line)] of load_state_dict calls on ``model`` (or an optimizer)."""
+    out: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for rank, trace in run.ranks.items():
+        sites = sites_of(trace)
+        for ts, step, info in trace.meta.get(schema.LOAD_STATE, []):
+            if info.get("target") != target or (target == "model" and info.get("model") != model):
+                continue
+            out[rank].append((ts, step, sites.get(info.get("site", -1), "")))
+    return out
+
+
+def _sized(names: list[str], numels: dict[str, int], limit: int = 6) -> str:
+    shown = [f"{n} ({numels[n]:,} elements)" if n in numels else n for n in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
+
+
+_FIX_LOAD = (
+    "Load the checkpoint before wrapping the model in DistributedDataParallel (its constructor "
+    "broadcasts rank 0's weights to every rank), on every rank; or, after loading on one rank, "
+    "broadcast the state: for t in model.module.state_dict().values(): dist.broadcast(t, src=0)."
+)
+_FIX_DRIFT = (
+    "Make every rank apply the same update (no rank-dependent in-place changes to the weights, "
+    "the same optimizer state everywhere); after changing weights on one rank, broadcast them: "
+    "for t in model.module.state_dict().values(): dist.broadcast(t, src=0)."
+)
+_FIX_OPTIMIZER = (
+    "Load the optimizer state on every rank (each rank keeps its own copy), or broadcast it "
+    "from rank 0 before training resumes."
+)
+
+
+@detector
+def replicas_differ(run: Run) -> Iterable[Finding]:
+    if len(run.ranks) < 2:
+        return
+    models = ddp_models(run)
+    for (model, opt), series in sorted(collect(run).items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        found = compare(series)
+        info = models[model] if 0 <= model < len(models) else {}
+        label = str(info.get("module", "model")) if model >= 0 else f"optimizer #{opt}"
+        registered = set(info.get("param_names") or [])
+        init = next(iter(series.init_names.values()), ())
+        unsynced = {n: r for n, r in series.unsynced.items()}
+        if model < 0 or unsynced:
+            yield from _not_synced(series, found, unsynced, model, label, init)
+        skip = set(unsynced)
+        weights = [d for d in found if not d.buffer and d.name not in skip]
+        if weights:
+            yield _weights(run, series, weights, model, label, registered)
+        buffers = [d for d in found if d.buffer]
+        if buffers and not info.get("options", {}).get("broadcast_buffers", True):
+            yield _buffers(series, buffers, label)
+
+
+_NOT_SYNCED = {
+    "outside_ddp": (
+        "the optimizer trains them but they belong to no DistributedDataParallel model (a module "
+        "left out of DDP)",
+        "Wrap the whole model in one DistributedDataParallel (put every trained submodule inside the "
+        "module you wrap), or wrap the other module in its own DistributedDataParallel.",
+    ),
+    "added_after_wrapping": (
+        "they were added to the model after DistributedDataParallel was constructed, so DDP never "
+        "registered them for the gradient all-reduce",
+        "Create every parameter before wrapping the model in DistributedDataParallel, or rebuild the "
+        "wrapper after adding them: model = DDP(model.module, ...).",
+    ),
+    "requires_grad_after_wrapping": (
+        "they did not require grad when DistributedDataParallel was constructed (requires_grad was "
+        "turned on after wrapping), so DDP never registered them for the gradient all-reduce",
+        "Set requires_grad before wrapping, or rebuild the wrapper after unfreezing: "
+        "model = DDP(model.module, ...) (DDP registers only the parameters that require grad).",
+    ),
+}
+
+
+def _not_synced(
+    series: Series, found: list[Divergence], unsynced: dict[str, set[int]], model: int, label: str,
+    init: tuple[str, ...],
+) -> Iterable[Finding]:  # fmt: skip
+    """Parameters that train outside every gradient bucket, one finding per cause."""
+    differ = {d.name: d for d in found}
+    by_cause: dict[str, list[str]] = defaultdict(list)
+    for name in unsynced:
+        cause = (
+            "outside_ddp"
+            if model < 0
+            else "added_after_wrapping"
+            if name not in init
+            else "requires_grad_after_wrapping"
+        )
+        by_cause[cause].append(name)
+    for cause, names in by_cause.items():
+        why, fix = _NOT_SYNCED[cause]
+        diverged = [n for n in names if n in differ]
+        ranks = sorted(set().union(*(unsynced[n] for n in names)))
+        first = min((differ[n].first for n in diverged), default=None)
+        since = f"; the ranks' values differ since {when_checked(first)}" if first else ""
+        total = sum(series.numels.get(n, 0) for n in names)
+        yield Finding(
+            "gradients_not_synced",
+            "error" if diverged else "warning",
+            ranks,
+            f"{label}: {len(names)} parameter(s) train on rank(s) {rank_list(ranks)} outside every "
+            f"gradient bucket, so their gradients are never all-reduced: "
+            f"{_sized(names, series.numels)}{f' ({total:,} elements in all)' if len(names) > 1 else ''}: "
+            f"{why}{since}",
+            fix=fix,
+            details={
+                "model": model,
+                "cause": cause,
+                "parameters": names,
+                "numels": {n: series.numels.get(n) for n in names},
+                "diverged": diverged,
+                "since_step": first[0] if first else None,
+                "ranks": ranks,
+            },
+        )
+
+
+def _weights(
+    run: Run, series: Series, found: list[Divergence], model: int, label: str, registered: set[str]
+) -> Finding:
+    found.sort(key=lambda d: d.first)
+    head = found[0]
+    at_init = head.first[2] == "init"
+    loads = _loads(run, model, "model")
+    opt_loads = _loads(run, model, "optimizer")
+    lo = -1 if head.last_equal is None else _ts_bound(series, head.last_equal)
+    hi = _ts_bound(series, head.first, upper=True)
+    loaders = {r: [e for e in events if lo <= e[0] <= hi] for r, events in loads.items()}
+    loaders = {r: e for r, e in loaders.items() if e}
+    odd = odd_ranks(head.groups, set(loaders))
+    all_ranks = sorted(r for g in head.groups for r in g)
+    opt_odd = set(opt_loads) and set(opt_loads) != set(all_ranks)
+    place = ""
+    if loaders and set(loaders) != set(all_ranks):
+        rank = min(loaders)
+        place = loaders[rank][0][2]
+        cause = "weights_loaded_after_wrapping"
+        why = f"rank(s) {rank_list(loaders)} loaded weights after wrapping (load_state_dict at {place})"
+        fix = _FIX_LOAD
+    elif _unreduced(run, head.first[0]):
+        cause, fix = "gradients_not_reduced", "Fix the unused parameters (see unused_parameters)."
+        why = "a step's gradient all-reduce never finished (parameters got no gradient, see "
+        why += "unused_parameters), so each rank stepped with its own gradients"
+    elif at_init:
+        cause, fix = "not_broadcast", _FIX_LOAD
+        why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
+    elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0:
+        cause, fix = "changed_after_wrapping", _FIX_LOAD
+        why = "they were equal after DDP's constructor broadcast and changed before the first optimizer "
+        why += "step ended: weights loaded or changed on some rank after wrapping"
+    elif opt_odd:
+        cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
+        why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"
+    else:
+        cause, fix = "diverged_during_training", _FIX_DRIFT
+        why = "a rank-dependent update changed them during training (every gradient was all-reduced)"
+    names = [d.name for d in found]
+    trainable = [n for n in names if n in registered]
+    who = (
+        f"on rank(s) {rank_list(odd)} from the other ranks"
+        if len(odd) < len(all_ranks)
+        else f"across ranks {rank_list(all_ranks)} (each holds its own values)"
+    )
+    since = ("since " if head.first[2] == "step" else "") + when_checked(head.first)
+    summary = (
+        f"{label}: {len(names)} parameter(s) differ {who} {since} (equal "
+        f"{when_checked(head.last_equal)}): {_sized(names, series.numels)}: {why}"
+    )
+    still = [d.name for d in found if d.still]
+    if not still:
+        summary += "; equal again at the last check"
+    root = odd[0] if len(odd) == 1 else None
+    severity = "error" if trainable or not registered else "warning"
+    if cause == "gradients_not_reduced":  # a consequence: the cause has its own finding
+        severity, summary = "info", f"(a consequence of unused_parameters) {summary}"
+    return Finding(
+        "weights_diverged",
+        severity,
+        odd,
+        summary,
+        fix=fix,
+        details={
+            "model": model,
+            "parameters": names,
+            "per_parameter": {
+                d.name: {
+                    "since_step": d.first[0],
+                    "since": d.first[2],
+                    "last_equal_step": d.last_equal[0] if d.last_equal else None,
+                    "groups": d.groups,
+                    "numel": series.numels.get(d.name),
+                    "still_differs": d.still,
+                }
+                for d in found
+            },
+            "since_step": head.first[0],
+            "since": when_checked(head.first),
+            "last_equal": when_checked(head.last_equal),
+            "cause": cause,
+            "place": place or None,
+            "root_rank": root,
+            "ranks_by_value": head.groups,
+        },
+    )
+
+
+def _unreduced(run: Run, step: int) -> bool:
+    """Some rank had parameters without a gradient, with find_unused_parameters off, by ``step``:
+    DDP never finished that step's reduction (and raises at the next forward)."""
+    for trace in run.ranks.values():
+        for _, at, info in trace.meta.get(schema.UNUSED, []):
+            if info.get("scope") == "local" and at <= step:
+                return True
+        if any(i.get("error") == "unfinished_reduction" for _, _, i in trace.meta.get(schema.DDP_ERROR, [])):
+            return True
+    return False
+
+
+def _ts_bound(series: Series, key: Key, upper: bool = False) -> int:
+    """The earliest (or latest) time any rank took the check ``key``."""
+    times = [c[key].ts for c in series.checks.values() if key in c]
+    return (max if upper else min)(times) if times else (2**62 if upper else -1)
+
+
+def _buffers(series: Series, found: list[Divergence], label: str) -> Finding:
+    names = [d.name for d in found]
+    stats = all(n.rsplit(".", 1)[-1] in _BN_STATS for n in names)
+    ranks = sorted({r for d in found for g in d.groups for r in g})
+    what = "BatchNorm running statistics" if stats else "buffers"
+    return Finding(
+        "buffers_differ",
+        "info" if stats else "warning",
+        ranks,
+        f"{label}: {len(names)} {what} differ across ranks since {when_checked(found[0].first)} "
+        f"({_sized(names, series.numels)}): broadcast_buffers=False keeps each rank's own"
+        + (": expected, evaluation on each rank uses its own statistics" if stats else ""),
+        fix="Expected with broadcast_buffers=False. For the same statistics everywhere use "
+        "SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) or broadcast_buffers=True; evaluate "
+        "or save on one rank knowing its statistics are its own."
+        if stats
+        else "Pass broadcast_buffers=True, or broadcast these buffers from rank 0 after changing them.",
+        details={"model": series.model, "buffers": names, "since_step": found[0].first[0]},
+    )

@@ -1,0 +1,112 @@
+"""Nodes: which ranks ran on nodes whose run dirs were not read, and a node the job lost.
+
+Each node's watcher shares its ranks through the job's store and keeps, in ``watch.json``, when
+it last saw each other node's report change (``nodes``, on its own clock). A node whose report
+stopped while its ranks were still training, before the first failure on the nodes read, is
+the root of the failures that follow: its ranks went away, and the others' "connection closed"
+or timeouts are the consequence. Silence is the evidence: a node's watcher reports four times a
+second whatever its ranks do, so a report that stopped changing for seconds while the leader
+still read every node's key means the watcher itself went away with its node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.trace.reader import Run
+
+SILENT_S = 1.5  # a node reports every 0.25 s, its ranks dead or alive: silent this long, it is gone
+SLACK_S = 0.5  # a report is seen up to one look late
+
+
+@detector
+def other_nodes(run: Run) -> Iterable[Finding]:
+    elsewhere = run.elsewhere
+    if not elsewhere or _lost(run):
+        return
+    nodes: dict[str, list[int]] = {}
+    for rank, where in elsewhere.items():
+        nodes.setdefault(where, []).append(rank)
+    text = "; ".join(f"rank(s) {rank_list(rs)} on {where}" for where, rs in nodes.items())
+    yield Finding(
+        "other_nodes",
+        "info",
+        sorted(elsewhere),
+        f"this diagnosis covers the ranks of {len(run.dirs)} node(s); the job's other ranks ran "
+        f"elsewhere: {text}",
+        fix="For the whole job, pass every node's run directory: ddpdoctor diagnose DIR1 DIR2 ...",
+        details={"world_size": run.world_size, "elsewhere": {str(r): w for r, w in elsewhere.items()}},
+    )
+
+
+@detector
+def node_lost(run: Run) -> Iterable[Finding]:
+    for node, info, first in _lost(run):
+        ranks = [int(r) for r in info.get("ranks") or []]
+        gap = float(info["silent_s"])
+        steps = info.get("steps") or {}
+        at = f" at step {max(steps.values())}" if steps else ""
+        yield Finding(
+            "node_lost",
+            "error",
+            ranks,
+            f"node {node} ({info.get('host')}; rank {rank_list(ranks)}) stopped reporting{at} while its "
+            f"ranks were training and stayed silent for the job's last {gap:.1f} s; rank {first['rank']} "
+            f"failed then ({first['what']}): the job lost that node, and the failures on the others are "
+            "the consequence",
+            fix=f"Find out what happened to {info.get('host')} (its kernel log for the OOM killer or a "
+            "reboot, the scheduler's record, its network); if the node's disk survived, diagnose its run "
+            "dir with the others'. To survive a lost node, run with torchrun --max-restarts and "
+            "checkpoint often enough to resume.",
+            details={
+                "root_rank": min(ranks) if ranks else None,
+                "node": node,
+                "last_seen_s": round(gap, 3),
+                "first_failure": first,
+                **{k: v for k, v in info.items() if k != "steps"},
+            },
+        )
+
+
+def _lost(run: Run) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(node, what the leader last knew of it, the first failure it preceded) for each node
+    whose report stopped, ranks still training, before the first failure on the nodes read."""
+    first = _first_failure(run)
+    if first is None:
+        return []
+    out = []
+    elsewhere = set(run.elsewhere)
+    for watch in run.watches:
+        read = watch.get("nodes_read_wall")
+        for node, info in (watch.get("nodes") or {}).items():
+            ranks = set(int(r) for r in info.get("ranks") or [])
+            seen = info.get("seen_wall")
+            if not ranks or not ranks <= elsewhere or not info.get("running") or not read or not seen:
+                continue
+            silent = float(read) - float(seen)
+            if silent >= SILENT_S and float(seen) <= first["wall"] + SLACK_S:
+                out.append((str(node), {**info, "silent_s": round(silent, 3)}, first))
+    return out
+
+
+def _first_failure(run: Run) -> dict[str, Any] | None:
+    """The earliest rank error or death the watchers of the nodes read saw (their clocks)."""
+    found: list[dict[str, Any]] = []
+    for watch in run.watches:
+        for rank, err in (watch.get("rank_errors") or {}).items():
+            what = f"{err.get('type')}: {_gist(str(err.get('message') or ''))}"
+            found.append({"wall": float(err.get("seen_wall") or 0.0), "rank": int(rank), "what": what})
+        for rank, ex in (watch.get("rank_exits") or {}).items():
+            if not ex.get("exited"):
+                found.append({"wall": float(ex.get("seen_wall") or 0.0), "rank": int(rank), "what": "gone"})
+    return min(found, key=lambda f: f["wall"]) if found else None
+
+
+def _gist(message: str, width: int = 90) -> str:
+    """The message's first line without a C++ source prefix ("[.../pair.cc:553] "), cut at a word."""
+    line = (message.splitlines() or [""])[0]
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " ..."

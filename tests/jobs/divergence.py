@@ -1,0 +1,79 @@
+"""Replicas that drift apart, and healthy twins that must not: one mode per argv[1].
+
+not_synced        a head unfrozen after wrapping, a parameter added after wrapping, and a
+                  module left out of DDP, all trained by the optimizer (never all-reduced)
+ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor broadcasts it)
+bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
+autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
+
+With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
+(the live test runs `ddpdoctor top` meanwhile).
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self, bn: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32) if bn else nn.Identity()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        out = self.head(torch.relu(self.norm(self.body(x))))
+        scale = getattr(self, "scale", None)
+        return out * scale if scale is not None else out
+
+
+def main(mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(160, 16), torch.randint(0, 4, (160,)))
+    sampler = DistributedSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    net = Net(bn=mode == "bn_no_broadcast")
+    side = None
+    if mode == "ckpt_before":
+        path = os.path.join(os.environ.get("CKPT_DIR", "."), "pretrained.pt")
+        if rank == 0:
+            torch.save({k: torch.randn_like(v) for k, v in net.state_dict().items()}, path)
+            net.load_state_dict(torch.load(path))
+    if mode == "not_synced":
+        net.head.requires_grad_(False)
+    options = {"broadcast_buffers": False} if mode == "bn_no_broadcast" else {}
+    if mode == "autocast":
+        options = {"gradient_as_bucket_view": True}
+    model = DDP(net, **options)
+    params = list(model.parameters())
+    if mode == "not_synced":
+        net.head.requires_grad_(True)
+        net.scale = nn.Parameter(torch.ones(4))
+        side = nn.Linear(16, 4)
+        params = list(model.parameters()) + list(side.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                out = model(x) + (side(x) if side is not None else 0)
+                loss = nn.functional.cross_entropy(out.float(), y)
+            loss.backward()
+            opt.step()
+            while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
+                time.sleep(0.05)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

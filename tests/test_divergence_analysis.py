@@ -1,0 +1,94 @@
+"""The divergence analysis on synthetic runs: who differs, since when, why (analysis/divergence.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpdoctor.analysis import diagnose
+from ddpdoctor.rundir import RunDir
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import load_run
+from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
+
+NAMES = ["body.weight", "body.bias", "bn.running_mean", "bn.running_var"]
+
+
+def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2):
+    """A synthetic run whose ranks wrote fingerprints: ``values(rank, step) -> list``, checks at
+    init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more records."""
+    (run_dir,) = write_run(SyntheticJob(ranks=ranks, steps=130), tmp_path / "run")
+    for rank in range(ranks):
+        lines = []
+        for i, (step, at) in enumerate(((-1, "init"), (0, "step"), (63, "step"), (127, "step"))):
+            info = {"model": 0, "at": at, "values": values(rank, step)}
+            if i == 0:
+                info.update(names=names, n_params=n_params, numels=[64] * len(names))
+            lines.append([schema.FINGERPRINT, 10_000 + 1000 * (step + 1), 0, step, info])
+        lines += extra(rank) if extra else []
+        append_records(RunDir(run_dir).trace(rank), lines)
+    return diagnose(load_run([run_dir]))
+
+
+def _mine(diag) -> list:
+    kinds = ("weights_diverged", "gradients_not_synced", "buffers_differ")
+    return [f for f in diag.findings if f.kind in kinds]
+
+
+def test_identical_replicas_say_nothing(tmp_path: Path) -> None:
+    assert _mine(_run(tmp_path, 3, lambda r, s: [s + 10, s + 20, 5, 6])) == []
+
+
+def test_the_rank_that_drifts_is_named_with_the_step_and_its_parameter(tmp_path: Path) -> None:
+    diag = _run(tmp_path, 3, lambda r, s: [s + 10 + (r == 2 and s >= 63), s + 20, 5, 6])
+    (f,) = _mine(diag)
+    assert f.kind == "weights_diverged" and f.severity == "error" and f.ranks == [2]
+    d = f.details
+    assert d["parameters"] == ["body.weight"] and d["root_rank"] == 2 and d["since_step"] == 63
+    assert d["per_parameter"]["body.weight"]["last_equal_step"] == 0
+    assert d["cause"] == "diverged_during_training" and d["ranks_by_value"] == [[0, 1], [2]]
+    assert "since step 63" in f.summary and "body.weight (64 elements)" in f.summary
+
+
+def test_buffers_broadcast_every_forward_may_differ_between_forwards(tmp_path: Path) -> None:
+    assert _mine(_run(tmp_path, 2, lambda r, s: [s, s, 5 + r * (s >= 0), 6 + r * (s >= 0)])) == []
+
+
+def test_weights_loaded_after_wrapping_on_one_rank_name_the_line(tmp_path: Path) -> None:
+    def extra(rank: int) -> list:
+        if rank != 1:
+            return []
+        site = {"id": 0, "file": "/job/train.py", "line": 22, "func": "main"}
+        load = {"target": "model", "class": "Net", "site": 0, "model": 0}
+        return [[schema.SITE, 10_500, 0, -1, site], [schema.LOAD_STATE, 10_600, 0, -1, load]]
+
+    diag = _run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 0), s, 5, 6], extra)
+    (f,) = _mine(diag)
+    assert f.ranks == [1] and f.details["root_rank"] == 1 and f.details["since_step"] == 0
+    assert f.details["cause"] == "weights_loaded_after_wrapping" and f.details["place"] == "train.py:22"
+    assert "before wrapping" in f.fix and diag.has_errors
+
+
+def test_a_thousand_parameters_one_differs(tmp_path: Path) -> None:
+    names = [f"layers.{i}.weight" for i in range(1500)]
+
+    def values(rank: int, step: int) -> list:
+        v = list(range(step, step + 1500))
+        v[977] += rank == 3 and step >= 127
+        return v
+
+    (f,) = _mine(_run(tmp_path, 4, values, names=names, n_params=1500))
+    assert f.details["parameters"] == ["layers.977.weight"] and f.ranks == [3]
+    assert f.details["since_step"] == 127
+
+
+def test_a_reduction_that_never_finished_makes_divergence_a_consequence(tmp_path: Path) -> None:
+    """Unused parameters without find_unused_parameters: DDP never finishes step 0's all-reduce,
+    each rank steps with its own gradients; the cause is unused_parameters, not a load."""
+
+    def extra(rank: int) -> list:
+        return [[schema.UNUSED, 10_900, 0, 0, {"params": [0], "used_on_ranks": None, "scope": "local"}]]
+
+    diag = _run(tmp_path, 2, lambda r, s: [s + r * (s >= 0), s, 5, 6], extra)
+    (f,) = _mine(diag)
+    assert f.severity == "info" and f.details["cause"] == "gradients_not_reduced"
+    assert f.summary.startswith("(a consequence of unused_parameters)")

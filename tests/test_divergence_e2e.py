@@ -1,0 +1,90 @@
+"""Replicas that disagree, found in real torchrun jobs (2 ranks, gloo); healthy twins stay quiet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, REPO, diagnose_json, diagnose_proc, read_lines, run_doctor, torchrun
+
+from ddpdoctor.rundir import RunDir
+from ddpdoctor.trace import schema
+
+pytestmark = pytest.mark.e2e
+ZOO = REPO / "tests" / "zoo"
+
+
+def _fingerprints(run_dir: Path, rank: int) -> list[tuple[int, dict]]:
+    lines = read_lines(RunDir(run_dir).trace(rank))
+    return [(line[3], line[4]) for line in lines if line[0] == schema.FINGERPRINT]
+
+
+def test_weights_loaded_after_wrapping_are_an_error_with_rank_step_cause_and_fix(tmp_path: Path) -> None:
+    """The issue's reproduction: rank 0 loads weights into ddp.module after wrapping."""
+    job = run_doctor(tmp_path, torchrun(2, ZOO / "weights_loaded_after_wrap.py"))
+    assert job.returncode == 0, job.stderr  # the job itself succeeds, as without ddpdoctor
+    out = " ".join(job.stderr.split())  # the closing summary, unwrapped
+    assert "ERROR weights_diverged [rank 0]" in out and "No problems found" not in out
+    assert "0.weight (512 elements)" in out and "2.bias (4 elements)" in out
+    assert "since step 0" in out and "loaded weights after wrapping" in out
+    assert "weights_loaded_after_wrap.py:22" in out and "before wrapping" in out
+
+    proc = diagnose_proc(job.run_dir)
+    assert proc.returncode == 1  # an error finding
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["severity"] == "error" and f["ranks"] == [0] and f["details"]["root_rank"] == 0
+    assert f["details"]["parameters"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert f["details"]["since_step"] == 0 and f["details"]["cause"] == "weights_loaded_after_wrapping"
+    assert all(p["still_differs"] for p in f["details"]["per_parameter"].values())  # to the end
+
+
+def test_gradients_that_never_sync_are_named_with_their_size_and_cause(tmp_path: Path) -> None:
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "not_synced"))
+    assert job.returncode == 0, job.stderr
+    found = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "gradients_not_synced"]
+    by_cause = {f["details"]["cause"]: f for f in found}
+    assert set(by_cause) == {"requires_grad_after_wrapping", "added_after_wrapping", "outside_ddp"}
+    unfrozen = by_cause["requires_grad_after_wrapping"]
+    assert unfrozen["details"]["numels"] == {"head.weight": 128, "head.bias": 4}
+    assert "head.weight (128 elements)" in unfrozen["summary"] and "requires_grad" in unfrozen["fix"]
+    assert by_cause["added_after_wrapping"]["details"]["parameters"] == ["scale"]
+    assert by_cause["outside_ddp"]["details"]["numels"] == {
+        "param_groups[0][5] [4, 16]": 64,
+        "param_groups[0][6] [4]": 4,
+    }
+    for f in found:  # each rank trains them on its own batches: they drift apart at once
+        assert f["severity"] == "error" and f["ranks"] == [0, 1] and f["details"]["since_step"] == 0
+    # The registered body is all-reduced: it is not among the diverged weights.
+    assert not [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "ckpt_before",  # rank 0 loads before wrapping: the constructor's broadcast syncs it
+        "bn_no_broadcast",  # BatchNorm statistics differ by rank: a note at most
+        "autocast",  # bf16 autocast and gradient_as_bucket_view=True
+        "zoo/lightning_healthy_sync_dist.py",
+        "zoo/accelerate_healthy.py",
+    ],
+)
+def test_healthy_twins_are_checked_and_stay_quiet(tmp_path: Path, script: str) -> None:
+    if script.startswith("zoo/"):
+        command = torchrun(2, REPO / "tests" / script)
+    else:
+        command = torchrun(2, JOBS / "divergence.py", script)
+    job = run_doctor(tmp_path, command, CKPT_DIR=str(tmp_path))
+    assert job.returncode == 0, job.stderr
+    found = diagnose_json(job.run_dir)["findings"]
+    assert [f["kind"] for f in found if f["severity"] != "info"] == []
+    notes = {f["kind"] for f in found}
+    assert ("buffers_differ" in notes) == (script == "bn_no_broadcast")
+    # Not silent for want of looking: every rank fingerprinted at construction and after step 0,
+    # and the parameters (the buffers, under broadcast_buffers=False, may differ) agree.
+    checks = [_fingerprints(job.run_dir, rank) for rank in (0, 1)]
+    for rank_checks in checks:
+        assert [info["at"] for _, info in rank_checks][:2] == ["init", "step"]
+    first = checks[0][0][1]
+    params = first["n_params"]
+    for (s0, a), (s1, b) in zip(checks[0], checks[1], strict=True):
+        assert s0 == s1 and a["at"] == b["at"] and a["values"][:params] == b["values"][:params]
