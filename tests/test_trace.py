@@ -226,3 +226,22 @@ def test_export_writes_each_rank_as_json_lines_that_read_back(tmp_path: Path) ->
     (tmp_path / "none").mkdir()
     empty = subprocess.run([sys.executable, "-m", "ddpdoctor", "export", str(tmp_path / "none"), "-fjsonl"])
     assert empty.returncode == 2
+
+
+@pytest.mark.parametrize("keep", [3, 20, 60])
+def test_a_cut_header_block_keeps_the_events_and_metadata_on_one_clock(tmp_path: Path, keep: int) -> None:
+    """A disk that filled during the header's write (its first bytes only, the later blocks
+    appended after them): the rank's events and records still read, on its monotonic clock."""
+    path = tmp_path / "trace-rank1.bin"
+    w = write_events(path, 4)
+    w.put((schema.RAISED, 5_002_000_000, 5_003_000_000, 2, {"kind": schema.COLLECTIVE, "fields": []}))
+    w.close()
+    data = path.read_bytes()
+    end = next(binfmt.blocks(data))[2]
+    path.write_bytes(data[:keep] + data[end:])  # the header block's first bytes only
+    with pytest.raises(TraceError, match="no trace header"):
+        read_trace(path)  # no rank to stand in for it
+    t = read_trace(path, 1)
+    assert t.header == {"rank": 1, "header_cut": True} and t.skipped_lines == 1
+    assert t.steps == 4 and t.kind(schema.FORWARD).ts.tolist()[:2] == [5_000_000, 5_001_000]
+    assert [(ts, step) for ts, step, _ in t.meta[schema.RAISED]] == [(5_002_000, 2)]

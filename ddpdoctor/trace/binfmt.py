@@ -109,9 +109,9 @@ def decode(data: bytes, events: bool = True) -> Decoded:
     pieces: dict[int, list[memoryview]] = {}
     view = memoryview(data)
     pos = 0
-    if is_binary(data) and _unreadable_head(data):
+    if data and _unreadable_head(data):
         out.header_cut = True
-        pos = _resync(data, _BLOCK.size)
+        pos = _resync(data, 1)
         kinds = {i + 1: (name, schema.record_dtype(spec)) for i, (name, spec, _) in enumerate(layout())}
         for name, spec, names in layout():
             out.specs[name], out.names[name] = spec, tuple(names)

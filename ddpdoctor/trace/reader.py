@@ -86,7 +86,7 @@ def read_trace(path: Path, rank: int | None = None) -> RankTrace:
     ddpdoctor (saying which version it needs). A trace whose header was cut keeps its events
     under a stand-in header, filled in by ``recover.restore_headers``."""
     data = Path(path).read_bytes()
-    if binfmt.is_binary(data):
+    if binfmt.is_binary(data) or Path(path).suffix == ".bin":  # .bin: its header may be cut
         return _read_binary(Path(path), data, rank)
     return _read_jsonl(Path(path), _records(path, data), rank)
 

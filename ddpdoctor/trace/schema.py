@@ -4,7 +4,9 @@ One file per rank, ``trace-rank{R}.bin`` (``trace-rank{R}-attempt{N}.bin`` after
 restart), in the run directory: blocks appended by the rank (``trace/binfmt.py``), the events as
 fixed-size records of each kind's declared layout (``record_dtype`` of its ``spec`` below),
 strings and other variable-length values interned once in a side table, header and metadata
-records as JSON. A torn last block (a rank killed mid-write) is dropped and counted.
+records as JSON. A torn last block (a rank killed mid-write) is dropped and counted; a cut or
+damaged header block (a disk that filled at the first write) loses only the header, which
+``trace/recover.py`` stands in for.
 ``ddpdoctor export --format jsonl`` writes each rank's trace as the JSON lines of version 2
 (``trace-rank{R}.jsonl``, which the reader also reads), as described below.
 
