@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Set-up in two commands, on a fresh clone with only Python 3.10+ and pip:
+"""Set-up in two commands, on a fresh clone with only Python 3.11+ and pip:
 
     python3 dev.py demo    # .venv in the checkout (torch pinned, ddpdoctor), then the demo
-    python3 dev.py test    # the test extras and Chromium where the system allows, then the suite
+    python3 dev.py test    # the test extras and Chromium where the system allows, ruff, then the suite
 
 Each install step is skipped while its stamp in .venv matches pyproject.toml, so a second run
 goes straight to the demo or the tests. Arguments after ``test`` go to pytest.
@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
         return subprocess.run([str(BIN / "ddpdoctor"), "demo", *argv[1:]], cwd=ROOT).returncode
     installed("test-installed", "-e", ".[test]")
     chromium()
+    for lint in (["check", "."], ["format", "--check", "."]):  # the style CI holds us to, first
+        if subprocess.run([str(BIN / "ruff"), *lint], cwd=ROOT).returncode:
+            return 1
     return subprocess.run([str(PY), "-m", "pytest", "-q", *argv[1:]], cwd=ROOT).returncode
 
 

@@ -1,5 +1,5 @@
 """Is the diagnosis right on the pathology zoo? Every case is a small real job (tests/zoo/*.py,
-or another folder of such scripts with ``--zoo``, e.g. the held-out tests/heldout/) run under the
+or another folder of such scripts with ``--zoo``, e.g. new held-out cases) run under the
 real CLI, 2 ranks with gloo, then judged against the expectation declared in the script itself
 (its module-level ``EXPECT``):
 
@@ -21,7 +21,7 @@ an ``EXPECT`` may say more (case-insensitive; every key optional):
                                     # where its facts do not hold)
 
     python benchmarks/diagnosis_accuracy.py [--jobs 2] [--only uneven,lightning] [--json out.json]
-    python benchmarks/diagnosis_accuracy.py --zoo tests/heldout   # score another folder of cases
+    python benchmarks/diagnosis_accuracy.py --zoo DIR   # score another folder of cases
     python benchmarks/diagnosis_accuracy.py --keep runs/      # keep every case's run directory
     python benchmarks/diagnosis_accuracy.py --rejudge runs/   # diagnose kept runs again, no jobs
 """

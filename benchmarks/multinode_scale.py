@@ -63,7 +63,7 @@ def node_sim(port: int, nodes: list[int], per_node: int, world: int, clock: Any,
     """Non-leading watchers: each look, write the node's key and read the job's state."""
     import torch.distributed as dist
 
-    from ddpdoctor.analysis.proof import Activity
+    from ddpdoctor.analysis.hung.proof import Activity
     from ddpdoctor.supervisor import board
     from ddpdoctor.supervisor.jobview import NodeView
 

@@ -10,6 +10,7 @@ FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (default 0
 BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before dropping (65536)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
+STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
 PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)
 
 

@@ -94,6 +94,10 @@ def run(
     Example:  ddpdoctor run -- torchrun --nproc_per_node 2 train.py --epochs 3
     The job's output, results and exit code are unchanged; ddpdoctor adds one banner line,
     a closing summary (on stderr) and a run directory holding every rank's trace.
+
+    Multi-node: one `ddpdoctor run` per node. Under torchrun --nnodes N the nodes share their
+    ranks' liveness through the job's own rendezvous store and print one verdict for the whole
+    job (DDPDOCTOR_STORE=host:port names another store, =off keeps each node to itself).
     """
     watch = _watch_options(hang_timeout, on_hang)
     sys.exit(_run_and_summarise(list(command), out, watch, _nvml_interval(nvml_interval, no_nvml)))

@@ -11,10 +11,11 @@ from typing import Any, NoReturn
 import click
 
 from ddpdoctor.rundir import RunDir
+from ddpdoctor.supervisor import launch
 
 EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
-EXIT_HANG_KILLED = 124  # `run --on-hang kill` stopped a hung job
+EXIT_HANG_KILLED = launch.EXIT_HANG_KILLED  # `run --on-hang kill` stopped a hung job: declared there
 
 
 def fail(message: str, as_json: bool, schema: str, **fields: Any) -> NoReturn:

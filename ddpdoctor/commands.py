@@ -111,7 +111,7 @@ def compare(run_dir_a: str, run_dir_b: str, as_json: bool) -> None:
     Example:  ddpdoctor compare ddpdoctor-runs/before ddpdoctor-runs/after
     Findings present in one run but not the other are listed. Exits 2 on unreadable input.
     """
-    from ddpdoctor.analysis.compare import compare as compare_runs
+    from ddpdoctor.analysis.slow.compare import compare as compare_runs
     from ddpdoctor.reports import compare as compare_report
 
     schema = "ddpdoctor.compare/1"

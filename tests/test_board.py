@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ddpdoctor.analysis.proof import Activity, judge
+from ddpdoctor.analysis.hung.proof import Activity, judge
 from ddpdoctor.supervisor.jobview import JobView, NodeView, nodes_text
 from ddpdoctor.supervisor.layout import Layout, parse_layout
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.device import clock, device_timed
-from ddpdoctor.analysis.gradsync import exposed_comm_us
+from ddpdoctor.analysis.slow.device import clock, device_timed
+from ddpdoctor.analysis.slow.gradsync import exposed_comm_us
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 from ddpdoctor.trace.simulate import BASE_MS, Slowdown, simulate_run

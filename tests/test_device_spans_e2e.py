@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import JOBS, run_doctor, torchrun
 from test_export import check_structure
 from test_reports import doctor
@@ -13,6 +14,8 @@ from test_reports import doctor
 from ddpdoctor.reports import chrome
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import load_run
+
+pytestmark = pytest.mark.e2e
 
 
 def test_fake_gpu_job_records_a_device_span_for_every_cpu_span(tmp_path: Path) -> None:

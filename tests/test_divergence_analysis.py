@@ -1,4 +1,4 @@
-"""The divergence analysis on synthetic runs: who differs, since when, why (analysis/divergence.py)."""
+"""The divergence analysis on synthetic runs: who differs, since when, why (analysis/misuse/divergence.py)."""
 
 from __future__ import annotations
 

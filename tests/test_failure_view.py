@@ -12,7 +12,7 @@ import pytest
 
 from ddpdoctor import reports
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.failure_parts import stack_groups
+from ddpdoctor.analysis.failed.failure_parts import stack_groups
 from ddpdoctor.reports import chrome, json_report, terminal
 from ddpdoctor.reports import html as html_report
 from ddpdoctor.rundir import RunDir

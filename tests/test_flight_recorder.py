@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpdoctor.analysis import flight
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.hung import flight
 from ddpdoctor.probes import flight_recorder
 from ddpdoctor.supervisor.launch import job_environment
 from tests.conftest import JOBS, diagnose_json, run_doctor, torchrun
@@ -99,6 +99,7 @@ def test_merge_adds_each_ranks_state_to_the_finding(tmp_path: Path) -> None:
     assert flight.merge(untouched, tmp_path / "absent").summary == "x"
 
 
+@pytest.mark.e2e
 def test_rank0_evaluation_hang_names_each_ranks_pending_collective(tmp_path: Path) -> None:
     """Real gloo job: rank 0 evaluates through the wrapper (buffer broadcast) while rank 1
     waits in a barrier. The ranks dump their Flight Recorder entries when the hang is caught."""
@@ -135,7 +136,7 @@ def _fr(op: str | None, seq: int = 5, sizes: list | None = None, done: int = 4) 
 
 
 def test_the_flight_recorder_confirms_where_the_ranks_parted() -> None:
-    from ddpdoctor.analysis.flight import parting
+    from ddpdoctor.analysis.hung.flight import parting
 
     assert "rank 0 broadcast #5" in parting({0: _fr("broadcast"), 1: _fr("barrier")})
     assert parting({0: _fr("all_reduce", sizes=[[4]]), 1: _fr("all_reduce", sizes=[[8]])})

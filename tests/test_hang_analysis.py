@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.hang import analyse, is_user_frame, main_thread, user_frame
+from ddpdoctor.analysis.hung.hang import analyse, main_thread, user_frame
 from ddpdoctor.probes.startup import classify
-from ddpdoctor.supervisor.stacks import parse_faulthandler
 from ddpdoctor.supervisor.statuses import adaptive_threshold, sync_wait_s
 from ddpdoctor.supervisor.watch import Watcher
 from ddpdoctor.trace.reader import load_run
+from ddpdoctor.trace.stacktext import is_user_frame, parse_faulthandler
 
 TORCH = "/usr/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"
 
@@ -69,10 +69,22 @@ def test_rank0_evaluation_through_the_wrapper() -> None:
     assert finding["kind"] == "hang" and finding["details"]["ranks"]["0"]["user_frame"]["line"] == 88
 
 
-def test_skipped_barrier_blames_the_ranks_outside_it() -> None:
+def test_a_barrier_against_another_collective_claims_no_skip_in_one_look() -> None:
+    # A rank that skipped the barrier and a rank that logs alone look the same here: the
+    # ledger, which knows the lines each rank executed, decides after the run.
     statuses = {0: status(0, "collective", "barrier"), 1: status(1, "collective", "all_reduce")}
     diag = analyse(statuses, {}, threshold_s=3)
-    assert diag.pattern == "skipped_barrier" and diag.culprits == [1]
+    assert diag.pattern == "collective_order" and diag.culprits == [0, 1]
+    assert "skipped" not in diag.explanation and "dist.barrier() on every rank" not in diag.fix
+
+
+def test_same_op_with_another_root_is_a_mismatch_not_a_stuck_backend() -> None:
+    statuses = {r: status(r, "collective", "broadcast") for r in (0, 1)}
+    for r in (0, 1):
+        statuses[r]["phase"].update(dtype="int64", numel=1, root=r, ranks="")
+    diag = analyse(statuses, {}, threshold_s=3)
+    assert diag.pattern == "collective_mismatch" and "rank 0 src=0, rank 1 src=1" in diag.explanation
+    assert "src" in diag.fix and "NCCL" not in diag.fix
 
 
 def test_different_order_of_collectives() -> None:
@@ -308,3 +320,10 @@ def status_at(rank: int, now: float, since: float, **kw) -> dict:
     name = kw.pop("name")
     op = kw.pop("op", "")
     return status(rank, name, op=op, since=since, **kw) | {"heartbeat_wall": now}
+
+
+def test_a_new_group_only_some_ranks_create_is_named_with_its_fix() -> None:
+    statuses = {0: status(0, "collective", "new_group"), 1: status(1, "collective", "all_reduce")}
+    diag = analyse(statuses, {}, threshold_s=3)
+    assert diag.culprits == [0] and "create a process group (new_group)" in diag.explanation
+    assert "new_group(...) on every rank" in diag.fix

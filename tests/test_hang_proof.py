@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.proof import CONFIRM_S, Activity, judge
+from ddpdoctor.analysis.hung.proof import CONFIRM_S, Activity, judge
 from ddpdoctor.supervisor.activity import ActivityTracker
 from ddpdoctor.supervisor.waits import WaitNotes
 from ddpdoctor.trace.reader import load_run
@@ -36,10 +36,34 @@ def test_sizes_that_differ_are_proven_but_object_ops_are_not() -> None:
     a = st(0, "collective", "all_reduce", phase={"bytes": 16})
     b = st(1, "collective", "all_reduce", phase={"bytes": 32})
     v = judge({0: a, 1: b}, {}, NOW)
-    assert v.state == "proven" and "size of all_reduce #7" in v.proof and "16 bytes" in v.proof
+    assert v.state == "proven" and "all_reduce's size at collective #7" in v.proof and "16 bytes" in v.proof
     a = st(0, "collective", "all_gather_object", phase={"bytes": 16})
     b = st(1, "collective", "all_gather_object", phase={"bytes": 32})
     assert judge({0: a, 1: b}, {}, NOW).state == "blocked"
+
+
+def sig(rank: int, op: str, **fields) -> dict:
+    base = {"dtype": "float32", "numel": 4, "root": -1, "ranks": "", "bytes": 16}
+    return st(rank, "collective", op, phase=base | fields)
+
+
+def test_every_part_of_the_signature_is_compared_and_named() -> None:
+    v = judge({0: sig(0, "broadcast", root=0), 1: sig(1, "broadcast", root=1)}, {}, NOW)
+    assert v.state == "proven"
+    assert v.proof == "ranks disagree on the broadcast's src at collective #7: rank 0 src=0, rank 1 src=1"
+    v = judge({0: sig(0, "all_reduce"), 1: sig(1, "all_reduce", dtype="float64", bytes=32)}, {}, NOW)
+    assert v.state == "proven" and "all_reduce's dtype" in v.proof and "rank 1 float64" in v.proof
+    v = judge({0: sig(0, "all_reduce", numel=4), 1: sig(1, "all_reduce", numel=5, bytes=20)}, {}, NOW)
+    assert "element count" in v.proof and "rank 1 5 elements" in v.proof
+    same = {r: sig(r, "broadcast", root=0) for r in (0, 1)}
+    assert judge(same, {}, NOW).state == "blocked", "one signature on every rank: nothing proven"
+
+
+def test_a_new_group_that_only_some_ranks_create_is_named() -> None:
+    ng = st(0, "collective", "new_group", phase={"dtype": "", "numel": 0, "root": -1, "ranks": "0 1"})
+    v = judge({0: ng, 1: sig(1, "all_reduce")}, {}, NOW)
+    assert v.state == "proven" and v.culprits == [0]
+    assert "rank(s) 0 create a process group (new_group) that rank(s) 1 do not" in v.proof
 
 
 def test_ranks_at_different_sequence_numbers_are_proven() -> None:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.ledger import build, first_divergence
-from ddpdoctor.analysis.periodic import period_of
-from ddpdoctor.analysis.phases import exclusive_durations
+from ddpdoctor.analysis.failed.ledger import build
+from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.slow.periodic import period_of
+from ddpdoctor.analysis.slow.phases import exclusive_durations
 from ddpdoctor.trace.reader import load_run
 
 LOADER = {"id": 7, "sampler": "DistributedSampler", "batch_size": 8, "dataset_len": 128, "batches": 8}
@@ -91,7 +92,9 @@ def test_different_sizes_at_one_sequence_number_are_a_mismatch_with_both_sites(t
         _write(tmp_path, rank, [*_steps(3, loader=False), site, coll])
     ledgers = build(load_run([tmp_path]))
     div = first_divergence(ledgers)
-    assert div is not None and div.what == "mismatch" and div.evidence == {"seq": 9, "differs": "size"}
+    assert div is not None and div.what == "mismatch" and div.evidence["seq"] == 9
+    assert div.evidence["differs"] == "size"
+    assert "rank 0 8 bytes, rank 1 12 bytes" in div.evidence["disagreement"]
     f = _kinds(tmp_path)["collective_mismatch"]
     assert "train.py:27" in f["summary"] and "train.py:28" in f["summary"] and "size" in f["fix"]
 
@@ -234,3 +237,91 @@ def test_a_rank_killed_outside_any_collective_stays_a_rank_failure(tmp_path: Pat
     findings = diagnose(load_run([tmp_path])).findings
     assert any(f.kind == "rank_failure" and 1 in f.ranks and "SIGABRT" in f.summary for f in findings)
     assert not any(f.kind in ("rank_only_collective", "collective_mismatch") for f in findings)
+
+
+def _skipping(n: int, skipped: int) -> list[list]:
+    """n steps whose all-reduces carry the backend's sequence numbers, without step ``skipped``'s."""
+    out, seq = [], 3
+    for rec in _steps(n):
+        if rec[0] == "allreduce":
+            if rec[3] == skipped:
+                continue
+            rec = [*rec[:6], seq]
+            seq += 1
+        out.append(rec)
+    return out
+
+
+def test_a_sync_point_matched_across_steps_is_the_first_divergence_and_names_the_skipped_step(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 ran step 2's forward but no all-reduce: its step 3 pairs with rank 0's step 2.
+    _write(tmp_path, 0, _skipping(6, skipped=-1), end=False)
+    _write(tmp_path, 1, _skipping(6, skipped=2), end=False)
+    div = first_divergence(build(load_run([tmp_path])))
+    assert div is not None and div.what == "steps" and div.root == 1
+    assert div.evidence == {"seq": 5, "steps": {0: 2, 1: 3}}
+    f = _kinds(tmp_path)["skipped_gradient_sync"]
+    assert f["details"]["root_rank"] == 1 and f["details"]["step"] == 2
+    assert "rank 1 ran step 2's forward at train.py:21 but no gradient all-reduce" in f["summary"]
+
+
+def test_the_same_schedule_on_every_rank_is_no_divergence(tmp_path: Path) -> None:
+    for rank in (0, 1):  # both skip step 2's all-reduce (no_sync on every rank)
+        _write(tmp_path, rank, _skipping(6, skipped=2))
+    assert first_divergence(build(load_run([tmp_path]))) is None
+    assert "skipped_gradient_sync" not in _kinds(tmp_path)
+
+
+def test_a_broadcast_whose_src_differs_is_a_mismatch_that_names_the_src(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        site = ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 30, "func": "main"}]
+        sig = ["signature", 5, 0, 2, {"id": 0, "dtype": "int64", "numel": 1, "root": rank, "ranks": ""}]
+        coll = ["collective", 5000, 30, 2, "broadcast", 8, "WORLD", 2, 9, 0, 1, 0]
+        _write(tmp_path, rank, [*_steps(3, loader=False), site, sig, coll])
+    f = _kinds(tmp_path)["collective_mismatch"]
+    said = "ranks disagree on the broadcast's src at collective #9: rank 0 src=0, rank 1 src=1"
+    assert said in f["summary"]
+    assert "src=0" in f["fix"]
+
+
+def test_a_timeout_is_charged_to_the_work_the_waiting_rank_awaited(tmp_path: Path) -> None:
+    # Rank 0 waited 3 s in monitored_barrier and raised; rank 1 was in its own function when the
+    # launcher stopped it (the stack it left): the root is rank 1's work, rank 0's error follows.
+    site = ["site", 5, 0, 2, {"id": 1, "file": "/job/train.py", "line": 34, "func": "main"}]
+    barrier = ["collective", 5000, 3_000_000, 2, "monitored_barrier", 0, "WORLD", 2, 9, 0, 1, 0]
+    message = "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 3000 ms\nTimed out waiting 3000ms"
+    error = {"type": "RuntimeError", "message": message, "thread": "MainThread"}
+    _write(tmp_path, 0, [*_steps(3, loader=False), site, barrier], error=error)
+    _write(tmp_path, 1, _steps(3, loader=False), end=False)
+    stack = (
+        "Current thread 0x00007fe1ed408b80 (most recent call first):\n"
+        '  File "/job/train.py", line 19 in rebuild_feature_cache\n'
+        '  File "/job/train.py", line 33 in main\n'
+        '  File "/job/train.py", line 39 in <module>\n'
+    )
+    end = {"how": "signal", "signal": "SIGSEGV", "stack": stack, "at_wall": 9.0, "consequence": False}
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": {"1": end}}))
+    assert "awaited_work" not in _kinds(tmp_path), "a rank that crashed on its own was not awaited"
+    stopped = dict(end, signal="SIGTERM", consequence=True, source="the launcher, after rank 0 failed")
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": {"1": stopped}}))
+    found = _kinds(tmp_path)
+    f = found["awaited_work"]
+    assert f["ranks"] == [1] and f["severity"] == "error" and f["details"]["place"] == "train.py:19"
+    assert "rank 1 was running rebuild_feature_cache() at train.py:19" in f["summary"]
+    assert "rank 0 waited 3.0 s in monitored_barrier #9 at train.py:34" in f["summary"]
+    assert "monitored_barrier(timeout=...)" in f["fix"] and "rank_failure" not in found
+
+
+def test_models_that_differ_by_rank_are_set_side_by_side(tmp_path: Path) -> None:
+    message = "[1]: params[2] in this process with sizes [8, 32] appears not to match sizes"
+    for rank, classes in ((0, 4), (1, 8)):
+        shapes = [["0.weight", [32, 16], "Linear"], ["2.weight", [classes, 32], "Linear"]]
+        info = {"error": "ddp_init", "message": message, "module": "Sequential", "shapes": shapes}
+        frames = [["/job/train.py", 19, "main"], ["/usr/lib/python3/site-packages/torch/nn/x.py", 5, "f"]]
+        error = {"type": "RuntimeError", "message": message, "thread": "MainThread", "frames": frames}
+        _write(tmp_path, rank, [["ddp_error", 10, 0, -1, info]], error=error)
+    found = _kinds(tmp_path)
+    f = found["model_differs"]
+    assert "module '2' (Linear) differs: 2.weight: rank 0 [4, 32], rank 1 [8, 32]" in f["summary"]
+    assert f["details"]["place"] == "train.py:19" and "rank_failure" not in found

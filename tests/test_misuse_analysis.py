@@ -27,3 +27,17 @@ def test_checkpoints_on_different_hosts_are_different_files() -> None:
         trace.header["host"] = f"node{rank}"
         trace.meta[schema.SAVE] = [(0, 7, {"path": "/local/ckpt.pt", "module_prefix": False})]
     assert "duplicate_checkpoint_writes" not in {f.kind for f in diagnose(run).findings}
+
+
+def test_a_parameter_no_rank_ever_trains_is_a_warning_whatever_find_unused_parameters_says() -> None:
+    for used, severity in ((0, "warning"), (1, "info")):  # used on no rank / on one rank of two
+        run = simulate_run(world=2, steps=8)
+        for trace in run.ranks.values():
+            trace.meta[schema.UNUSED] = [
+                (0, s, {"params": [1], "used_on_ranks": [used], "scope": "global"}) for s in range(8)
+            ]
+        (f,) = [f for f in diagnose(run).findings if f.kind == "unused_parameters"]
+        assert f.severity == severity and "needed" not in f.summary
+        if used == 0:
+            assert "never trained" in f.summary and f.details["never_trained"] == ["#1"]
+            assert "connect" in f.fix

@@ -16,7 +16,7 @@ import pytest
 from conftest import JOBS, read_lines, run_doctor, run_plain, torchrun
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.gpu import expected_gpu, gpu_view, missing_text
+from ddpdoctor.analysis.slow.gpu import expected_gpu, gpu_view, missing_text
 from ddpdoctor.reports import chrome, html, json_report, terminal
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor import nvml

@@ -7,7 +7,7 @@ from functools import reduce
 import numpy as np
 import pytest
 
-from ddpdoctor.analysis.phases import StepGrid, first_per_step, last_per_step, percentiles
+from ddpdoctor.analysis.slow.phases import StepGrid, first_per_step, last_per_step, percentiles
 
 
 @pytest.mark.parametrize("in_order", [True, False])

@@ -13,7 +13,7 @@ from conftest import JOBS, job_env, run_doctor, torchrun
 
 from ddpdoctor import reports
 from ddpdoctor.analysis import Finding, diagnose
-from ddpdoctor.analysis.views import LATENESS_AT_LAST_BUCKET
+from ddpdoctor.analysis.slow.views import LATENESS_AT_LAST_BUCKET
 from ddpdoctor.reports import html, terminal
 from ddpdoctor.reports.timeline import choose_steps
 from ddpdoctor.trace.reader import load_run

@@ -11,7 +11,7 @@ STEP_MS = sum(BASE_MS.values())
 
 
 def stragglers(run):
-    return [f for f in diagnose(run).findings if f.kind.startswith("straggler")]
+    return [f for f in diagnose(run).findings if f.kind.startswith("straggler") or f.kind == "slow_node"]
 
 
 @pytest.mark.parametrize("phase", ["data_wait", "forward", "backward", "optimizer", "other"])
@@ -80,7 +80,7 @@ def test_two_noisy_ranks_in_a_short_run_are_not_stragglers() -> None:
 
 
 def test_chance_of_being_latest() -> None:
-    from ddpdoctor.analysis.straggler import by_chance
+    from ddpdoctor.analysis.slow.straggler import by_chance
 
     assert by_chance(7, 11, 2) > 0.2  # a coin
     assert by_chance(11, 11, 2) < 0.001
@@ -88,3 +88,17 @@ def test_chance_of_being_latest() -> None:
     assert by_chance(10, 40, 4) > 0.4  # a quarter of the steps is what any rank gets
     assert by_chance(6000, 10000, 1024) < 1e-300  # long runs, many ranks: no float overflow
     assert by_chance(10, 10000, 1024) > 0.5
+
+
+def test_a_node_whose_every_rank_is_late_is_a_slow_node_not_one_rank_now_and_then() -> None:
+    # Node 1 (ranks 2, 3) is slow in data loading: whichever of its two ranks is the latest
+    # changes from step to step, so neither is a straggler alone; the node is.
+    slow = Slowdown(2, "data_wait", 0.2 * STEP_MS, also=(3,))
+    run = simulate_run(world=4, steps=40, slow=slow, ranks_per_host=2)
+    found = stragglers(run)
+    assert [(f.kind, f.severity, f.ranks) for f in found] == [("slow_node", "warning", [2, 3])]
+    assert "node node1 is slow as a whole" in found[0].summary and found[0].details["phase"] == "data_wait"
+    healthy = simulate_run(world=4, steps=40, ranks_per_host=2)
+    assert stragglers(healthy) == []
+    one = simulate_run(world=4, steps=40, slow=Slowdown(2, "data_wait", 0.2 * STEP_MS), ranks_per_host=2)
+    assert [f.kind for f in stragglers(one)] == ["straggler"], "one slow rank of a node is that rank"

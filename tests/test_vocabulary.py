@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.phases import rank_phases
+from ddpdoctor.analysis.slow.phases import rank_phases
 from ddpdoctor.reports import chrome, html
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema

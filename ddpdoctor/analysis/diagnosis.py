@@ -7,13 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import causes, frameworks, gpu, gpu_findings, views
-from ddpdoctor.analysis.failure import FailureView, failure_view
+from ddpdoctor.analysis.failed import causes
+from ddpdoctor.analysis.failed.failure import FailureView, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
-from ddpdoctor.analysis.gradsync import bucket_layout, bucket_stats
-from ddpdoctor.analysis.models import ddp_models
-from ddpdoctor.analysis.phases import rank_phases, step_times
-from ddpdoctor.analysis.views import Lateness
+from ddpdoctor.analysis.misuse import frameworks
+from ddpdoctor.analysis.misuse.models import ddp_models
+from ddpdoctor.analysis.slow import gpu, gpu_findings, views
+from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
+from ddpdoctor.analysis.slow.phases import rank_phases, step_times
+from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run
@@ -107,7 +109,7 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     """When the ledgers name a cause at error level, the other ranks' failures are its
     consequences: kept in its evidence, not beside it as causes. The live hang verdict stays
     (it is what ``run`` printed) and says which cause it is a consequence of."""
-    from ddpdoctor.analysis.causes import CAUSE_KINDS
+    from ddpdoctor.analysis.failed.causes import CAUSE_KINDS
 
     periodic = {r for f in findings if f.kind == "periodic_rank_work" for r in f.ranks}
     findings = [f for f in findings if not (f.kind == "straggler_occasional" and set(f.ranks) <= periodic)]
@@ -119,11 +121,18 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
     label = f"{cause.kind}" + (f" on rank {root}" if root is not None else "")
     kept = []
     for f in findings:
-        if f.kind in _FOLDED:
+        if f.kind in _FOLDED or (
+            cause.kind == "awaited_work" and f.kind == "rank_only_work" and f.ranks == cause.ranks
+        ):  # the same wait, already charged to the awaited work
             cause.details.setdefault("consequences", []).append(f"{f.kind}: {f.summary}")
             continue
         if f.kind in _LABELLED:
             f.details["consequence_of"] = {"kind": cause.kind, "root_rank": root}
+            if f.details.get("pattern") == "backend_stuck":  # a rank is implicated: not the backend
+                f.summary = f.summary.split(": the backend itself is stuck")[0] + "."
+            # the pattern's own template is about the symptom: the cause's fix is the one to apply
+            f.details["pattern_fix"] = f.fix
+            f.fix = f"Fix the cause above ({label}): this hang follows from it."
             f.summary = f"(a consequence of {label}) {f.summary}"
         if f is not cause:
             kept.append(f)

@@ -257,7 +257,7 @@ def probe_breakdown(run: Any, warmup: int) -> dict[str, Any]:
     """Per-step means (s) over ranks and steps >= ``warmup``: forward, backward, the bucket
     all-reduces (summed), their exposed part (after the last bucket was ready, until backward
     returned: time nothing else could run) and overlap = 1 - exposed / all-reduce span."""
-    from ddpdoctor.analysis.phases import training_forwards
+    from ddpdoctor.analysis.slow.phases import training_forwards
     from ddpdoctor.trace import schema
 
     fwd_s, bwd_s, ar_s, exposed_s, overlap, nbytes = [], [], [], [], [], []

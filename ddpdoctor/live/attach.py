@@ -4,7 +4,7 @@ No probe ran in the job, so what the run-time watcher reads from status files (w
 point each rank is in) is read here from each rank's Python stack instead: py-spy dumps every
 thread of every rank on this node, and the frames of torch's own collectives, DDP's buffer
 broadcast, the autograd engine and the DataLoader name the sync point. The verdict is then the
-watcher's own (analysis/hang.py ``analyse``), so both say the same words for the same hang.
+watcher's own (analysis/hung/hang.py ``analyse``), so both say the same words for the same hang.
 
 One look cannot tell a hang from a slow step, so attach looks several times over ``watch_s``:
 a rank whose stack changed between looks is progressing; one whose stack stayed the same is
@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.hang import main_thread
+from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.live.procs import RankProc
-from ddpdoctor.supervisor.stacks import parse_pyspy_json, pyspy_path
+from ddpdoctor.supervisor.stacks import pyspy_path
+from ddpdoctor.trace.stacktext import parse_pyspy_json
 
 ATTACH_SCHEMA = "ddpdoctor.attach/1"
 NO_PYSPY = "py-spy not found (pip install py-spy; DDPDOCTOR_PYSPY names another), or DDPDOCTOR_PYSPY=off"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.hang import analyse, main_thread, user_frame
+from ddpdoctor.analysis.hung.hang import analyse, main_thread, user_frame
 from ddpdoctor.live.attach import (
     ATTACH_SCHEMA,
     BUSY_CPU_SHARE,

@@ -7,7 +7,7 @@ optimizer step, at exit) and compares the parameters' numbers. Ranks at differen
 rank without one yet, are not compared: the next refresh will have a common one. Buffers are
 not compared: DDP broadcasts them every forward and each rank's BatchNorm then updates them from
 its own batch, and with ``broadcast_buffers=False`` they differ by design (the analysis judges
-them, analysis/divergence.py). Only the analysis, with every tensor's fingerprint, names the
+them, analysis/misuse/divergence.py). Only the analysis, with every tensor's fingerprint, names the
 parameters and the cause.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from ddpdoctor.analysis.divergence import AT_ORDER, Key, odd_ranks, when_checked
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.analysis.misuse.divergence import AT_ORDER, Key, odd_ranks, when_checked
 
 
 def _checks(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[int, dict[Key, int]]]:

@@ -6,7 +6,7 @@ last steps; see probes/liveness.py and probes/recent.py). `top` reads only those
 the tail of the node's GPU samples and run.json, so it costs the job nothing and stays cheap at
 a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
 already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
-analysis/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
+analysis/hung/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
 the recent steps, a rank that raised or vanished, ranks whose model parameters differ at a
 fingerprint check they all took (live/replicas.py).
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.hang import analyse
-from ddpdoctor.analysis.proof import Activity, Verdict, is_hang, judge
-from ddpdoctor.analysis.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
+from ddpdoctor.analysis.hung.hang import analyse
+from ddpdoctor.analysis.hung.proof import Activity, Verdict, is_hang, judge
+from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.render import render
 from ddpdoctor.live.replicas import weights_diverged
@@ -41,6 +41,7 @@ from ddpdoctor.trace.reader import read_meta
 TOP_SCHEMA = "ddpdoctor.top/1"
 CPU_BUDGET = 0.04  # of one core, at most, for the refresh loop (the issue asks < 5 %)
 STALL_S, STALL_STEPS = 2.0, 10  # no step for this long and this many step periods: stalled
+CONNECT_S = 10.0  # a multi-node job's store, at the first look
 STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (or the node is gone)
 
 
@@ -65,6 +66,7 @@ class Top:
             if port.isdigit() and meta.get("status") == "running":
                 layout = Layout(int(job["nnodes"]), job.get("node_rank"), None, (host, int(port)))
                 self._boards[run_dir] = Board(layout)
+                self._boards[run_dir].wait_connected(CONNECT_S)  # torch's import and one connection
         return self._boards.get(run_dir)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:

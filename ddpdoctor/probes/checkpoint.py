@@ -1,7 +1,7 @@
 """Checkpoints: ``torch.save`` and ``torch.load`` calls, for the classic checkpoint traps
 (every rank writing the same file, loading without map_location, the ``module.`` prefix), and
 ``load_state_dict`` on a module or an optimizer (with the user's line and, for a module, the
-DDP model it belongs to): what explains weights that differ by rank (analysis/divergence.py)."""
+DDP model it belongs to): what explains weights that differ by rank (analysis/misuse/divergence.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
-"""``init_process_group`` (which makes a process a rank) and every Python-level collective.
+"""``init_process_group`` (which makes a process a rank), ``new_group`` and every Python-level
+collective.
 
-Each collective records op, bytes, group, group size and the process group's collective
-sequence number at entry: the number that lets a hang be pinned on ranks that disagree.
+Each collective records its whole signature: op, bytes, group, group size, the process group's
+collective sequence number at entry (the number that lets a hang be pinned on ranks that
+disagree), the user's call site, the first tensor's dtype and element count, the root
+(``src``/``dst``) and the group's members. Ranks that disagree on any of them at one sequence
+number cannot complete that collective together, and the diagnosis names which one differs.
+``new_group`` is recorded as a collective of the default group: every rank must call it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,24 @@ PROBE = "collectives"
 _now = time.monotonic_ns
 _COLLECTIVE = LivePhase.COLLECTIVE
 _KIND = schema.COLLECTIVE
+# Where an op takes its root rank: (position in *args, keyword names, default when not given).
+_ROOT_ARG: dict[str, tuple[int, tuple[str, ...], int]] = {
+    "broadcast": (1, ("src", "group_src"), -1),
+    "reduce": (1, ("dst", "group_dst"), -1),
+    "gather": (2, ("dst", "group_dst"), 0),
+    "scatter": (2, ("src", "group_src"), 0),
+    "broadcast_object_list": (1, ("src", "group_src"), 0),
+    "gather_object": (2, ("dst", "group_dst"), 0),
+    "scatter_object_list": (2, ("src", "group_src"), 0),
+    "send": (1, ("dst", "group_dst"), -1),
+    "recv": (1, ("src", "group_src"), -1),
+    "isend": (1, ("dst", "group_dst"), -1),
+    "irecv": (1, ("src", "group_src"), -1),
+}
+_dtypes: dict[Any, str] = {}  # torch.dtype -> "float32", named once
+_members: dict[int, str] = {}  # id(process group) -> "0 1" (its global ranks; "" for WORLD)
+_sigs: dict[tuple[str, int, int, str], int] = {}  # signature -> its interned id
+_sig_owner: list[Any] = [None]  # the collector the ids were declared to
 
 
 def install() -> None:
@@ -58,6 +81,8 @@ def install() -> None:
     _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
     patch(c10d, "init_process_group", _wrap_init)
     _mirror(dist, c10d, "init_process_group")
+    if patch(c10d, "new_group", _wrap_new_group):
+        _mirror(dist, c10d, "new_group")
     for op in COLLECTIVE_OPS:
         if patch(c10d, op, _collective_wrapper(op)):
             _mirror(dist, c10d, op)
@@ -76,10 +101,42 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         result = init(*args, **kwargs)
         import torch.distributed as dist
 
-        _c.activate(dist)
+        if _c.activate(dist) is not None:
+            try:
+                from ddpdoctor.probes import lightning
+
+                lightning.install()
+            except Exception as exc:  # lose the probe, not the job
+                if _c.ACTIVE is not None:
+                    _c.ACTIVE.fail("lightning", exc)
         return result
 
     return init_process_group
+
+
+def _wrap_new_group(new_group: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective of the default group: a rank that calls it waits for every other rank to."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        c = _c.ACTIVE
+        if c is None or c.in_collective() or PROBE in c.disabled:
+            return new_group(*args, **kwargs)
+        try:
+            ranks = kwargs.get("ranks", args[0] if args else None)
+            new_ranks = " ".join(str(int(r)) for r in sorted(ranks)) if ranks else ""
+            pg, _, gsize, seq = group_info(None, c)
+            sig = ("", 0, -1, new_ranks)
+            fields = ("new_group", 0, "WORLD", gsize, seq, 0, callsite.site(c), sig_id(c, sig))
+        except Exception as exc:
+            c.fail(PROBE, exc)
+            return new_group(*args, **kwargs)
+        prev = c.enter(LivePhase.COLLECTIVE, "new_group", seq, group=("WORLD", gsize, 0, pg, sig))
+        try:
+            return new_group(*args, **kwargs)
+        finally:
+            c.leave(prev, schema.COLLECTIVE, *fields)
+
+    return wrapper
 
 
 def _never() -> bool:
@@ -114,6 +171,71 @@ def group_info(group: Any, collector: _c.Collector) -> tuple[Any, str, int, int]
     return pg, known[1], known[2], seq
 
 
+def signature(op: str, args: tuple, kwargs: dict[str, Any]) -> tuple[str, int, int]:
+    """(dtype of the first tensor, element count of the tensors, root rank or -1): attribute
+    reads and a dict lookup, no formatting on the hot path (about a microsecond)."""
+    first = args[0] if args else next((v for k, v in kwargs.items() if k != "group"), None)
+    root = _root(op, args, kwargs) if op in _ROOT_ARG else -1
+    if first.__class__ is list or first.__class__ is tuple:
+        tensors = first[:1024]
+        if not tensors:
+            return "", 0, root
+        head = tensors[0]
+    else:
+        tensors, head = None, first
+    dtype = getattr(head, "dtype", None)
+    if dtype is None:
+        return "", 0, root
+    name = _dtypes.get(dtype)
+    if name is None:
+        name = _dtypes[dtype] = str(dtype).replace("torch.", "")
+    if tensors is None:
+        return name, head.numel(), root
+    return name, sum(int(t.numel()) for t in tensors if hasattr(t, "numel")), root
+
+
+def _root(op: str, args: tuple, kwargs: dict[str, Any]) -> int:
+    pos, names, default = _ROOT_ARG[op]
+    for name in names:
+        value = kwargs.get(name)
+        if value is not None:
+            return int(value)
+    if len(args) > pos and isinstance(args[pos], int):
+        return int(args[pos])
+    return default
+
+
+def sig_id(c: _c.Collector, sig: tuple[str, int, int, str]) -> int:
+    """The interned id of a signature: one dict lookup; the first time, one metadata record
+    (an event stays one ring slot, and a loop's repeated call costs no bytes)."""
+    if _sig_owner[0] is not c:
+        _sigs.clear()
+        _sig_owner[0] = c
+    sid = _sigs.get(sig)
+    if sid is None:
+        sid = _sigs[sig] = len(_sigs)
+        dtype, numel, root, ranks = sig
+        c.meta(schema.SIGNATURE, {"id": sid, "dtype": dtype, "numel": numel, "root": root, "ranks": ranks})
+    return sid
+
+
+def members(pg: Any, name: str) -> str:
+    """The group's global ranks ("0 1"), "" for WORLD; looked up once per group."""
+    if name == "WORLD":
+        return ""
+    key = id(pg)
+    text = _members.get(key)
+    if text is None:
+        try:
+            import torch.distributed as dist
+
+            text = " ".join(str(int(r)) for r in dist.get_process_group_ranks(pg))
+        except Exception:
+            text = ""
+        _members[key] = text
+    return text
+
+
 def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     always_async = op in ("isend", "irecv")
 
@@ -135,21 +257,23 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                     nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
                 is_async = 1 if always_async or (kwargs and kwargs.get("async_op")) else 0
                 where = callsite.site(c)
+                sig = (*signature(op, args, kwargs), "" if gname == "WORLD" else members(pg, gname))
+                sid = sig_id(c, sig)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
             # c.enter and c.leave, inlined: this is the hottest probe
             t0 = _now()
-            c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg)
+            c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg, sig)
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
-                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, where)
+                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, where, sid)
                 raise
             t1 = _now()
             c.progress = prev
             c.events += 1
-            c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where))
+            c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where, sid))
             return result
 
         return collective

@@ -268,6 +268,7 @@ def _header(dist: Any) -> dict[str, Any]:
         "world_size": dist.get_world_size(),
         "local_rank": int(local_rank) if local_rank is not None else None,
         "host": socket.gethostname(),
+        "node": _int_env("GROUP_RANK"),  # the launcher's node rank (torchrun), None elsewhere
         "pid": os.getpid(),
         "wall_ns": time.time_ns(),
         "mono_ns": time.monotonic_ns(),
@@ -279,6 +280,11 @@ def _header(dist: Any) -> dict[str, Any]:
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
 
 
 def _install_exit_handlers(collector: Collector) -> None:

@@ -68,7 +68,11 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             return init(self, *args, **kwargs)
         seq = group_info(kwargs.get("process_group"), c)[3]
         t0 = _now()
-        init(self, *args, **kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except Exception as exc:
+            _model_on_error(c, args[0] if args else kwargs.get("module"), exc)
+            raise
         t1 = _now()
         try:
             state = _ModelState(self)
@@ -82,6 +86,23 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             c.fail(PROBE, exc)
 
     return __init__
+
+
+def _model_on_error(c: _c.Collector, module: Any, exc: BaseException) -> None:
+    """The constructor raised (ranks whose models differ): keep this rank's parameter shapes and
+    the class of the module owning each, so the ranks' models can be set side by side."""
+    try:
+        shapes = []
+        for owner_name, owner in module.named_modules():
+            for name, p in owner.named_parameters(recurse=False):
+                full = f"{owner_name}.{name}" if owner_name else name
+                shapes.append([full, list(p.shape), type(owner).__name__])
+                if len(shapes) >= 1024:
+                    break
+        info = {"error": "ddp_init", "message": str(exc)[:600], "module": type(module).__name__}
+        c.meta(schema.DDP_ERROR, {**info, "shapes": shapes})
+    except Exception as err:
+        c.fail(PROBE, err)
 
 
 def _reducer_parameters(ddp: Any) -> tuple[list[str], list[Any]]:

@@ -5,7 +5,7 @@ gradients; weights loaded on one rank after wrapping, a parameter DDP never regi
 module left out of the wrapper break that silently. So each rank fingerprints every tensor of
 every DDP model (parameters, then buffers): at construction, after the first optimizer step,
 then after the optimizer step of every step ``s`` with ``(s + 1) % interval == 0``, and at exit.
-The analysis compares the ranks (``analysis/divergence.py``); `top` does too while the job
+The analysis compares the ranks (``analysis/misuse/divergence.py``); `top` does too while the job
 runs, from two numbers per check that the trace writer's thread folds from each record into
 the rank's status (``probes/recent.py``, ``live/replicas.py``).
 
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 import weakref
 from collections import deque
@@ -292,10 +293,11 @@ class Fingerprints:
         self.c.put(record)
 
     def at_exit(self, wait_s: float = 2.0) -> None:
-        """The final state (unless just checked, or the rank stopped inside a step: a state no
-        other rank need share), then the reads still in flight."""
+        """The final state (unless just checked, the rank stopped inside a step, or it is dying of
+        an uncaught exception: states no other rank need share), then the reads in flight."""
         step = self.c.step
-        if self.c.live and step != self.checked and step == self.stepped and step >= 0:
+        crashed = getattr(sys, "last_value", None) is not None  # set before atexit on a crash
+        if self.c.live and not crashed and step != self.checked and step == self.stepped and step >= 0:
             self.checked = step
             self.check(self.models, "exit")
         deadline = time.monotonic() + wait_s

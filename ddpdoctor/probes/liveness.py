@@ -83,6 +83,9 @@ class _Liveness:
             if len(progress) >= 8:
                 phase.update(group=progress[4], group_size=progress[5], bytes=progress[6])
                 phase["group_ranks"] = self.group_ranks(progress[7], progress[4])
+                if len(progress) >= 9:  # the rest of the signature (probes/collectives.py)
+                    dtype, numel, root, ranks = progress[8]
+                    phase.update(dtype=dtype, numel=numel, root=root, ranks=ranks)
             elif name == "backward":  # its sequence number is the default group's
                 phase.update(group="WORLD", group_size=self.world_size)
         cpu_s = time.process_time()  # the supervisor reads /proc; this serves where it cannot

@@ -5,14 +5,14 @@ each rank arrives at the gradient sync. The writer thread already sees every eve
 serialises it, so it feeds the few kinds needed here (training forwards, bucket all-reduces,
 collectives, buffer broadcasts) into bounded deques; the training thread does nothing more.
 
-Lateness needs no cross-host clock (as in analysis/straggler.py): the last bucket's
+Lateness needs no cross-host clock (as in analysis/slow/straggler.py): the last bucket's
 all-reduce ends at about the same moment on every rank, so a rank that got it ready later waits
 less. Each rank publishes its wait in that bucket for its last completed steps; `top` lines the
 ranks up by step.
 
 The model fingerprints (probes/fingerprint.py) reach the status the same way: the writer thread
 folds each ``fingerprint`` record's per-tensor hashes into two numbers, parameters and buffers
-(buffers may differ by design, see analysis/divergence.py), and keeps the last few checks, so
+(buffers may differ by design, see analysis/misuse/divergence.py), and keeps the last few checks, so
 `top` compares the ranks' weights at a step they all checked without any per-tensor data.
 """
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.analysis.failure import FailureView
+from ddpdoctor.analysis.failed.failure import FailureView
 from ddpdoctor.trace import schema
 
 COMPUTE_TID, COMM_TID, DEVICE_TID, DEVICE_COMM_TID = 1, 100, 200, 300  # extra lanes count up
@@ -190,7 +190,7 @@ GPU_COUNTERS: dict[str, list[tuple[str, str, float]]] = {
 
 def gpu_events(diag: Diagnosis) -> list[dict[str, Any]]:
     """One process per sampled GPU with its NVML metrics as counters, on the common base."""
-    from ddpdoctor.analysis.gpu import SLOWDOWN_MASK
+    from ddpdoctor.analysis.slow.gpu import SLOWDOWN_MASK
 
     view = diag.gpus
     out: list[dict[str, Any]] = []

@@ -1,6 +1,6 @@
 """The failure as the HTML report draws it: a section that opens the page, and the timeline's
 open spans, moments and lane ends. Everything comes from the Diagnosis' ``FailureView``
-(``analysis/failure.py``); nothing here judges. A healthy run has no view and gets none of it.
+(``analysis/failed/failure.py``); nothing here judges. A healthy run has no view and gets none of it.
 
 Open spans are one horizontal bar trace (hatched, outlined in their phase's colour, labelled
 "did not finish"), drawn over the lanes; the moments are dashed vertical lines with a label; a
@@ -13,9 +13,9 @@ import json
 from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.analysis.failure import FailureView
+from ddpdoctor.analysis.failed.failure import FailureView
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.hang import group_ranks
+from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.reports.markup import esc
 from ddpdoctor.trace import schema
 

@@ -68,7 +68,7 @@ def gpu_figure(diag: Diagnosis) -> Any:
 
 
 def gpu_table(diag: Diagnosis) -> str:
-    from ddpdoctor.analysis.gpu import device_stats
+    from ddpdoctor.analysis.slow.gpu import device_stats
 
     view = diag.gpus
     assert view is not None

@@ -32,7 +32,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.models import label
+from ddpdoctor.analysis.misuse.models import label
 from ddpdoctor.reports.failure import failure_section
 from ddpdoctor.reports.gpu_panels import gpu_section
 from ddpdoctor.reports.markup import asset, esc, figure_html, kv_table

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.analysis import gpu as _gpu
+from ddpdoctor.analysis.slow import gpu as _gpu
 
 SCHEMA = "ddpdoctor.diagnosis/1"
 
@@ -36,7 +36,7 @@ def document(diag: Diagnosis) -> dict[str, Any]:
         "buckets": diag.buckets,
         "findings": [f.to_json() for f in diag.findings],
         "gpus": _gpu.summary(diag.gpus),
-        # a hung or failed run drawn where it happened (analysis/failure.py); null otherwise
+        # a hung or failed run drawn where it happened (analysis/failed/failure.py); null otherwise
         "failure": diag.failure.to_json() if diag.failure is not None else None,
     }
 

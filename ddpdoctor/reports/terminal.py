@@ -6,7 +6,7 @@ import textwrap
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.models import label
+from ddpdoctor.analysis.misuse.models import label
 
 WIDTH = 80
 _MARK = {"error": "ERROR", "warning": "WARN ", "info": "info "}
@@ -91,7 +91,7 @@ def failure_lines(diag: Diagnosis, max_lines: int = 8) -> list[str]:
     view = diag.failure
     if view is None:
         return []
-    from ddpdoctor.analysis.hang import group_ranks
+    from ddpdoctor.analysis.hung.hang import group_ranks
 
     seconds = {}
     for span in view.open_spans:
@@ -122,7 +122,7 @@ def failure_lines(diag: Diagnosis, max_lines: int = 8) -> list[str]:
 
 def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
     """One line per GPU (mean/peak), and at most one line on what NVML could not give."""
-    from ddpdoctor.analysis.gpu import device_stats
+    from ddpdoctor.analysis.slow.gpu import device_stats
 
     view = diag.gpus
     if view is None:

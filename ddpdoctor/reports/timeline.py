@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
-from ddpdoctor.analysis.device import clock as device_clock
-from ddpdoctor.analysis.phases import phase_events
+from ddpdoctor.analysis.slow.device import clock as device_clock
+from ddpdoctor.analysis.slow.phases import phase_events
 from ddpdoctor.reports.failure import draw_failure
 from ddpdoctor.reports.markup import asset, esc, figure_html, json_script
 from ddpdoctor.trace import schema
@@ -282,9 +282,8 @@ def timeline_section(diag: Diagnosis, max_segments: int = MAX_SEGMENTS) -> str:
     )
     if window is not None:  # a failed run: the failure above needs the room
         hint = (
-            "Hatched: spans a rank entered and never left (did not finish); dashed: the moments above; "
-            "x: where a rank ended. Opens on the last steps and the start of the failure (what did not "
-            "finish runs on to the right); 'whole run' shows it all."
+            "Hatched: spans a rank never left; dashed: the moments above; x: where a rank ended. "
+            "Opens on the last steps and the failure's start; 'whole run' shows it all."
         )
     return (
         f'<section id="timeline-section"><h2>Timeline</h2><p class=hint>{hint}</p>'

@@ -4,9 +4,12 @@ A rank that evaluates, writes a checkpoint or logs is not hung even when the oth
 it minutes; a rank stuck on a lock, a dead socket or ``sleep`` in a retry loop is. The rank's
 own status cannot say which (its writer thread may not get the GIL), so the supervisor looks:
 
-* CPU time: ``utime + stime`` of ``/proc/<pid>/stat``, compared over a window of ``WINDOW_S``;
-  at least ``MIN_RATE`` of one core means work. The doctor's own writer thread costs well
-  under 1% of a core, far below that.
+* CPU time: ``utime + stime`` of the rank's main thread (``/proc/<pid>/task/<pid>/stat``, the
+  thread that trains, as the stack below), compared over a window of ``WINDOW_S``; at least
+  ``MIN_RATE`` of one core means work. The process as a whole is not the measure: on a loaded
+  host the doctor's writer thread (status files four times a second), gloo's and the loader's
+  threads add a few ticks a second to a rank whose training thread is stuck on a lock, enough
+  to make it look busy.
 * Stack: when the CPU is idle, a non-blocking ``py-spy dump`` every ``STACK_EVERY_S`` (never
   pausing the rank, never sending it a signal); a different main-thread stack means progress
   (a sleeping retry loop that sleeps in the same line is not).
@@ -23,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpdoctor.analysis.hang import main_thread, user_frame
-from ddpdoctor.analysis.proof import SYNC, Activity
+from ddpdoctor.analysis.hung.hang import main_thread, user_frame
+from ddpdoctor.analysis.hung.proof import SYNC, Activity
 from ddpdoctor.supervisor import stacks as _stacks
 
 WINDOW_S = 1.0
@@ -35,9 +38,9 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def proc_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) the process has used so far, or None if unreadable."""
+    """CPU seconds (user + system) the process's main thread has used so far (None: unreadable)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
+        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as fh:
             fields = fh.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of proc(5)
     except (OSError, IndexError, ValueError):

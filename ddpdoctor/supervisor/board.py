@@ -140,6 +140,13 @@ class Board:
             self.leading = True
             return JobView({mine.node: mine})
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the store (a reader that looks once, `top --once`)."""
+        deadline = time.monotonic() + timeout_s
+        while self._store is None and not self._gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.shared
+
     def read(self, now: float) -> JobView | None:
         """Every node's latest look, for a reader that is no node (`ddpdoctor top`)."""
         if not self.shared:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.proof import Activity
+from ddpdoctor.analysis.hung.proof import Activity
 
 
 @dataclass

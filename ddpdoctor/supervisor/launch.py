@@ -217,7 +217,6 @@ def stop_job(launcher_pid: int, rank_pids: list[int], grace_s: float = 5.0) -> N
             time.sleep(0.1)
 
 
-
 def _start_sampler(run_dir: Path, interval: float | None) -> Any:
     """Start the per-node NVML sampler; any failure costs the GPU metrics, never the job."""
     if interval is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ddpdoctor import _env
+
 _VALUED = {
     "nnodes",
     "node_rank",
@@ -93,7 +95,7 @@ def parse_layout(command: list[str], env: dict[str, str]) -> Layout:
         endpoint = (host or opts["rdzv_endpoint"], _int(port) or 29400) if host else (port, 29400)
     else:
         endpoint = (opts.get("master_addr", "127.0.0.1"), _int(opts.get("master_port")) or 29500)
-    override = env.get("DDPDOCTOR_STORE", "").strip()
+    override = env.get(_env.STORE, "").strip()
     if override == "off":
         endpoint = None
     elif override:

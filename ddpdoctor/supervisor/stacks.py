@@ -12,9 +12,7 @@ A dump is ``{"method": "py-spy"|"faulthandler"|None, "threads": [{"name", "frame
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ddpdoctor import _env
+from ddpdoctor.trace.stacktext import parse_faulthandler, parse_pyspy_json
 
 PYSPY_TIMEOUT_S = 5.0
 FAULTHANDLER_WAIT_S = 1.5
@@ -59,49 +58,6 @@ def pyspy_dump(pid: int, timeout: float = PYSPY_TIMEOUT_S, nonblocking: bool = F
     if proc.returncode != 0:
         return {"method": None, "threads": [], "error": f"py-spy: {proc.stderr.strip()[-300:]}"}
     return parse_pyspy_json(proc.stdout)
-
-
-def parse_pyspy_json(text: str) -> dict[str, Any]:
-    """``py-spy dump --json`` output as a dump: threads with their frames (innermost first)."""
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        return {"method": None, "threads": [], "error": "py-spy printed no JSON"}
-    threads = [
-        {
-            "name": t.get("thread_name") or str(t.get("thread_id")),
-            "active": bool(t.get("active")),
-            "frames": [
-                {"file": f.get("filename"), "line": f.get("line"), "function": f.get("name")}
-                for f in t.get("frames") or []
-            ],
-        }
-        for t in raw
-        if isinstance(t, dict)
-    ]
-    return {"method": "py-spy", "threads": threads, "error": ""}
-
-
-_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
-_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-
-
-def parse_faulthandler(text: str) -> list[dict[str, Any]]:
-    """Parse one faulthandler dump into threads (frames innermost first, as it prints them)."""
-    blocks: list[dict[str, Any]] = []
-    for line in text.splitlines():
-        m = _THREAD.match(line)
-        if m:
-            blocks.append({"name": m.group(2), "frames": []})
-            continue
-        f = _FRAME.match(line)
-        if f and blocks:
-            blocks[-1]["frames"].append({"file": f.group(1), "line": int(f.group(2)), "function": f.group(3)})
-    # faulthandler names no thread; the one whose outermost frame is <module> runs the script.
-    for b in blocks:
-        if b["frames"] and b["frames"][-1]["function"] == "<module>":
-            b["name"] = "MainThread"
-    return blocks
 
 
 def faulthandler_dump(pid: int, path: str, wait: float = FAULTHANDLER_WAIT_S) -> dict[str, Any]:

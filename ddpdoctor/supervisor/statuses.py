@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis.hang import SYNC_PHASES
+from ddpdoctor.analysis.hung.hang import SYNC_PHASES
 from ddpdoctor.rundir import RunDir
 
 
@@ -40,6 +40,12 @@ def sync_wait_s(status: dict[str, Any], now: float) -> float:
     if not phase or phase.get("name") not in SYNC_PHASES:
         return 0.0
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
+
+
+def waits_now(status: dict[str, Any], now: float, at_least_s: float = 1.0) -> bool:
+    """In a sync point for ``at_least_s`` or more: someone the job is waiting with."""
+    phase = status.get("phase") or {}
+    return phase.get("name") in SYNC_PHASES and sync_wait_s(status, now) >= at_least_s
 
 
 def snapshot(statuses: dict[int, dict[str, Any]], but: int) -> dict[str, Any]:

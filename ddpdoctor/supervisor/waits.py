@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis.proof import Verdict
+from ddpdoctor.analysis.hung.proof import Verdict
 from ddpdoctor.rundir import RunDir, write_atomic
 
 WAITING_SCHEMA = "ddpdoctor.waiting/1"

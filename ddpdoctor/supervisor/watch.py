@@ -9,7 +9,7 @@ ranks' CPU time and stacks (``activity.py``) only while someone waits or nothing
   * busy (the rank the others wait for progresses): a live note (``waits.py``), and a hang only
     past ``--hang-timeout`` when the user set one.
 The default threshold adapts: ``HANG_MULTIPLE`` times the slowest step any rank has seen, never
-below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hang.py),
+below the floor. On a hang it dumps every rank's stack (stacks.py), diagnoses (analysis/hung/hang.py),
 writes ``hang-N/`` and prints the report on stderr; with ``on_hang="kill"`` it then stops the job.
 It also notes ranks that vanish (killed by a signal, or gone on their own) for ``rank_failure``.
 
@@ -29,16 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis import flight
-from ddpdoctor.analysis.hang import analyse
-from ddpdoctor.analysis.proof import ATOMIC, SYNC, Activity, Verdict, is_hang, judge, phase_since
+from ddpdoctor.analysis.hung import flight
+from ddpdoctor.analysis.hung.hang import analyse
+from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, is_hang, judge
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.stacks import render_stack
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s, waits_now
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
@@ -47,12 +47,6 @@ DEFAULT_FLOOR_S = 30.0
 FRESH_S = 1.0
 LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
 HANG_MULTIPLE = 5.0
-
-
-
-
-
-
 
 
 class Watcher:
@@ -246,10 +240,7 @@ class Watcher:
         """This node's ranks' CPU time and stacks, measured only while someone in the job waits
         or nothing moves (the leader says so for ranks on other nodes)."""
         live = {r for r, a in alive.items() if a and not statuses[r].get("exited")}
-        waiting = any(
-            (statuses[r].get("phase") or {}).get("name") in SYNC and phase_since(statuses[r], now) >= 1.0
-            for r in live
-        )
+        waiting = any(waits_now(statuses[r], now) for r in live)
         quiet = now - max(self._rank_change.values(), default=now)
         if not (waiting or self._measuring or quiet >= 1.0):
             self._tracker.forget()
@@ -293,10 +284,7 @@ class Watcher:
             recovered = True
         failing = any(st.get("error") for st in statuses.values())
         started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
-        waiting = bool(verdict.waiting) or any(
-            (s.get("phase") or {}).get("name") in SYNC and phase_since(s, now) >= 1.0
-            for s in statuses.values()
-        )
+        waiting = bool(verdict.waiting) or any(waits_now(s, now) for s in statuses.values())
         hang = is_hang(
             verdict, threshold, hang_timeout=self.hang_timeout, longest=longest, quiet=quiet, started=started
         )
@@ -313,9 +301,9 @@ class Watcher:
                 "nodes": view.layout(),
             }
             self.board.post_hang(self._hang_payload)
-        layout = view.layout()
+        layout = {**self._nodes, **view.layout()}  # nodes once seen stay in the map
         if layout != self._nodes:
-            self._nodes = {**self._nodes, **layout}
+            self._nodes = layout
             self._layout_v += 1
             self.board.post_layout(self._nodes)
         return {
@@ -418,11 +406,6 @@ class Watcher:
         )
 
 
-
-
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps(obj, indent=1, default=str))
-

@@ -40,7 +40,9 @@ backward        (none): the backward of the step's DDP forward, ending after its
 allreduce       bucket index, bytes, seq at entry; ts is when the bucket was ready, dur until
                 its reduction finished
 collective      op, bytes, group ("WORLD" or a name), group size, seq at entry, async (0/1);
-                op "barrier" is ``dist.barrier``; then the call site id (see ``site``)
+                op "barrier" is ``dist.barrier``; then the call site id (see ``site``); then
+                the id of the rest of its signature (see ``signature``). Op "new_group" is
+                ``dist.new_group`` (a collective of the default group)
 data_wait       loader id: time blocked in the DataLoader iterator's ``__next__``
 optimizer       optimizer class name: ``Optimizer.step``
 graph_scan      (none): DDP's post-forward with find_unused_parameters (its autograd graph walk)
@@ -97,6 +99,13 @@ raised          {kind, fields, dur_us}: a span the rank entered and left by an e
                 collective that raised "Connection closed by peer", a forward that raised):
                 ``kind`` and ``fields`` as the span would have had, ``ts`` its start. Never
                 recorded as the span: it did not complete, and its time is no step's
+signature       {id, dtype, numel, root, ranks}: the rest of a collective's signature, written
+                once per distinct value (dtype of the first tensor, "" none; element count;
+                root rank ``src``/``dst``, -1 none; the group's global ranks "0 1", "" for
+                WORLD, for ``new_group`` the new group's); collective events carry its id
+sync_log        {site, name}: a framework's logging call that all-reduces (Lightning's
+                ``self.log(..., sync_dist=True)``), once per (call site id, metric name): the
+                user's hook line behind a collective the framework issues later
 rank_error      {type, message, traceback, frames: [[file, line, function]...] (innermost
                 last), thread, wall_ns}: an uncaught exception (sys.excepthook, or
                 threading.excepthook for other threads), flushed at once
@@ -202,6 +211,8 @@ CLOCK = "clock"
 RANK_ERROR = "rank_error"
 RAISED = "raised"
 SITE = "site"
+SYNC_LOG = "sync_log"
+SIGNATURE = "signature"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
 # failure view draws it when a rank hung or died there; nothing is ever recorded under this name.
@@ -322,7 +333,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, RAISED)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, RAISED, SYNC_LOG, SIGNATURE)
 )
 
 
@@ -360,7 +371,9 @@ declare(
     Phase("optimizer", OPTIMIZER, "optimizer", colour="#b07aa1"),
 )
 declare(
-    EventKind(COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site"), "sisnibn", "{op}"),
+    EventKind(
+        COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site", "sig"), "sisnibnn", "{op}"
+    ),
     Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
     Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
 )

@@ -28,6 +28,10 @@ class Slowdown:
     delay_ms: float
     steps: set[int] | None = None  # None: every step
     starved: bool = False  # the delay is spent ready to run with no CPU (the run queue)
+    also: tuple[int, ...] = ()  # more ranks slowed the same way (a slow node)
+
+    def hits(self, rank: int) -> bool:
+        return rank == self.rank or rank in self.also
 
 
 def simulate_run(
@@ -40,6 +44,7 @@ def simulate_run(
     buckets: int = 3,
     transfer_ms: float = 1.0,
     seed: int = 0,
+    ranks_per_host: int = 0,  # 0: every rank on one host
 ) -> Run:
     rng = random.Random(seed)
     base = dict(BASE_MS if base_ms is None else base_ms)
@@ -59,7 +64,7 @@ def simulate_run(
         bwd_start = [0.0] * world
         for r in range(world):
             d = {p: max(0.0, v * (1 + jitter * rng.gauss(0, 1))) for p, v in base.items()}
-            if slow and slow.rank == r and (slow.steps is None or step in slow.steps):
+            if slow and slow.hits(r) and (slow.steps is None or step in slow.steps):
                 d[slow.phase] += slow.delay_ms
                 runq[r] += slow.delay_ms if slow.starved else 0.0
             t = sync_end[r]
@@ -88,7 +93,7 @@ def simulate_run(
             "schema": schema.SCHEMA,
             "rank": r,
             "world_size": world,
-            "host": "sim",
+            "host": f"node{r // ranks_per_host}" if ranks_per_host else "sim",
             "pid": 1000 + r,
             "wall_ns": 0,
             "mono_ns": 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ddpdoctor.analysis.failed.ledger import is_consequence
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
@@ -46,16 +47,22 @@ def node_lost(run: Run) -> Iterable[Finding]:
     for node, info, first in _lost(run):
         ranks = [int(r) for r in info.get("ranks") or []]
         gap = float(info["silent_s"])
-        steps = info.get("steps") or {}
-        at = f" at step {max(steps.values())}" if steps else ""
+        steps = [v for v in (info.get("steps") or {}).values() if isinstance(v, int)]
+        at = f" at step {max(steps)}" if steps else ""
+        silence = (
+            f"stayed silent for the job's last {gap:.1f} s: the job lost that node"
+            if gap >= SILENT_S
+            else "never reported a failure of its own: its ranks went away at once (the node, its "
+            "network or its processes died)"
+        )
         yield Finding(
             "node_lost",
             "error",
             ranks,
-            f"node {node} ({info.get('host')}; rank {rank_list(ranks)}) stopped reporting{at} while its "
-            f"ranks were training and stayed silent for the job's last {gap:.1f} s; rank {first['rank']} "
-            f"failed then ({first['what']}): the job lost that node, and the failures on the others are "
-            "the consequence",
+            f"node {node} ({info.get('host')}; rank {rank_list(ranks)}) last reported its ranks "
+            f"training{at} when rank {first['rank']} lost its peers ({first['what']}), and {silence}; "
+            f"the failures on the other nodes are the consequence. Its run dir ({info.get('run_dir') or '?'})"
+            " says what happened there, if it survived",
             fix=f"Find out what happened to {info.get('host')} (its kernel log for the OOM killer or a "
             "reboot, the scheduler's record, its network); if the node's disk survived, diagnose its run "
             "dir with the others'. To survive a lost node, run with torchrun --max-restarts and "
@@ -86,7 +93,9 @@ def _lost(run: Run) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
             if not ranks or not ranks <= elsewhere or not info.get("running") or not read or not seen:
                 continue
             silent = float(read) - float(seen)
-            if silent >= SILENT_S and float(seen) <= first["wall"] + SLACK_S:
+            # Its ranks training in its last report, which came no later than the failure here,
+            # and the failure here a lost peer: its ranks are the peers that went away.
+            if first["lost_peer"] and float(seen) <= first["wall"] + SLACK_S:
                 out.append((str(node), {**info, "silent_s": round(silent, 3)}, first))
     return out
 
@@ -97,10 +106,14 @@ def _first_failure(run: Run) -> dict[str, Any] | None:
     for watch in run.watches:
         for rank, err in (watch.get("rank_errors") or {}).items():
             what = f"{err.get('type')}: {_gist(str(err.get('message') or ''))}"
-            found.append({"wall": float(err.get("seen_wall") or 0.0), "rank": int(rank), "what": what})
+            lost_peer = is_consequence(err)
+            found.append({"wall": float(err.get("seen_wall") or 0.0), "rank": int(rank), "what": what,
+                          "lost_peer": lost_peer})  # fmt: skip
         for rank, ex in (watch.get("rank_exits") or {}).items():
             if not ex.get("exited"):
-                found.append({"wall": float(ex.get("seen_wall") or 0.0), "rank": int(rank), "what": "gone"})
+                err = ex.get("error") or {}
+                found.append({"wall": float(ex.get("seen_wall") or 0.0), "rank": int(rank), "what": "gone",
+                              "lost_peer": bool(err) and is_consequence(err)})  # fmt: skip
     return min(found, key=lambda f: f["wall"]) if found else None
 
 

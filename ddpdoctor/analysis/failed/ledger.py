@@ -5,7 +5,8 @@ A distributed job goes wrong where its ranks stop doing the same thing: one issu
 the others do not, leaves while they go on, or reads more batches. Errors that follow on the
 other ranks (peer closed, timeouts, aborts) are consequences of that first divergence. So the
 judgement starts from facts every job leaves (each rank's trace, the supervisor's exit records
-and the stacks of a hang), not from a ladder of patterns over one snapshot.
+and the stacks of a hang), not from a ladder of patterns over one snapshot. Where the ledgers
+first part ways is ``parting.first_divergence``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-import ddpdoctor
 from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.stacktext import is_user_frame
 
 GRAD_ALLREDUCE = "gradient all-reduce"
 BUFFERS = "buffer broadcast"
@@ -58,6 +59,21 @@ class Point:
     # It raised (a ``raised`` record): not completed, but its op and size are the recorded ones,
     # so it still counts where ranks are compared (a size mismatch that made gloo raise).
     raised: bool = False
+    dtype: str = ""  # the rest of a Python collective's signature ("", 0, -1, None: not recorded)
+    numel: int = 0
+    root: int = -1
+    ranks: str | None = None  # the group's global ranks ("0 1"), "" for WORLD
+
+    def signature(self) -> dict[str, Any]:
+        """The fields ``signature.disagreement`` compares (bytes of a call in flight are unknown)."""
+        return {
+            "op": self.op,
+            "bytes": 0 if self.in_flight else self.nbytes,
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "root": self.root,
+            "ranks": self.ranks,
+        }
 
     def describe(self) -> str:
         where = f" at {self.site}" if self.site else ""
@@ -121,6 +137,8 @@ class Ledger:
     ending: Ending = field(default_factory=lambda: Ending("running"))
     place: str = ""  # where in the user's code it was last seen (a hang's stack, else its last site)
     words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
+    # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
+    sync_logs: set[tuple[str, str]] = field(default_factory=set)
 
 
 def is_consequence(error: dict[str, Any]) -> bool:
@@ -221,23 +239,14 @@ def sites_of(trace: RankTrace) -> dict[int, str]:
     }
 
 
-_NOT_USER = tuple(
-    d + os.sep
-    for d in (os.path.dirname(os.path.abspath(ddpdoctor.__file__)), sysconfig.get_paths().get("stdlib") or "")
-    if d
-)
+_STDLIB = (sysconfig.get_paths().get("stdlib") or "/nonexistent") + os.sep
 
 
 def user_frame(frames: list[dict[str, Any]]) -> str:
     """The innermost frame of the user's code in a stack (innermost first), as file:line."""
     for frame in frames:
         file = str(frame.get("file", ""))
-        if (
-            file.startswith("<")
-            or "site-packages" in file
-            or "dist-packages" in file
-            or os.path.abspath(file).startswith(_NOT_USER)
-        ):
+        if not is_user_frame(os.path.abspath(file)) or os.path.abspath(file).startswith(_STDLIB):
             continue
         return f"{os.path.basename(file)}:{frame.get('line')}"
     return ""
@@ -269,7 +278,8 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     seq = phase.get("seq")
     point = Point(
         int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", int(status.get("step", -1)), place,
-        in_flight=True,
+        in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
+        root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
     return point, place
 
@@ -325,7 +335,7 @@ def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
     end = run.ends.get(rank) or {}
     if not end.get("stack"):
         return []
-    from ddpdoctor.supervisor.stacks import parse_faulthandler
+    from ddpdoctor.trace.stacktext import parse_faulthandler
 
     threads = parse_faulthandler(str(end["stack"]))
     main = next((t for t in threads if t.get("name") == "MainThread"), None)
@@ -401,11 +411,17 @@ def _tail(events: Any) -> Any:
 
 def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     sites = sites_of(trace)
+    sigs = {info.get("id"): info for _, _, info in trace.meta.get(schema.SIGNATURE, [])}
     points: list[Point] = []
     coll = _tail(trace.kind(schema.COLLECTIVE))
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
         site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
-        points.append(Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts))
+        point = Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts)
+        sig = sigs.get(f[7]) if len(f) > 7 else None  # the whole signature (older traces: none)
+        if sig is not None:
+            point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
+            point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
+        points.append(point)
     fwd = _tail(trace.kind(schema.FORWARD))
     fwd_site: dict[int, str] = {}
     for step, f in zip(fwd.step.tolist(), fwd.fields, strict=True):
@@ -436,66 +452,11 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))
     ledger.passes = _passes(trace, world)
-
-
-@dataclass
-class Divergence:
-    """Where the ledgers first part ways, and the evidence."""
-
-    what: str  # left | mismatch | extra_collective | extra_forward | steps
-    root: int | None
-    others: list[int]
-    points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
-    """The first sync point where ranks disagree: a rank gone while others go on, a different op
-    or size at one sequence number, or a collective only some ranks issued."""
-    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
-    if len(present) < 2:
-        return None
-    by_seq = {
-        r: {p.seq: p for p in lg.points if p.group == "WORLD" and p.seq >= 0} for r, lg in present.items()
-    }
-    seqs = sorted(set().union(*[set(m) for m in by_seq.values()]))
-    last = {r: max(m, default=-1) for r, m in by_seq.items()}
-    for seq in seqs:
-        at = {r: m.get(seq) for r, m in by_seq.items()}
-        have = {r: p for r, p in at.items() if p is not None}
-        kinds = {(p.op, p.nbytes if not p.in_flight else None) for p in have.values()}
-        if len(have) == len(at) and len({k[0] for k in kinds}) == 1:
-            sizes = {p.nbytes for p in have.values() if not p.in_flight}
-            said = _backend_says_mismatch(present, have) if not sizes else ""
-            if said:
-                evidence = {"seq": seq, "differs": "size", "backend": said}
-                return Divergence("mismatch", None, [], dict(at), evidence)
-            if len(sizes) <= 1:
-                continue
-            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "size"})
-        if len(have) == len(at):
-            return Divergence("mismatch", None, [], dict(at), {"seq": seq, "differs": "op"})
-        missing = [r for r in at if at[r] is None]
-        if all(last[r] < seq for r in missing):
-            gone = min(missing, key=lambda r: (present[r].last_step, r))
-            return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
-    return None
-
-
-# What a backend prints when the ranks' collectives disagree (gloo's enforce; NCCL's and the
-# collective-consistency check's wording), the words a rank leaves when it dies of it.
-_MISMATCH_WORDS = ("collective mismatch", "size doesn't match", "sizes don't match", "mismatch between")
-
-
-def _backend_says_mismatch(ledgers: dict[int, Ledger], at: dict[int, Point]) -> str:
-    """The line a rank that died inside this collective left saying the ranks disagree."""
-    for rank, point in sorted(at.items()):
-        if not point.died_in:
-            continue
-        for line in ledgers[rank].words:
-            if any(w in line.lower() for w in _MISMATCH_WORDS):
-                return line.strip()[:300]
-    return ""
+    funcs = {i.get("id"): i.get("func") for _, _, i in trace.meta.get(schema.SITE, [])}
+    for _, _, info in trace.meta.get(schema.SYNC_LOG, []):
+        sid = info.get("site")
+        if isinstance(sid, int) and sid in sites:
+            ledger.sync_logs.add((f"{sites[sid]} in {funcs.get(sid)}", str(info.get("name"))))
 
 
 def forward_site(trace: RankTrace, step: int | None = None) -> str:

@@ -12,22 +12,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.stacktext import is_user_frame
 
 # Phases in which a rank waits for the others (see probes: Collector.enter).
 SYNC_PHASES = SYNC_LIVE_PHASES
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")
 
 Frame = dict[str, Any]  # {"file", "line", "function"}
-
-
-def is_user_frame(filename: str) -> bool:
-    """Code the user wrote: not the standard library, an installed package or ddpdoctor."""
-    if not filename or filename.startswith(_PKG_DIR) or filename.startswith("<"):
-        return False
-    return not any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
 def main_thread(threads: list[dict[str, Any]]) -> list[Frame]:
@@ -302,29 +295,27 @@ def _judge(
                     "or evaluate on every rank."
                 )
             return "rank_only_forward", forward_ranks, explanation, fix
-        barrier = sorted(ops.get("barrier", []))
-        if barrier:
-            others = sorted(set(waiting) - set(barrier))
-            b = waiting[barrier[0]]
-            explanation = (
-                f"Ranks disagree on collective #{seq} ({names}): rank(s) {rank_list(others)} "
-                f"skipped the barrier that rank(s) {rank_list(barrier)} wait in{_loc(b)}."
-            )
-            fix = (
-                "Call dist.barrier() on every rank: take it out of the rank-dependent branch "
-                "(or make the skipping rank call it too)."
-            )
-            return "skipped_barrier", others, explanation, fix
-        minority = min(ops.values(), key=len)
+        # Which side is the extra call is not in one look (a rank that skipped a barrier and a
+        # rank that logs alone look the same here): the ledger decides it after the run.
+        places = "; ".join(
+            f"rank(s) {rank_list(rs)} in {op}{_loc(waiting[rs[0]])}"
+            for op, rs in sorted(ops.items(), key=lambda kv: min(kv[1]))
+        )
         explanation = (
-            f"Ranks disagree on collective #{seq} ({names}): the ranks issue collectives in a "
-            "different order."
+            f"Ranks disagree on collective #{seq} ({names}): {places}; the ranks issue "
+            "different collectives here."
         )
         fix = (
-            "Issue collectives in the same order on every rank (no rank-dependent branches around "
-            "them; iterate over dicts and sets in a sorted order)."
+            "Issue collectives in the same order on every rank: the call only some ranks make "
+            "(under `if rank == ...`, in a rank-dependent loop, or a dict or set iterated in a "
+            "per-process order) must run on every rank or on none."
         )
-        return "collective_order", sorted(minority), explanation, fix
+        if NEW_GROUP in ops:  # creating a group is the extra call: name it for what it is
+            differ = disagreement({r: s.phase or {} for r, s in waiting.items()}, _op_name)
+            if differ is not None:
+                explanation = f"{explanation} {differ.text[0].upper()}{differ.text[1:]}."
+                return "collective_order", sorted(ops[NEW_GROUP]), explanation, fix_for(differ, NEW_GROUP)
+        return "collective_order", sorted(waiting), explanation, fix
     if len(by_seq) > 1:
         low = min(by_seq)
         behind = sorted(by_seq[low])
@@ -342,6 +333,14 @@ def _judge(
         return "seq_mismatch", behind, explanation, fix
     seq = next(iter(by_seq), -1)
     op = next(iter(ops), "?")
+    differ = disagreement({r: s.phase or {} for r, s in waiting.items()}, _op_name, f"collective #{seq}")
+    if differ is not None:  # same op, same sequence number, another part of the signature
+        return (
+            "collective_mismatch",
+            differ.minority,
+            differ.text[0].upper() + differ.text[1:] + ": the collective can never complete.",
+            fix_for(differ, op),
+        )
     return (
         "backend_stuck",
         sorted(states),
@@ -379,6 +378,6 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")
     finding.details["recovered"] = bool(summary.get("recovered"))
-    from ddpdoctor.analysis import flight  # the collectives' state, when the ranks dumped it
+    from ddpdoctor.analysis.hung import flight
 
     return flight.merge(finding, str(summary.get("hang_dir") or ""))

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddpdoctor.analysis.device import clock, device_timed
-from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.slow.device import clock, device_timed
+from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -207,7 +207,13 @@ def stragglers(run: Run) -> Iterable[Finding]:
     # ranks someone is always a little late, so lateness alone is not a straggler.
     typical = np.median(table.lateness, axis=1)
     standout = _standout(typical)
+    slow_rows: set[int] = set()
+    for finding, rows in slow_nodes(run, table, threshold):
+        slow_rows |= rows
+        yield finding
     for row, rank in enumerate(table.ranks):
+        if row in slow_rows:
+            continue  # its node is slow as a whole: said once, for the node
         late = (latest == row) & (table.lateness[row] > threshold)
         n_late = int(late.sum())
         # A healthy rank is the latest on about 1/world of the steps; a straggler on most.
@@ -287,3 +293,62 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 + (_CPU_FIX if starved else _FIX[phase]),
                 details=details,
             )
+
+
+def _nodes(run: Run, ranks: list[int]) -> dict[str, list[int]]:
+    """Rows of the table by node: its host, and the launcher's node rank when one host runs two."""
+    nodes: dict[str, list[int]] = {}
+    for row, rank in enumerate(ranks):
+        header = run.ranks[rank].header
+        node = header.get("node")
+        key = str(header.get("host") or "?") + (f" (node {node})" if isinstance(node, int) else "")
+        nodes.setdefault(key, []).append(row)
+    return nodes
+
+
+def slow_nodes(run: Run, table: SyncTable, threshold: float) -> Iterable[tuple[Finding, set[int]]]:
+    """A node whose every rank arrives late at the gradient sync on most steps: the node is
+    slow (its hardware, its load, its data path), not one rank now and then."""
+    nodes = _nodes(run, table.ranks)
+    if len(nodes) < 2:
+        return
+    for name, rows in sorted(nodes.items()):
+        if len(rows) < 2 or len(rows) == len(table.ranks):
+            continue
+        node_late = table.lateness[rows].min(axis=0)  # even its earliest rank is late
+        late = node_late > threshold
+        if late.mean() < PERSISTENT or float(np.median(node_late)) <= threshold:
+            continue
+        # With a few nodes one of them is the latest on most of a short run's steps by chance.
+        if by_chance(int(late.sum()), len(table.steps), len(nodes)) >= CHANCE:
+            continue
+        rest = [i for i in range(len(table.ranks)) if i not in rows]
+        steps = np.flatnonzero(late)
+        excess = {
+            p: float(np.median(v[rows][:, steps].mean(axis=0) - np.median(v[rest][:, steps], axis=0)))
+            for p, v in table.phases.items()
+        }
+        phase = max(excess, key=lambda p: excess[p])
+        late_ms = float(np.median(node_late[steps])) / 1e3
+        step_ms = table.step_us / 1e3
+        share = len(steps) / len(table.steps)
+        speedup = step_ms / max(step_ms - late_ms * share, 1e-9)
+        ranks = [table.ranks[i] for i in rows]
+        finding = Finding(
+            "slow_node",
+            "warning",
+            ranks,
+            f"node {name} is slow as a whole: all its ranks ({rank_list(ranks)}) arrive at the "
+            f"gradient sync {late_ms:.1f} ms late (of a {step_ms:.1f} ms step) on {len(steps)} of "
+            f"{len(table.steps)} steps, mostly in {phase}; the job would run {speedup:.2f}x "
+            "faster if the node kept up",
+            fix="Look at that node, not at one rank: its CPUs, GPUs (clocks, thermals), memory and "
+            "data path (a slower disk or network share), and what else runs there; "
+            + _FIX[phase][0].lower()
+            + _FIX[phase][1:],
+            details={"node": name, "phase": phase, "lateness_ms": round(late_ms, 3),
+                     "late_share": round(share, 3), "step_ms": round(step_ms, 3),
+                     "what_if_speedup": round(speedup, 3),
+                     "phase_excess_ms": {p: round(v / 1e3, 3) for p, v in excess.items()}},
+        )  # fmt: skip
+        yield finding, set(rows)

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.gpu import (
+from ddpdoctor.analysis.slow.gpu import (
     GpuView,
     gpu_view,
     throttle_reasons,
     throttled_share,
 )
-from ddpdoctor.analysis.phases import training_forwards
+from ddpdoctor.analysis.slow.phases import training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddpdoctor.analysis.phases import StepGrid, training_forwards
-from ddpdoctor.analysis.straggler import cached_sync_table
+from ddpdoctor.analysis.slow.phases import StepGrid, training_forwards
+from ddpdoctor.analysis.slow.straggler import cached_sync_table
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import Run
@@ -80,4 +80,3 @@ def step_spans(run: Run, tb: TimeBase) -> dict[int, tuple[float, float]]:
     started = np.isfinite(starts)
     begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist())))
-

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.hang import SYNC_PHASES, hang_finding
+from ddpdoctor.analysis.hung.hang import SYNC_PHASES, hang_finding
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -31,7 +31,7 @@ _FIXES = (
     ),
     (("log", "print", "report", "plot"), "log less often, or hand the logging to a background thread"),
 )
-_GENERIC_FIX = (
+GENERIC_FIX = (
     "move the rank-only work off the other ranks' path: share it across ranks, run it in a "
     "background thread, or do it less often"
 )
@@ -53,15 +53,20 @@ def went_on(summary: dict[str, Any], run: Run) -> bool:
 
 def fix_for(function: str) -> str:
     name = function.lower()
-    return next((fix for words, fix in _FIXES if any(w in name for w in words)), _GENERIC_FIX)
+    return next((fix for words, fix in _FIXES if any(w in name for w in words)), GENERIC_FIX)
 
 
 def _idle_s(run: Run, rank: int, phase: dict[str, Any]) -> float | None:
     """How long the rank really waited in that sync point, from its own trace (None: not found)."""
+    return _wait_of(run, rank, phase)[0]
+
+
+def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, int | None]:
+    """(seconds the rank waited in that sync point, the step it was in), from its own trace."""
     trace = run.ranks.get(rank)
     seq = phase.get("seq")
     if trace is None or not isinstance(seq, int) or seq < 0:
-        return None
+        return None, None
     if phase.get("name") == "collective":
         ev = trace.kind(schema.COLLECTIVE)
         hit = (ev.ints(4) == seq) & ev.equals(0, phase.get("op"))
@@ -69,9 +74,12 @@ def _idle_s(run: Run, rank: int, phase: dict[str, Any]) -> float | None:
         ev = trace.kind(schema.SYNC_BUFFERS)
         hit = ev.ints(0) == seq
     else:
-        return None
+        return None, None
     durations = ev.dur[hit]
-    return float(durations.max()) / 1e6 if len(durations) else None
+    if not len(durations):
+        return None, None
+    i = int(durations.argmax())
+    return float(durations[i]) / 1e6, int(ev.step[hit][i])
 
 
 def _point(phase: dict[str, Any]) -> str:
@@ -141,10 +149,12 @@ def rank_only_work(run: Run) -> Iterable[Finding]:
         waiting = sorted({r for ep in eps for r in ep["waiting"]})
         idle: dict[str, float] = {}
         points: list[str] = []
+        steps: set[int | None] = set()
         for ep in eps:
             for r in ep["waiting"]:
                 phase = (ep.get("phases") or {}).get(str(r)) or {}
-                spent = _idle_s(run, r, phase)
+                spent, step = _wait_of(run, r, phase)
+                steps.add(step)
                 spent = float(ep.get("wait_s") or 0.0) if spent is None else spent
                 idle[str(r)] = round(idle.get(str(r), 0.0) + spent, 3)
                 if phase and _point(phase) not in points:
@@ -159,9 +169,12 @@ def rank_only_work(run: Run) -> Iterable[Finding]:
         verdicts = [ep["live_verdict"] for ep in eps if ep.get("live_verdict")]
         if verdicts:
             summary += " (reported live as a hang; the job then completed)"
+        setup = len(eps) == 1 and steps == {-1}  # once, before the first training step
+        if setup:
+            summary = f"one-time setup before step 0: {summary}; it cost {worst:.1f} s once, not per step"
         yield Finding(
             "rank_only_work",
-            "warning",
+            "info" if setup else "warning",
             sorted(busy),
             summary,
             fix=f"{fix_for(function)[0].upper()}{fix_for(function)[1:]}.",

@@ -44,6 +44,17 @@ _FIXES: dict[tuple[str, str], str] = {
         "forward_sync_cost",
         ACCELERATE,
     ): "In Accelerate: DistributedDataParallelKwargs(broadcast_buffers=False).",
+    ("rank_only_collective", LIGHTNING): "In Lightning: call collectives (self.all_gather, "
+    "self.trainer.strategy.barrier/broadcast, self.log(..., sync_dist=True)) on every rank; guard "
+    "only the rank-0 work with `if self.trainer.is_global_zero:` or @rank_zero_only.",
+    ("rank_only_collective", ACCELERATE): "In Accelerate: call accelerator.gather/reduce/"
+    "wait_for_everyone() on every process; guard only the main process's own work with `if "
+    "accelerator.is_main_process:`.",
+    ("awaited_work", ACCELERATE): "In Accelerate: run the main process's work inside `with "
+    "accelerator.main_process_first():` or before accelerator.prepare(), or raise the timeout "
+    "with InitProcessGroupKwargs(timeout=...).",
+    ("awaited_work", LIGHTNING): "In Lightning: raise the timeout with DDPStrategy(timeout=...), or "
+    "move rank-0 work to prepare_data() (run before the ranks start waiting on each other).",
 }
 
 _KILLED = {
@@ -95,5 +106,5 @@ def adapt(findings: list[Any], framework: str | None) -> None:
         return
     for finding in findings:
         extra = _FIXES.get((finding.kind, framework))
-        if extra and extra not in finding.fix:
+        if extra and extra not in finding.fix and not finding.fix.startswith("In "):
             finding.fix = f"{extra} {finding.fix}".strip()

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis import frameworks
+from ddpdoctor.analysis.failed.ledger import is_consequence, last_step_started, user_frame
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
-from ddpdoctor.analysis.hang import hang_finding
-from ddpdoctor.analysis.ledger import is_consequence, last_step_started
+from ddpdoctor.analysis.hung.hang import hang_finding
+from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -24,7 +25,7 @@ from ddpdoctor.trace.reader import Run
 
 @detector
 def hangs(run: Run) -> Iterable[Finding]:
-    from ddpdoctor.analysis.waits import went_on  # the job outlived it: rank_only_work says what
+    from ddpdoctor.analysis.hung.waits import went_on  # the job outlived it: rank_only_work says what
 
     for summary in run.hangs:
         if went_on(summary, run):
@@ -48,6 +49,40 @@ def _where(frames: list[Any]) -> str:
         return ""
     file, line, func = (list(frames[-1]) + ["?", "?", "?"])[:3]
     return f" ({os.path.basename(str(file))}:{line} in {func})"
+
+
+# Errors whose text says what happened better than "fix the exception": (pattern over the
+# message and its chained causes, what it means, the fix). Each fix is the cause's own.
+_KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (
+        re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([^.\n]+)"),
+        "a DataLoader worker process was killed by a signal ({0}){1}, not an error in the code",
+        "A worker killed by a signal is most often out of memory (the kernel's OOM killer sends "
+        "SIGKILL; SIGBUS means /dev/shm is full): lower num_workers or prefetch_factor, make each "
+        "sample smaller or load it lazily, avoid copying a large dataset object into every worker "
+        "(keep it in a file or memory map; persistent_workers=True keeps them from being forked "
+        "again each epoch), raise the container's memory or shared-memory limit (--shm-size); "
+        "dmesg | grep -i 'killed process' confirms the OOM killer.",
+    ),
+)
+_SIGNAL_TEXT = {
+    "Killed": "SIGKILL",
+    "Bus error": "SIGBUS",
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+}
+
+
+def known_error(error: dict[str, Any]) -> tuple[str, str] | None:
+    """(what the error means, its fix) when its text is one of the known causes above."""
+    text = f"{error.get('message', '')}\n{error.get('traceback', '')}"
+    for pattern, meaning, fix in _KNOWN_ERRORS:
+        m = pattern.search(text)
+        if m:
+            said = m.group(1).strip()
+            name = _SIGNAL_TEXT.get(said, said)
+            return meaning.format(name, f', "{said}"' if name != said else ""), fix
+    return None
 
 
 @detector
@@ -134,6 +169,11 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             f"Fix the exception on rank {rank} (traceback in the job's output and in this finding); "
             "the other ranks' errors are consequences of it."
         )
+        known = known_error(error)
+        if known is not None:
+            summary, fix = f"{summary}: {known[0]}", known[1]
+            frames = [{"file": f[0], "line": f[1]} for f in reversed(error.get("frames") or [])]
+            details["place"] = user_frame(frames)
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
         summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}"
@@ -203,3 +243,48 @@ def _others(watch: dict[str, Any], failed: int, errors: dict[int, dict[str, Any]
             what += f", then raised {err.get('type')}"
         out[rank] = what
     return out
+
+
+@detector
+def model_differs(run: Run) -> Iterable[Finding]:
+    """DDP's constructor refused models that differ by rank: the shapes side by side, the first
+    parameter and the module that differ (each rank kept its shapes as the constructor raised)."""
+    shapes: dict[int, list[list[Any]]] = {}
+    places: dict[int, str] = {}
+    for rank, trace in sorted(run.ranks.items()):
+        for _, _, info in trace.meta.get(schema.DDP_ERROR, []):
+            if info.get("error") == "ddp_init" and isinstance(info.get("shapes"), list):
+                shapes[rank] = info["shapes"]
+        for _, _, err in trace.meta.get(schema.RANK_ERROR, [])[:1]:
+            frames = [{"file": f[0], "line": f[1]} for f in reversed(err.get("frames") or [])]
+            places[rank] = user_frame(frames)
+    if len(shapes) < 2:
+        return
+    ranks = sorted(shapes)
+    table = {r: {str(p[0]): (list(p[1]), str(p[2])) for p in shapes[r]} for r in ranks}
+    names = list(dict.fromkeys(n for r in ranks for n in table[r]))
+    differ = [n for n in names if len({str(table[r].get(n, (None,))[0]) for r in ranks}) > 1]
+    if not differ:
+        return
+    first = differ[0]
+    owner = next((table[r][first][1] for r in ranks if first in table[r]), "?")
+    module = first.rsplit(".", 1)[0] if "." in first else "(top level)"
+    side = "; ".join(
+        f"{n}: " + ", ".join(f"rank {r} {table[r][n][0] if n in table[r] else 'absent'}" for r in ranks)
+        for n in differ[:4]
+    )
+    place = next((places[r] for r in ranks if places.get(r)), "")
+    at = f" at {place}" if place else ""
+    yield Finding(
+        "model_differs",
+        "error",
+        ranks,
+        f"the ranks built different models, and DDP's constructor{at} refused them: module "
+        f"{module!r} ({owner}) differs: {side}"
+        + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""),
+        fix=f"Build the same model on every rank: {module!r} ({owner}) is built from a value that "
+        "differs by rank (a config or file read per rank, a rank-dependent branch); read it on rank "
+        "0 and share it (dist.broadcast_object_list) or derive it from the same inputs everywhere.",
+        details={"root_rank": None, "place": place, "module": module, "parameters": differ,
+                 "shapes": {str(r): {n: table[r].get(n, (None,))[0] for n in differ} for r in ranks}},
+    )  # fmt: skip

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis import ledger as ledgers
-from ddpdoctor.analysis.failure_parts import StackGroup, parting_table, stack_groups
-from ddpdoctor.analysis.failure_spans import Clock, OpenSpan, open_spans
+from ddpdoctor.analysis.failed import ledger as ledgers
+from ddpdoctor.analysis.failed.failure_parts import StackGroup, parting_table, stack_groups
+from ddpdoctor.analysis.failed.failure_spans import Clock, OpenSpan, open_spans
 from ddpdoctor.analysis.findings import Finding, clip
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema

@@ -5,7 +5,8 @@ Three states matter to a user, and each is decided from facts the ranks publish
 measured about each process (alive, seconds since its CPU time or stack last moved):
 
 * **proven**: every live rank is blocked in a sync point and they cannot all complete: ranks of
-  one group disagree on the op or the size at one sequence number, wait at different sequence
+  one group disagree on any part of a collective's signature at one sequence number (op, dtype,
+  size, root, members: ``signature.py``), wait at different sequence
   numbers, or a member of the group has left. No timeout needs to pass: the job cannot go on.
 * **stalled**: a rank outside every sync point makes no progress while others wait. It may
   still be a slow syscall, so this becomes a hang only once the threshold passes.
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
@@ -52,9 +54,6 @@ _NO_PROOF_OPS = frozenset(
         "gather",
         "scatter",
     }
-)
-_SIZED_OPS = frozenset(
-    {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
 )
 
 
@@ -307,22 +306,7 @@ def _prove(
         for seq, at in sorted(by_seq.items()):
             if seq < 0 or len(at) < 2:
                 continue
-            ops: dict[str, list[int]] = {}
-            for r, p in at.items():
-                ops.setdefault(op_label(p), []).append(r)
-            if len(ops) > 1:
-                parts = sorted(ops.items(), key=lambda kv: min(kv[1]))
-                text = " vs ".join(f"rank(s) {rank_list(rs)} {op}" for op, rs in parts)
-                minority = min(parts, key=lambda kv: (len(kv[1]), min(kv[1])))[1]
-                return f"ranks{label} disagree on the op of collective #{seq}: {text}", sorted(minority)
-            sizes: dict[int, list[int]] = {}
-            for r, p in at.items():
-                if p.get("op") in _SIZED_OPS and int(p.get("bytes") or 0) > 0:
-                    sizes.setdefault(int(p["bytes"]), []).append(r)
-            if len(sizes) > 1:
-                parts_b = sorted(sizes.items(), key=lambda kv: min(kv[1]))
-                text = " vs ".join(f"rank(s) {rank_list(rs)} {b:,} bytes" for b, rs in parts_b)
-                minority = min(parts_b, key=lambda kv: (len(kv[1]), min(kv[1])))[1]
-                op = next(iter(ops))
-                return f"ranks{label} disagree on the size of {op} #{seq}: {text}", sorted(minority)
+            differ = disagreement(at, op_label, f"collective #{seq}{label}")
+            if differ is not None:
+                return differ.text, differ.minority
     return None

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import training_forwards
-from ddpdoctor.analysis.straggler import LATE_FLOOR_US
+from ddpdoctor.analysis.slow.phases import training_forwards
+from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 

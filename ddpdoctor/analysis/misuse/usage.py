@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis import reads
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.models import ddp_models, label, model_of
-from ddpdoctor.analysis.phases import StepGrid, step_times
+from ddpdoctor.analysis.misuse import reads
+from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of
+from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -34,16 +34,20 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     sizes: dict[str, int] = {}  # name -> elements, from the constructor's record
     scope = "local"
     errors: dict[int, list[str]] = {}
+    trained: set[str] = set()  # with find_unused_parameters: used on some rank in some step
     for rank, trace in sorted(run.ranks.items()):
         for _, step, info in trace.meta.get(schema.UNUSED, []):
             model = model_of(trace, info)
             names = list(model.get("param_names", []))
             sizes.update(zip(names, model.get("param_numels") or [], strict=False))
             scope = info.get("scope", scope)
-            for i in info.get("params", []):
+            used = info.get("used_on_ranks") or []
+            for j, i in enumerate(info.get("params", [])):
                 name = names[i] if 0 <= i < len(names) else f"#{i}"
                 per_param_steps[name].add(step)
                 per_param_ranks[name].add(rank)
+                if j < len(used) and used[j]:
+                    trained.add(name)  # some rank gave it a gradient in this step
         for _, _, info in trace.meta.get(schema.DDP_ERROR, []):
             if info.get("error") == "unfinished_reduction":
                 errors[rank] = list(info.get("params", []))
@@ -72,17 +76,8 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
         "ddp_error": bool(errors),
         "find_unused_parameters": scope == "global",
     }
-    if scope == "global":  # find_unused_parameters=True copes with it: worth knowing, not wrong
-        yield Finding(
-            "unused_parameters",
-            "info",
-            ranks,
-            f"{len(params)} parameter(s) got no gradient on some ranks in "
-            f"{len(steps)} of {total_steps} steps ({shown}); find_unused_parameters=True is needed",
-            fix="Nothing to do unless these parameters should be trained; if they should never be "
-            "used, remove them and turn find_unused_parameters off.",
-            details=details,
-        )
+    if scope == "global":
+        yield _unused_found(params, steps, total_steps, trained, ranks, details)
         return
     where = f"at step(s) {_steps_text(steps)}" if steps else "before the crash"
     summary = (
@@ -91,6 +86,45 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     if errors:
         summary += "; DDP then raised 'Expected to have finished reduction in the prior iteration'"
     yield Finding("unused_parameters", "error", ranks, summary, fix=_FIX_UNUSED, details=details)
+
+
+def _unused_found(
+    params: list[str],
+    steps: list[int],
+    total_steps: int,
+    trained: set[str],
+    ranks: list[int],
+    details: dict[str, Any],
+) -> Finding:
+    """With find_unused_parameters=True DDP copes with parameters that get no gradient; one that
+    no rank trained in any step is still a waste (or a bug: a head cut off from the loss)."""
+    per = details["per_parameter"]
+    never = [p for p in params if p not in trained and len(per[p]["steps"]) >= total_steps]
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    if never and total_steps > 0:
+        named = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
+        return Finding(
+            "unused_parameters",
+            "warning",
+            ranks,
+            f"{len(never)} parameter(s) never trained: no rank gave them a gradient in any of the "
+            f"{total_steps} steps ({named}); find_unused_parameters=True hides it (DDP skips "
+            "them), at the cost of an autograd-graph walk every step",
+            fix="If they should be trained, connect them to the loss (e.g. add the unused head's "
+            "output to it); if not, remove them (or freeze them with requires_grad_(False)) and "
+            "turn find_unused_parameters off.",
+            details={**details, "never_trained": never},
+        )
+    return Finding(
+        "unused_parameters",
+        "info",
+        ranks,
+        f"{len(params)} parameter(s) got no gradient on some ranks in {len(steps)} of {total_steps} "
+        f"steps ({shown}); find_unused_parameters=True lets DDP go on without them",
+        fix="Nothing to do unless these parameters should be trained in those steps; if they "
+        "should never be used, remove them and turn find_unused_parameters off.",
+        details=details,
+    )
 
 
 @detector

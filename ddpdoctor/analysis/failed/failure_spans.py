@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ddpdoctor.analysis import ledger as ledgers
-from ddpdoctor.analysis.hang import is_user_frame, main_thread
+from ddpdoctor.analysis.failed import ledger as ledgers
+from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
-_DOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _WATCHED_PHASES = {"backward": schema.BACKWARD, "collective": schema.COLLECTIVE}
 # A status phase -> the spans it stands for: (kind, lane) outermost first.
 _STATUS_SPANS = {
@@ -115,7 +115,7 @@ def open_spans(
             if isinstance(f, (list, tuple)) and len(f) >= 3
         ]
         user = _user(frames)
-        if any(str(f["file"]).startswith(_DOCTOR_DIR) for f in frames):  # raised inside a sync point
+        if any(str(f["file"]).startswith(DOCTOR_DIR) for f in frames):  # raised inside a sync point
             spans = _cut_short(rank, trace, clock, end_s, step, user, ended_by)
             _seen_in(run, rank, spans)
             return spans, frames
@@ -140,7 +140,7 @@ def _fatal_frames(text: str) -> list[dict[str, Any]]:
     """The main thread of a faulthandler dump (fatal-rank{R}.txt), innermost first."""
     if not text:
         return []
-    from ddpdoctor.supervisor.stacks import parse_faulthandler  # a pure text parser
+    from ddpdoctor.trace.stacktext import parse_faulthandler
 
     return main_thread(parse_faulthandler(text))
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.diagnosis import Diagnosis
-from ddpdoctor.analysis.phases import step_times
+from ddpdoctor.analysis.slow.phases import step_times
 from ddpdoctor.trace import schema
 
 SCHEMA = "ddpdoctor.compare/1"

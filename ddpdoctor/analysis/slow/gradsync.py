@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.device import clock, device_timed
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.phases import StepGrid, last_per_step
+from ddpdoctor.analysis.slow.device import clock, device_timed
+from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.ledger import sites_of
-from ddpdoctor.analysis.models import ddp_models
+from ddpdoctor.analysis.misuse.models import ddp_models
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 

@@ -11,26 +11,35 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.ledger import (
+from ddpdoctor.analysis.failed.ledger import (
     BUFFERS,
     FORWARD,
     GRAD_ALLREDUCE,
-    Divergence,
     Ledger,
     Point,
     build,
     death_stack,
-    first_divergence,
     forward_site,
     user_frame,
 )
+from ddpdoctor.analysis.failed.parting import (
+    Divergence,
+    first_divergence,
+    rank_only_call,
+    rank_only_logs,
+    skipped_sync,
+)
+from ddpdoctor.analysis.failed.signature import disagreement, fix_for
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
 # Finding kinds this module decides; a run with one of them at error level has its other
 # failure and hang findings folded into it as consequences.
 CAUSE_KINDS = (
     "node_lost",
+    "awaited_work",  # analysis/hung/awaited.py: the work a rank did while the others timed out
+    "skipped_gradient_sync",  # analysis/failed/parting.py
+    "model_differs",  # analysis/failed/failures.py
     "uneven_inputs",
     "rank_left_early",
     "rank_only_collective",
@@ -72,7 +81,9 @@ FIX_FORWARD = (
 def ledger_causes(run: Run) -> Iterable[Finding]:
     ledgers = build(run)
     div = first_divergence(ledgers) or _left_first(ledgers)
-    found = _explain(div, ledgers) if div is not None else None
+    found = rank_only_logs(ledgers, div is not None, _evidence(ledgers, ledgers))
+    if found is None and div is not None:
+        found = _explain(div, ledgers)
     if found is not None:
         yield found
     yield from _rank_only_forwards(ledgers, found)
@@ -129,6 +140,8 @@ def _evidence(ledgers: dict[int, Ledger], ranks: Iterable[int]) -> dict[str, Any
 def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
     if div.what == "mismatch":
         return _mismatch(div, ledgers)
+    if div.what == "steps":
+        return skipped_sync(div, ledgers, _evidence(ledgers, ledgers))
     root = ledgers[div.root] if div.root is not None else None
     if root is None:
         return None
@@ -198,13 +211,19 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     ddp = {r: p for r, p in points.items() if _is_ddp(p)}
     forward_side = {r: p for r, p in ddp.items() if p.op.startswith((BUFFERS, FORWARD))}
     if python and not ddp:
+        alone = rank_only_call(points, ledgers, _evidence(ledgers, ledgers))
+        if alone is not None:
+            return alone
+        differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))
+        text = div.evidence.get("disagreement") or f"the ranks disagree at collective #{seq}"
+        op = next(iter(points.values())).op
         return Finding(
             "collective_mismatch",
             "error",
             sorted(points),
-            f"the ranks disagree at collective #{seq} ({div.evidence.get('differs')}): {said}",
-            fix=FIX_MISMATCH,
-            details={**details, "root_rank": None},
+            f"{text} ({said})",
+            fix=fix_for(differ, op) if differ is not None and differ.field != "op" else FIX_MISMATCH,
+            details={**details, "root_rank": None, "differs": div.evidence.get("differs")},
         )
     if forward_side and len(forward_side) < len(points):
         root = min(forward_side)
@@ -234,12 +253,27 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
             )
+        call = python[root]
+        if call.site and any(call.site in {q.site for q in ledgers[r].points} for r in ddp):
+            # the others executed that line too: not a branch they skipped, the sequences
+            # parted earlier than anything on record here
+            return Finding(
+                "collective_mismatch",
+                "error",
+                sorted(points),
+                f"the ranks issue different collectives at #{seq}: rank(s) {rank_list(python)} in "
+                f"{call.describe()} (a line the others execute too), while "
+                f"{_others_text(points, root)}: their sequences of collectives parted before this "
+                "point (a step, a collective or a batch one side had and the other did not)",
+                fix=FIX_MISMATCH,
+                details={**details, "root_rank": None, "place": call.site},
+            )
         return Finding(
             "rank_only_collective",
             "error",
             sorted(python),
-            f"rank(s) {rank_list(python)} called {python[root].describe()} in a branch the others "
-            f"did not take; {_others_text(points, root)}",
+            f"rank(s) {rank_list(python)} called {call.describe()} in a branch the others "
+            f"did not take (they never executed {call.site or 'that line'}); {_others_text(points, root)}",
             fix=FIX_BRANCH.format(op=python[root].op),
             details={**details, "root_rank": root, "place": python[root].site},
         )

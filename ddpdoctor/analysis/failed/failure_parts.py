@@ -4,7 +4,7 @@
   one group, as the terminal's hang report groups ranks by where they wait), with ddpdoctor's
   own frames and threads left out, as ``file:line function`` lines, innermost first.
 * The collectives around the point where the ranks parted: the ledgers' first divergence
-  (``ledger.first_divergence``), else the first sequence number not every rank completed, as a
+  (``parting.first_divergence``), else the first sequence number not every rank completed, as a
   small table of sequence number by rank.
 """
 
@@ -14,14 +14,15 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.analysis import ledger as ledgers
-from ddpdoctor.analysis.hang import group_ranks, is_user_frame
+from ddpdoctor.analysis.failed import ledger as ledgers
+from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
 if TYPE_CHECKING:
-    from ddpdoctor.analysis.failure_spans import OpenSpan
+    from ddpdoctor.analysis.failed.failure_spans import OpenSpan
 
-_DOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 AROUND = 3  # sequence numbers shown before the parting point
 _MARKERS = ("site-packages" + os.sep, "dist-packages" + os.sep)
 
@@ -50,7 +51,7 @@ def stack_groups(stacks: dict[int, list[dict[str, Any]]], where: dict[int, str])
     keys: dict[int, tuple[str, tuple[str, ...]]] = {}
     users: dict[tuple[str, tuple[str, ...]], int] = {}
     for rank, frames in stacks.items():
-        kept = [f for f in frames if not str(f.get("file", "")).startswith(_DOCTOR_DIR)]
+        kept = [f for f in frames if not str(f.get("file", "")).startswith(DOCTOR_DIR)]
         lines = tuple(f"{short_file(str(f.get('file')))}:{f.get('line')} {f.get('function')}" for f in kept)
         keys[rank] = (where.get(rank, ""), lines)
         users[keys[rank]] = next((i for i, f in enumerate(kept) if is_user_frame(str(f.get("file", "")))), -1)
@@ -110,7 +111,7 @@ def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) 
     if not by_seq:
         return {}
     present = [r for r, b in books.items() if b.ending.how != "never_started"]
-    divergence = ledgers.first_divergence(books)
+    divergence = first_divergence(books)
     if divergence is not None and isinstance(divergence.evidence.get("seq"), int):
         parting = int(divergence.evidence["seq"])
     else:

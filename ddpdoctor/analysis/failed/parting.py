@@ -1,0 +1,265 @@
+"""Where the ledgers first part ways, and what each rank did there, named only when the facts
+for it hold.
+
+``first_divergence`` aligns the ranks' ledgers by sequence number (as torch's Flight Recorder
+analyzer aligns its per-rank records) and stops at the first number where they disagree.
+
+Two shapes of a first divergence need more than "the ranks disagree": a call that some ranks
+made at a line the others never executed (the rank-only collective: "skipped the barrier" is
+said only then), and a DDP sync point the backend matched across different steps (a rank that
+skipped a backward, or all-reduced on another accumulation schedule, went on paired with the
+wrong partners until something stopped it: the root is that first step, not where it stopped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
+from ddpdoctor.analysis.findings import Finding, rank_list
+
+FIX_BRANCH = (
+    "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
+    "the rank-only work without a collective."
+)
+FIX_SYNC_LOG = (
+    "In Lightning: log on every rank (call self.log(..., sync_dist=True) outside `if "
+    "self.trainer.is_global_zero:`), or log rank 0's value alone with self.log(..., "
+    "rank_zero_only=True) and no sync_dist."
+)
+FIX_SKIPPED = (
+    "Decide to skip a step on every rank together: all_reduce a flag (is the loss finite?) and "
+    "skip on every rank, or keep the backward and zero the loss (loss * 0) so its gradient "
+    "all-reduce still runs; gradient accumulation (no_sync) must follow the same schedule on "
+    "every rank."
+)
+
+
+@dataclass
+class Divergence:
+    """Where the ledgers first part ways, and the evidence."""
+
+    what: str  # left | mismatch | steps (one sync point matched across different steps)
+    root: int | None
+    others: list[int]
+    points: dict[int, Point | None]  # each rank's point at the divergence (None: it had none)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
+    """The first sync point where ranks disagree: a rank gone while others go on, a different op
+    or size at one sequence number, or a collective only some ranks issued."""
+    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
+    if len(present) < 2:
+        return None
+    by_seq = {
+        r: {p.seq: p for p in lg.points if p.group == "WORLD" and p.seq >= 0} for r, lg in present.items()
+    }
+    seqs = sorted(set().union(*[set(m) for m in by_seq.values()]))
+    last = {r: max(m, default=-1) for r, m in by_seq.items()}
+    for seq in seqs:
+        at = {r: m.get(seq) for r, m in by_seq.items()}
+        have = {r: p for r, p in at.items() if p is not None}
+        if len(have) == len(at):
+            differ = disagreement({r: p.signature() for r, p in have.items()}, _op_of, f"collective #{seq}")
+            if differ is None:
+                said = _backend_says_mismatch(present, have)
+                if said and all(p.in_flight for p in have.values()):
+                    evidence = {"seq": seq, "differs": "size", "backend": said}
+                    return Divergence("mismatch", None, [], dict(at), evidence)
+                apart = _steps_apart(have)
+                if apart is not None:
+                    return apart
+                continue
+            differs = {"bytes": "size", "numel": "size"}.get(differ.field, differ.field)
+            evidence = {"seq": seq, "differs": differs, "disagreement": differ.text, "field": differ.name}
+            return Divergence("mismatch", None, [], dict(at), evidence)
+        missing = [r for r in at if at[r] is None]
+        if all(last[r] < seq for r in missing):
+            gone = min(missing, key=lambda r: (present[r].last_step, r))
+            return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
+    return None
+
+
+# DDP's own sync points: issued once per step on every rank, so the step they carry is comparable.
+_STEPPED = (GRAD_ALLREDUCE, BUFFERS)
+
+
+def _steps_apart(have: dict[int, Point]) -> Divergence | None:
+    """The same DDP sync point matched across ranks in different steps: the backend paired one
+    rank's step k with another's step k+1, because a rank skipped (or added) one before. The
+    rank ahead is the one that ran a step without it."""
+    if any(p.in_flight or p.op not in _STEPPED for p in have.values()):
+        return None
+    steps = {r: p.step for r, p in have.items()}
+    if len(set(steps.values())) < 2:
+        return None
+    ahead = max(steps.values())
+    root = min(r for r, s in steps.items() if s == ahead)
+    others = sorted(r for r in have if steps[r] != ahead)
+    seq = next(iter(have.values())).seq
+    return Divergence("steps", root, others, dict(have), {"seq": seq, "steps": steps})
+
+
+def _op_of(sig: dict[str, Any]) -> str:
+    return str(sig["op"])
+
+
+# What a backend prints when the ranks' collectives disagree (gloo's enforce; NCCL's and the
+# collective-consistency check's wording), the words a rank leaves when it dies of it.
+_MISMATCH_WORDS = ("collective mismatch", "size doesn't match", "sizes don't match", "mismatch between")
+
+
+def _backend_says_mismatch(ledgers: dict[int, Ledger], at: dict[int, Point]) -> str:
+    """The line a rank that died inside this collective left saying the ranks disagree."""
+    for rank, point in sorted(at.items()):
+        if not point.died_in:
+            continue
+        for line in ledgers[rank].words:
+            if any(w in line.lower() for w in _MISMATCH_WORDS):
+                return line.strip()[:300]
+    return ""
+
+
+def rank_only_call(
+    points: dict[int, Point], ledgers: dict[int, Ledger], evidence: dict[str, Any]
+) -> Finding | None:
+    """Ranks in different Python collectives at one sequence number: the call is rank-only when
+    its line is one the other ranks never executed (the facts a 'skipped' or 'only rank 0 calls'
+    needs); when both lines or neither are, which side is extra is not on record."""
+    ops = {r: p.op for r, p in points.items()}
+    if len(set(ops.values())) < 2 or any(not p.site for p in points.values()):
+        return None
+    sites = {r: {q.site for q in ledgers[r].points if q.site} for r in points}
+    only = {
+        r: p for r, p in points.items()
+        if all(p.site not in sites[o] for o in points if ops[o] != p.op)
+    }  # fmt: skip
+    if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
+        only = _earlier(only)
+    if not only or {ops[r] for r in only} == set(ops.values()):
+        return None
+    root = min(only)
+    call = only[root]
+    rest = sorted(r for r in points if r not in only)
+    if call.op == NEW_GROUP:
+        what = (
+            f"rank(s) {rank_list(only)} created a process group (new_group at {call.site}) that "
+            f"rank(s) {rank_list(rest)} never create: new_group is a collective of the default "
+            "group"
+        )
+        fix = fix_for(Disagreement("op", "op", "", list(only), dict(ops)), call.op)
+    elif call.op == "barrier":
+        what = (
+            f"rank(s) {rank_list(rest)} skipped the barrier at {call.site} that rank(s) "
+            f"{rank_list(only)} wait in (they never executed that line)"
+        )
+        fix = FIX_BRANCH.format(op="dist.barrier")
+    else:
+        what = (
+            f"rank(s) {rank_list(only)} called {call.describe()}, a line rank(s) {rank_list(rest)} "
+            "never executed"
+        )
+        fix = FIX_BRANCH.format(op=call.op)
+    return Finding(
+        "rank_only_collective",
+        "error",
+        sorted(only),
+        f"{what}; "
+        + "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root),  # noqa: E501
+        fix=fix,
+        details={
+            "root_rank": root,
+            "place": call.site,
+            "seq": call.seq,
+            "points": {str(r): p.describe() for r, p in points.items()},
+            "ranks": evidence,
+        },
+    )
+
+
+def _earlier(points: dict[int, Point]) -> dict[int, Point]:
+    """Of calls whose lines the other side never executed, the extra one: creating a group
+    (new_group), or a barrier at the earlier line of one file, which the others passed on their
+    way to the later line (two other ops in one file may sit in an if and its else: no guess)."""
+    made = {r: p for r, p in points.items() if p.op == NEW_GROUP}
+    if made:
+        return made
+    files = {p.site.rsplit(":", 1)[0] for p in points.values()}
+    lines = {r: p.site.rsplit(":", 1)[1] for r, p in points.items()}
+    if len(files) != 1 or not all(v.isdigit() for v in lines.values()):
+        return {}
+    first = min(int(v) for v in lines.values())
+    if sum(int(v) == first for v in lines.values()) == len(lines):
+        return {}
+    earlier = {r: p for r, p in points.items() if int(lines[r]) == first}
+    return earlier if all(p.op == "barrier" for p in earlier.values()) else {}
+
+
+def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
+    """A DDP sync point matched across steps: the rank ahead ran a step without its gradient
+    all-reduce (a skipped backward, a no_sync step the others did not take)."""
+    assert div.root is not None
+    steps = div.evidence["steps"]
+    root, seq = div.root, div.evidence["seq"]
+    mine = steps[root]
+    behind = {r: s for r, s in steps.items() if s != mine}
+    first = min(behind.values())
+    lg = ledgers[root]
+    synced = {p.step for p in lg.points if p.op == GRAD_ALLREDUCE}
+    ran = [(s, site) for s, grad, _, site in lg.forwards if grad and first <= s < mine and s not in synced]
+    if not ran:
+        return None  # the fact the finding states (a step run without its all-reduce) is not on record
+    step, site = ran[0]
+    others = "; ".join(f"rank {r} all-reduced step {s}'s gradients there" for r, s in sorted(behind.items()))
+    gone = [r for r, g in ledgers.items() if g.ending.how not in ("clean_exit", "running")]
+    after = (
+        "; everything after (the hang or errors where the job stopped) is a consequence"
+        if gone
+        else "; the job went on, averaging gradients of different steps"
+    )
+    at = f" at {site}" if site else ""
+    return Finding(
+        "skipped_gradient_sync",
+        "error" if gone else "warning",
+        [root],
+        f"rank {root} ran step {step}'s forward{at} but no gradient all-reduce for it (its backward "
+        f"was skipped, or ran under no_sync() there alone), so the backend matched the ranks' "
+        f"gradient all-reduce #{seq} across steps: rank {root} all-reduced step {mine}'s gradients; "
+        f"{others}. From step {step} on, the ranks' all-reduces pair with the wrong partners{after}",
+        fix=FIX_SKIPPED,
+        details={"root_rank": root, "place": site, "seq": seq, "step": step,
+                 "steps_at_seq": {str(r): s for r, s in steps.items()}, "ranks": evidence},
+    )  # fmt: skip
+
+
+def rank_only_logs(ledgers: dict[int, Ledger], parted: bool, evidence: dict[str, Any]) -> Finding | None:
+    """A metric a framework all-reduces (Lightning's sync_dist) that only some ranks logged: the
+    others never join that all-reduce. The user's line is the hook's, not trainer.fit."""
+    present = {r: lg for r, lg in ledgers.items() if lg.ending.how != "never_started"}
+    keys = set().union(*[lg.sync_logs for lg in present.values()]) if present else set()
+    for place, name in sorted(keys):
+        logged = sorted(r for r, lg in present.items() if (place, name) in lg.sync_logs)
+        if len(logged) == len(present):
+            continue
+        rest = sorted(r for r in present if r not in logged)
+        line = place.split(" in ")[0]
+        stopped = (
+            ": the ranks' collectives parted there and the job stopped (the hang or errors that "
+            "followed are consequences)"
+            if parted
+            else ""
+        )
+        return Finding(
+            "rank_only_collective",
+            "error" if parted else "warning",
+            logged,
+            f"rank(s) {rank_list(logged)} logged {name!r} with sync_dist=True at {place} and rank(s) "
+            f"{rank_list(rest)} did not: Lightning all-reduces that metric on the ranks that "
+            f"logged it, and the others never join that all-reduce{stopped}",
+            fix=FIX_SYNC_LOG,
+            details={"root_rank": logged[0], "place": line, "metric": name, "ranks": evidence},
+        )
+    return None

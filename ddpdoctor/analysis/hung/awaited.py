@@ -1,0 +1,159 @@
+"""Waits charged to what was awaited: a rank that timed out waiting is not the cause.
+
+When ranks wait in a sync point (a barrier, a collective, a ``monitored_barrier``) for a rank
+that is elsewhere, running its own code, the wait ends in an error on the waiting side (gloo's
+"Timed out waiting", "Rank 1 failed to pass monitoredBarrier", "Connection closed by peer") and
+the launcher then stops the awaited rank. The error shows first, but the cause is the awaited
+rank and what it was doing: its own function and line (the stack it left as it was stopped, or
+the busy record the live watcher kept), for as long as the others waited. The fix is about that
+work: shorten it, move it off the path, share it, or give the timeout its real figure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ddpdoctor.analysis.failed.ledger import Ledger, build, death_stack, died_in
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.hung.waits import GENERIC_FIX, fix_for
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.stacktext import is_user_frame
+
+
+@detector
+def awaited_work(run: Run) -> Iterable[Finding]:
+    ledgers = build(run)
+    waiting = {r: lg for r, lg in ledgers.items() if lg.ending.how == "exception" and lg.ending.consequence}
+    if not waiting:
+        return
+    busy = _busy_records(run)
+    for rank, lg in sorted(ledgers.items()):
+        if rank in waiting or (lg.ending.how == "exception" and not lg.ending.consequence):
+            continue  # a waiter, or a rank that failed on its own (rank_failure names it)
+        work = _doing(run, rank, lg, busy)
+        if work is None:
+            continue
+        waits = {w: _last_wait(run, w) for w in waiting}
+        waits = {w: v for w, v in waits.items() if v is not None}
+        if not waits:
+            continue
+        yield _finding(run, rank, work, waits, ledgers)
+        return
+
+
+def _busy_records(run: Run) -> dict[int, str]:
+    """Rank -> where the live watcher saw it busy while others waited on it ("f() file:line")."""
+    out: dict[int, str] = {}
+    for watch in run.watches:
+        for ep in watch.get("waits") or []:
+            for r in ep.get("busy") or []:
+                where = (ep.get("where") or {}).get(str(r))
+                if where:
+                    out[int(r)] = str(where)
+    return out
+
+
+def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, str] | None:
+    """What the rank was doing outside every sync point when it was stopped: {function, place},
+    from the stack it left (a signal) or the watcher's busy record; None when it was waiting too."""
+    if lg.ending.how == "signal":
+        if not (run.ends.get(rank) or {}).get("consequence"):
+            return None  # killed on its own (a crash, the OOM killer): rank_failure names it
+        point, _ = died_in(run, rank, lg)
+        if point is not None:
+            return None  # it died inside a sync point: it was waiting, not working
+        for frame in death_stack(run, rank):
+            if is_user_frame(str(frame.get("file", ""))):
+                place = f"{os.path.basename(str(frame.get('file')))}:{frame.get('line')}"
+                return {"function": str(frame.get("function")), "place": place}
+    where = busy.get(rank)
+    if where and lg.ending.how in ("stopped_on_hang", "running"):
+        function, _, place = where.partition("() ")
+        return {"function": function, "place": place or where}
+    return None
+
+
+def _last_wait(run: Run, rank: int) -> dict[str, Any] | None:
+    """The waiting rank's last sync point (recorded as it raised): op, seq, seconds, its line."""
+    trace = run.ranks.get(rank)
+    if trace is None:
+        return None
+    coll = trace.kind(schema.COLLECTIVE)
+    if not len(coll):
+        return None
+    i = len(coll) - 1
+    fields = coll.fields[i]
+    sites = {
+        int(info["id"]): f"{os.path.basename(str(info.get('file')))}:{info.get('line')}"
+        for _, _, info in trace.meta.get(schema.SITE, [])
+        if isinstance(info.get("id"), int)
+    }
+    site = sites.get(int(fields[6]), "") if len(fields) > 6 and isinstance(fields[6], int) else ""
+    return {"op": str(fields[0]), "seq": int(fields[4]), "s": float(coll.dur[i]) / 1e6, "place": site}
+
+
+def _worked_s(run: Run, rank: int) -> float | None:
+    """Seconds from the rank's last recorded event to its end: a lower bound of the work."""
+    trace = run.ranks.get(rank)
+    end = (run.ends.get(rank) or {}).get("at_wall")
+    if trace is None or not end:
+        return None
+    last_us = 0
+    for kind in schema.KINDS:
+        ev = trace.kind(kind)
+        if len(ev):
+            last_us = max(last_us, int((ev.ts + ev.dur).max()))
+    start = (int(trace.header.get("wall_ns", 0)) + last_us * 1000) / 1e9
+    return max(0.0, float(end) - start)
+
+
+def _finding(
+    run: Run, rank: int, work: dict[str, str], waits: dict[int, dict[str, Any]], ledgers: dict[int, Ledger]
+) -> Finding:
+    longest = max(w["s"] for w in waits.values())
+    worked = _worked_s(run, rank)
+    function, place = work["function"], work["place"]
+    sides = "; ".join(
+        f"rank {w} waited {v['s']:.1f} s in {v['op']} #{v['seq']}"
+        + (f" at {v['place']}" if v["place"] else "")
+        + f" and then raised {ledgers[w].ending.describe().removeprefix('raised ')}"
+        for w, v in sorted(waits.items())
+    )
+    ran = f" (it had run {worked:.1f} s since its last sync point when it was stopped)" if worked else ""
+    summary = (
+        f"rank {rank} was running {function}() at {place}{ran} while the others waited for it: "
+        f"{sides}. Their errors are consequences: the cause is the work on rank {rank}"
+    )
+    need = max(longest, worked or 0.0)
+    specific = fix_for(function)
+    ways = "" if specific == GENERIC_FIX else f"{specific}; or "
+    ops = {v["op"] for v in waits.values()}
+    knob = "init_process_group(timeout=...)"
+    if ops == {"monitored_barrier"}:
+        knob = "monitored_barrier(timeout=...)"
+    fix = (
+        f"The other ranks waited {longest:.1f} s for {function}() on rank {rank} ({place}): {ways}"
+        "shorten it, move it off the other ranks' path (before init_process_group, into a "
+        "background thread), run it on every rank (each its share), or raise the timeout above "
+        f"the work's duration ({knob}: it was {longest:.0f} s, the work took more than {need:.0f} s)."
+    )
+    return Finding(
+        "awaited_work",
+        "error",
+        [rank],
+        summary,
+        fix=fix,
+        details={
+            "root_rank": rank,
+            "place": place,
+            "function": function,
+            "worked_s": round(worked, 3) if worked else None,
+            "waiting": sorted(waits),
+            "waits": {str(w): v for w, v in waits.items()},
+            "waited_s": round(longest, 3),
+            "waiting_ranks": rank_list(sorted(waits)),
+        },
+    )

@@ -1,0 +1,69 @@
+"""Stacks as text, parsed: py-spy's JSON dump and faulthandler's dump, into threads of frames.
+
+Pure text parsers, below the supervisor that takes the dumps and the analysis that reads the
+ones a run directory keeps (a dead rank's fatal stack in ends.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import ddpdoctor
+
+# ddpdoctor's own files, wherever it is installed (its probes sit in every rank's stack).
+DOCTOR_DIR = os.path.dirname(os.path.abspath(ddpdoctor.__file__)) + os.sep
+_LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")
+
+
+def is_user_frame(filename: str) -> bool:
+    """Code the user wrote: not the standard library, an installed package or ddpdoctor. The one
+    rule for "the user's frame" everywhere a stack is read."""
+    if not filename or filename.startswith(DOCTOR_DIR) or filename.startswith("<"):
+        return False
+    return not any(marker in filename for marker in _LIBRARY_MARKERS)
+
+
+def parse_pyspy_json(text: str) -> dict[str, Any]:
+    """``py-spy dump --json`` output as a dump: threads with their frames (innermost first)."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return {"method": None, "threads": [], "error": "py-spy printed no JSON"}
+    threads = [
+        {
+            "name": t.get("thread_name") or str(t.get("thread_id")),
+            "active": bool(t.get("active")),
+            "frames": [
+                {"file": f.get("filename"), "line": f.get("line"), "function": f.get("name")}
+                for f in t.get("frames") or []
+            ],
+        }
+        for t in raw
+        if isinstance(t, dict)
+    ]
+    return {"method": "py-spy", "threads": threads, "error": ""}
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_faulthandler(text: str) -> list[dict[str, Any]]:
+    """Parse one faulthandler dump into threads (frames innermost first, as it prints them)."""
+    blocks: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        m = _THREAD.match(line)
+        if m:
+            blocks.append({"name": m.group(2), "frames": []})
+            continue
+        f = _FRAME.match(line)
+        if f and blocks:
+            blocks[-1]["frames"].append({"file": f.group(1), "line": int(f.group(2)), "function": f.group(3)})
+    # faulthandler names no thread; the one whose outermost frame is <module> runs the script.
+    for b in blocks:
+        if b["frames"] and b["frames"][-1]["function"] == "<module>":
+            b["name"] = "MainThread"
+    return blocks
