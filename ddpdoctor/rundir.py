@@ -99,9 +99,7 @@ class RunDir:
 
     def all_traces(self) -> list[Path]:
         """Every attempt's trace file that is a regular file."""
-        return sorted(
-            p for p in self.path.glob("trace-rank*") if self._TRACE.match(p.name) and p.is_file()
-        )
+        return sorted(p for p in self.path.glob("trace-rank*") if self._TRACE.match(p.name) and p.is_file())
 
     def gpu(self, host: str) -> Path:
         """One node's NVML samples; the host name reduced to characters safe in a file name."""
