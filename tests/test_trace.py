@@ -221,7 +221,8 @@ def test_export_writes_each_rank_as_json_lines_that_read_back(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "out" / "trace-rank0.jsonl").read_text().splitlines()
-    assert [ln for ln in lines if '"barrier"' in ln] == ['["collective",0,9,3,"barrier",0,"WORLD",2,9,0,-1,-1]']
+    barrier = '["collective",0,9,3,"barrier",0,"WORLD",2,9,0,-1,-1]'
+    assert [ln for ln in lines if '"barrier"' in ln] == [barrier]
     assert read_trace(tmp_path / "out" / "trace-rank0.jsonl").steps == 4
     (tmp_path / "none").mkdir()
     empty = subprocess.run([sys.executable, "-m", "ddpdoctor", "export", str(tmp_path / "none"), "-fjsonl"])
