@@ -13,11 +13,12 @@ bucket is ready. Then it asserts:
 4. the model fingerprints (probes/fingerprint.py) were computed on the device and written on
    every rank at construction and after step 0, the ranks' parameters agree, and no
    divergence is reported (a healthy job);
-5. and reports the overhead: mean step time under ddpdoctor vs a plain torchrun run, and the
+5. and reports the overhead: median step time under ddpdoctor vs plain torchrun, over TRIALS
+   interleaved pairs (plain and doctor alternate, so drift in the machine hits both), and the
    fingerprint's cost on this GPU per million parameters (device time, and the launch time
    the training thread pays), measured in this process with CUDA events.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--steps 60] [--sleep-ms 20] [--out DIR]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--steps 60] [--sleep-ms 20] [--trials 3] [--out DIR]
 
 Exit 0 when every check passes, 1 when one fails, 2 when there is no GPU. The checks are
 plain functions over a read run (``check_*``), unit-tested on CPU with simulated runs.
@@ -172,8 +173,11 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda._sleep(int(cycles))
         return grad
 
+    def hook_output(module: Any, inputs: Any, output: Any) -> None:  # None: the output stays
+        output.register_hook(slow_down)
+
     if cycles:  # the first layer's parameters sit in the last bucket DDP reduces
-        model[1].register_forward_hook(lambda module, inputs, output: output.register_hook(slow_down))
+        model[1].register_forward_hook(hook_output)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -197,6 +201,7 @@ def _cycles_per_ms(torch: Any) -> float:
 
 
 def _launch(args: argparse.Namespace, backend: str, nproc: int, out: Path, doctor: bool) -> float:
+    """One job, plain or under ddpdoctor (its run dir ``out/run``): its median step time (s)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [__file__, "--worker", "--backend", str(backend), "--out-dir", str(out)]
@@ -223,6 +228,7 @@ def main() -> int:
     p.add_argument("--slow", type=int, default=1)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--trials", type=int, default=3, help="interleaved plain/doctor pairs")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -237,10 +243,19 @@ def main() -> int:
     from ddpdoctor.analysis import diagnose
     from ddpdoctor.trace.reader import load_run
 
+    if args.trials < 1:
+        p.error("--trials must be at least 1")
+
     root = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
-    plain_s = _launch(args, backend, nproc, root / "plain", doctor=False)
-    wall_s = _launch(args, backend, nproc, root / "doctor", doctor=True)
-    run = load_run([root / "doctor" / "run"])
+    plain, doctor = [], []
+    for trial in range(args.trials):  # alternate which goes first: neither always runs warmer
+        order = (False, True) if trial % 2 == 0 else (True, False)
+        for doc in order:
+            out = root / f"{'doctor' if doc else 'plain'}-{trial}"
+            (doctor if doc else plain).append(_launch(args, backend, nproc, out, doctor=doc))
+    plain_s, wall_s = statistics.median(plain), statistics.median(doctor)
+    ratios = sorted(d / p for p, d in zip(plain, doctor))
+    run = load_run([root / f"doctor-{args.trials - 1}" / "run"])
     findings = [f.to_json() for f in diagnose(run).findings]
     dev_s = device_step_s(run)
     failures = [
@@ -248,7 +263,7 @@ def main() -> int:
         for msg in (
             check_straggler(findings, args.slow),
             check_buckets(run),
-            check_step_time(dev_s, wall_s),
+            check_step_time(dev_s, doctor[-1]),  # the run the spans came from
             check_fingerprints(run, findings),
         )
         if msg
@@ -260,7 +275,8 @@ def main() -> int:
         "step_ms_plain": round(plain_s * 1e3, 3),
         "step_ms_doctor": round(wall_s * 1e3, 3),
         "step_ms_device_spans": round(dev_s * 1e3, 3),
-        "overhead": round(wall_s / plain_s - 1, 4),
+        "overhead": round(statistics.median(ratios) - 1, 4),
+        "overhead_per_trial": [round(r - 1, 4) for r in ratios],
         **fingerprint_cost(torch),
         "failures": failures,
         "out": str(root),

@@ -5,7 +5,10 @@ plain, under `ddpdoctor run`, and with torch.profiler (CPU activities), in inter
 and report the median step time of each mode relative to plain. Also reports the trace size
 per rank per step, and the per-event cost of a recorded collective measured in-process.
 
-    python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400]
+    python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400] [--json]
+
+``--json`` prints one line: per_event_us (median, with quartiles), emit_us per kind, tiny_ratio
+and big_ratio (doctor / plain median step), each trial's ratio and the trace size.
 """
 
 from __future__ import annotations
@@ -52,34 +55,45 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, in
     median = json.loads(line)["median_s"]
     trace_bytes = 0
     if mode == "doctor":
-        trace = run_dir / "trace-rank0.jsonl"
+        trace = next(run_dir.glob("trace-rank0.*"))
         trace_bytes = trace.stat().st_size // (steps + 5)
     return median, trace_bytes
 
 
-def per_event_cost_us(n: int = 20000) -> dict[str, float]:
-    """Cost of recording one collective: patched vs original all_reduce of a 1-element tensor."""
+def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, float]:
+    """The training thread's cost per event, in-process: a 1-element gloo ``all_reduce``
+    recorded vs the original, alternated ``pairs`` times (median and quartiles of the
+    differences in wall time; and the median difference in the training thread's own CPU time,
+    which other processes on a shared machine disturb far less); and the recording call every
+    probe ends in (``Collector.emit``) for the kinds a DDP step records (forward, backward, the
+    comm hook's bucket all-reduce)."""
     code = f"""
-import os, time, json, tempfile
-os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = "29533"
+import os, time, json, tempfile, statistics
+os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
 os.environ["DDPDOCTOR_RUN_DIR"] = tempfile.mkdtemp()
 import ddpdoctor.probes as probes; probes.install()
 import torch, torch.distributed as dist
+from ddpdoctor.probes import collector
 from ddpdoctor.probes.patching import original
 dist.init_process_group("gloo", rank=0, world_size=1)
 t = torch.ones(1)
-def bench(f):
-    best = 1e9
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range({n}):
-            f(t)
-        best = min(best, (time.perf_counter() - t0) / {n})
-    return best * 1e6
-patched = bench(dist.all_reduce); plain = bench(original(dist.all_reduce))
-print(json.dumps({{"plain_us": plain, "recorded_us": patched, "overhead_us": patched - plain}}))
+def bench(f, *a, clock=time.perf_counter):
+    t0 = clock()
+    for _ in range({n}):
+        f(*a)
+    return (clock() - t0) / {n} * 1e6
+rec, plain = dist.all_reduce, original(dist.all_reduce)
+diffs = [bench(rec, t) - bench(plain, t) for _ in range({pairs})]
+cpu = statistics.median(bench(rec, t, clock=time.thread_time) - bench(plain, t, clock=time.thread_time)
+                        for _ in range({pairs}))
+c = collector.ACTIVE
+emit = {{k: statistics.median(bench(c.emit, k, 1, 2, *f) for _ in range(5))
+        for k, f in (("forward", (1, 1, 5, 0)), ("backward", (100,)), ("allreduce", (0, 4096, 7)))}}
+q = statistics.quantiles(diffs, n=4)
+print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": q[0], "per_event_q3_us": q[2],
+                  "per_event_cpu_us": cpu, "emit_us": emit}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,10 +104,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--steps-big", type=int, default=30)
     parser.add_argument("--steps-tiny", type=int, default=400)
+    parser.add_argument("--json", action="store_true", help="print only the one-line JSON result")
+    parser.add_argument("--no-profiler", action="store_true", help="compare plain and doctor only")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
-    modes = ["plain", "doctor", "profiler"]
-    print(f"per-event cost: {json.dumps(per_event_cost_us())}")
+    modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
+    say = (lambda *a, **k: None) if args.json else print
+    result: dict[str, object] = dict(per_event_cost_us())
+    say(f"per-event cost: {json.dumps(result)}")
     for kind, steps in (("big", args.steps_big), ("tiny", args.steps_tiny)):
         results: dict[str, list[float]] = {m: [] for m in modes}
         sizes: list[int] = []
@@ -107,14 +125,20 @@ def main() -> None:
                 if size:
                     sizes.append(size)
         base = statistics.median(results["plain"])
-        print(f"\n{kind} model, {steps} steps x {args.trials} interleaved trials ({time.time() - t0:.0f} s):")
+        say(f"\n{kind} model, {steps} steps x {args.trials} interleaved trials ({time.time() - t0:.0f} s):")
         for mode in modes:
             med = statistics.median(results[mode])
-            print(
+            say(
                 f"  {mode:9s} median step {med * 1e3:8.2f} ms   ratio to plain {med / base:6.3f}"
                 f"   trials: {', '.join(f'{v * 1e3:.2f}' for v in results[mode])}"
             )
-        print(f"  trace: {statistics.median(sizes)} bytes per rank per step")
+        say(f"  trace: {statistics.median(sizes)} bytes per rank per step")
+        ratios = sorted(d / p for d, p in zip(results["doctor"], results["plain"], strict=True))
+        result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
+        result[f"{kind}_trial_ratios"] = [round(r, 3) for r in ratios]
+        result[f"{kind}_trace_bytes_per_rank_step"] = statistics.median(sizes)
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ optimizer, and a barrier every 100 steps), then runs ``ddpdoctor diagnose DIRS -
 ``ddpdoctor report DIRS`` as subprocesses, the way users run them, and measures wall time and
 peak memory. Peak memory is the largest sum of the resident sets of the command's whole process
 tree (it reads rank files in worker processes), sampled every 20 ms, next to the parent's own
-``ru_maxrss``. Target: each command within 60 s and 2 GB. Generation (``trace.synthetic``, the
-generator the tests use too, one process per host) is not timed against the target.
+``ru_maxrss``. Target: ``diagnose`` within 10 s, ``report`` within 15 s, at 1 GB peak.
+Generation (``trace.synthetic``, the generator the tests use too, one process per host) is not
+timed against the target. ``--json`` prints one line: ``diagnose_s`` and ``report_s`` (median
+of the repeats), ``peak_mb`` (the larger command's peak) and the details.
 """
 
 from __future__ import annotations
@@ -65,16 +67,17 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = [0]
+    done = threading.Event()
 
-    def sample() -> None:
-        while proc.poll() is None:
+    def sample() -> None:  # never polls the child: only wait4 below reaps it
+        while not done.wait(0.02):
             peak[0] = max(peak[0], _tree_rss(proc.pid))
-            time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    done.set()
     proc.returncode = os.waitstatus_to_exitcode(status)
     sampler.join()
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -91,6 +94,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default=None, help="use (or keep) the run dirs here")
     ap.add_argument("--keep", action="store_true", help="do not delete the generated run")
+    ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="ddpdoctor-scale-"))
     runs = out / "runs"
@@ -125,10 +129,14 @@ def main() -> None:
                 "tree_peak_MB_max": round(max(r["tree_peak_MB"] for r in runs_)),
                 "main_maxrss_MB_max": round(max(r["main_maxrss_MB"] for r in runs_)),
             }
-            print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
+            result[f"{name}_s"] = round(statistics.median(walls), 2)
+            if not args.json:
+                print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
         if args.repeat:
             result["report_MB"] = round(os.path.getsize(out / "report.html") / 1e6, 2)
-        print(json.dumps(result, indent=1))
+            result["peak_mb"] = max(result[n]["tree_peak_MB_max"] for n in cmds)  # type: ignore[index]
+        result["trace_bytes_per_rank_step"] = round(size / (args.ranks * args.steps), 1)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     finally:
         if not args.keep and not args.out:
             shutil.rmtree(out, ignore_errors=True)

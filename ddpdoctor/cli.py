@@ -128,7 +128,7 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
     try:  # the ranks' settings too: a bad value stops here, in one line, not in every rank
         floor = _env.number(_env.HANG_FLOOR, 0.0) or None
         _env.number(_env.FLUSH_INTERVAL, 0.25)
-        _env.number(_env.BUFFER_EVENTS, 100000, integer=True)
+        _env.number(_env.BUFFER_EVENTS, 65536, integer=True)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     return WatchOptions(timeout, on_hang, floor)
@@ -284,11 +284,53 @@ def report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_js
     _report(run_dirs, output, fmt, as_json)
 
 
-@main.command(hidden=True)
-@_report_options
-def export(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_json: bool) -> None:
-    """Alias of `report --format perfetto` (kept for scripts that call it)."""
-    _report(run_dirs, output, fmt or "perfetto", as_json)
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--format",
+    "-f",
+    "fmt",
+    type=click.Choice(("perfetto", "jsonl", "html", "json")),
+    default="perfetto",
+    show_default=True,
+    help="jsonl: each rank's trace as JSON lines, to grep; the others as `report --format`.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(),
+    default=None,
+    help="jsonl: a directory (default: RUN_DIR/jsonl); the others: the file, as `report -o`.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Say what was written, as JSON.")
+def export(run_dirs: tuple[str, ...], fmt: str, output: str | None, as_json: bool) -> None:
+    """Export RUN_DIRS: each rank's trace as JSON lines (``--format jsonl``: one
+    ``trace-rankN.jsonl`` per rank, ``[kind, ts_us, dur_us, step, *fields]``, which diagnose and
+    report read too), or a Perfetto trace (the default) or the report, as `report` writes them.
+
+    \b
+    Example:
+      ddpdoctor export run -f jsonl -o run-jsonl && grep barrier run-jsonl/trace-rank3.jsonl
+    """
+    if fmt != "jsonl":
+        _report(run_dirs, output, fmt, as_json)
+        return
+    from ddpdoctor.supervisor.ends import settle_unsupervised
+    from ddpdoctor.trace.export import export_jsonl
+
+    out = Path(output or Path(run_dirs[0]) / "jsonl")
+    written: list[str] = []
+    for run_dir in map(Path, run_dirs):
+        if run_dir.is_dir():
+            settle_unsupervised(run_dir)  # dead ranks' traces completed from their rings first
+            written += [str(p) for p in export_jsonl(run_dir, out)]
+    if not written:
+        click.echo(f"ddpdoctor: no rank traces in {', '.join(run_dirs)}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if as_json:
+        click.echo(json.dumps({"schema": "ddpdoctor.export/1", "format": "jsonl", "paths": written}))
+    else:
+        click.echo(f"ddpdoctor: wrote {len(written)} trace(s) as JSON lines in {out}")
 
 
 @main.command()

@@ -34,7 +34,8 @@ class RunDir:
     HANG_SUMMARY = "summary.json"  # inside each hang-N/
     ENDS = "ends.json"  # the supervisor: how each rank ended, its last stderr lines (ends.py)
 
-    _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.jsonl$")
+    # Binary traces (``.bin``); ``.jsonl``: recorded by a version before 3, or an export.
+    _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.(?:bin|jsonl)$")
     _PROC = re.compile(r"^proc-rank(\d+)(?:-attempt(\d+))?\.json$")
     _STATUS = re.compile(r"^status-rank(\d+)\.json$")
 
@@ -47,7 +48,7 @@ class RunDir:
     @staticmethod
     def trace_name(rank: int, restart: int = 0) -> str:
         """One trace per rank and elastic restart attempt, so attempts never interleave."""
-        return f"trace-rank{rank}-attempt{restart}.jsonl" if restart else f"trace-rank{rank}.jsonl"
+        return f"trace-rank{rank}-attempt{restart}.bin" if restart else f"trace-rank{rank}.bin"
 
     def trace(self, rank: int, restart: int = 0) -> Path:
         return self.path / self.trace_name(rank, restart)
@@ -98,9 +99,7 @@ class RunDir:
 
     def all_traces(self) -> list[Path]:
         """Every attempt's trace file that is a regular file."""
-        return sorted(
-            p for p in self.path.glob("trace-rank*.jsonl") if self._TRACE.match(p.name) and p.is_file()
-        )
+        return sorted(p for p in self.path.glob("trace-rank*") if self._TRACE.match(p.name) and p.is_file())
 
     def gpu(self, host: str) -> Path:
         """One node's NVML samples; the host name reduced to characters safe in a file name."""
@@ -116,7 +115,7 @@ class RunDir:
     def traces(self) -> dict[int, Path]:
         """The newest attempt's trace of each rank (regular files only: a trace name pointing
         at a device such as /dev/full or a FIFO would never end)."""
-        return self._newest("trace-rank*.jsonl", self._TRACE)
+        return self._newest("trace-rank*", self._TRACE)
 
     def statuses(self) -> Iterator[tuple[int, Path]]:
         for path in self.path.glob("status-rank*.json"):

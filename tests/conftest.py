@@ -114,6 +114,13 @@ def diagnose_json(*run_dirs: Path) -> dict:
 
 
 def read_lines(path: Path) -> list[list]:
+    """A JSON-lines file's records; a rank's binary trace (``trace-rankN.bin``, or
+    ``trace-rankN.jsonl`` naming the binary one beside it) as its JSON-lines export."""
+    from ddpdoctor.trace import binfmt
+
+    binary = path.with_suffix(".bin")
+    if path.suffix == ".bin" or (path.suffix == ".jsonl" and not path.exists() and binary.exists()):
+        return binfmt.records(binfmt.decode(binary.read_bytes()))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

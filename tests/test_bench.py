@@ -66,7 +66,7 @@ def test_bench_json_every_mode(tmp_path: Path, model: str) -> None:
     assert json.loads((run_dir / "bench.json").read_text())["modes"]["ddp"]["steps"] == STEPS
     page = (run_dir / "bench.html").read_text()
     assert "bench-throughput" in page and "bench-breakdown" in page
-    assert (run_dir / "ddp" / "trace-rank1.jsonl").is_file()  # a real run dir, for diagnose/compare
+    assert (run_dir / "ddp" / "trace-rank1.bin").is_file()  # a real run dir, for diagnose/compare
 
 
 def test_bench_bad_model_exits_2(tmp_path: Path) -> None:

@@ -121,9 +121,9 @@ def test_mp_spawn_launch(tmp_path: Path, write_script) -> None:
     job = run_doctor(tmp_path, [sys.executable, str(script), str(_free_port())])
     assert job.returncode == 0, job.stderr
     assert job.stdout.strip() == "spawned done"
-    assert sorted(p.name for p in job.run_dir.glob("trace-*.jsonl")) == [
-        "trace-rank0.jsonl",
-        "trace-rank1.jsonl",
+    assert sorted(p.name for p in job.run_dir.glob("trace-*.bin")) == [
+        "trace-rank0.bin",
+        "trace-rank1.bin",
     ]
     for rank in (0, 1):
         c = counts(job.run_dir, rank)
@@ -234,9 +234,9 @@ def test_instrument_one_liner_without_the_cli(tmp_path: Path, write_script) -> N
     proc = run_plain(tmp_path, torchrun(2, script))
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = (tmp_path / "ddpdoctor-runs").iterdir()
-    assert sorted(p.name for p in run_dir.glob("trace-*.jsonl")) == [
-        "trace-rank0.jsonl",
-        "trace-rank1.jsonl",
+    assert sorted(p.name for p in run_dir.glob("trace-*.bin")) == [
+        "trace-rank0.bin",
+        "trace-rank1.bin",
     ]
     assert counts(run_dir, 1)["backward"] == 3
     # Each backward carries the thread's run-queue delay so far (µs; probes/cpuwait.py), never
@@ -278,7 +278,7 @@ def test_dataloader_workers_and_forks_write_no_traces(tmp_path: Path, write_scri
     assert job.returncode == 0, job.stderr
     # Only the two ranks wrote traces or status files: no worker, fork or torchrun agent did.
     written = sorted(p.name for p in job.run_dir.iterdir() if p.name.startswith(("trace-", "status-")))
-    assert written == ["status-rank0.json", "status-rank1.json", "trace-rank0.jsonl", "trace-rank1.jsonl"]
+    assert written == ["status-rank0.json", "status-rank1.json", "trace-rank0.bin", "trace-rank1.bin"]
     c = counts(job.run_dir, 0)
     assert c["data_wait"] == 8 and c["train_forward"] == 8  # 4 batches per rank per loader
 

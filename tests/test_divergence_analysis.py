@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import load_run
-from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 
 NAMES = ["body.weight", "body.bias", "bn.running_mean", "bn.running_var"]
 
 
 def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2):
     """A synthetic run whose ranks wrote fingerprints: ``values(rank, step) -> list``, checks at
-    init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more lines."""
+    init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more records."""
     (run_dir,) = write_run(SyntheticJob(ranks=ranks, steps=130), tmp_path / "run")
     for rank in range(ranks):
         lines = []
@@ -26,8 +25,7 @@ def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2
                 info.update(names=names, n_params=n_params, numels=[64] * len(names))
             lines.append([schema.FINGERPRINT, 10_000 + 1000 * (step + 1), 0, step, info])
         lines += extra(rank) if extra else []
-        with open(RunDir(run_dir).trace(rank), "a", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(line) + "\n" for line in lines)
+        append_records(RunDir(run_dir).trace(rank), lines)
     return diagnose(load_run([run_dir]))
 
 

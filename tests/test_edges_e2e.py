@@ -16,6 +16,8 @@ import pytest
 from conftest import diagnose_json, job_env, read_lines, run_doctor, torchrun
 from test_live_e2e import kill_tree
 
+from ddpdoctor.trace import binfmt
+
 pytestmark = pytest.mark.e2e
 
 RAISED_JOB = """
@@ -101,9 +103,10 @@ def hung_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_cut_trace_header_keeps_the_rank_and_the_real_root(hung_run: Path, tmp_path: Path) -> None:
     cut = tmp_path / "cut"
     shutil.copytree(hung_run, cut)
-    trace = cut / "trace-rank1.jsonl"
-    lines = trace.read_text().split("\n")
-    trace.write_text("\n".join([lines[0][:60], *lines[1:]]))  # the header cut mid-line
+    trace = cut / "trace-rank1.bin"
+    data = trace.read_bytes()
+    _, start, end = next(binfmt.blocks(data))
+    trace.write_bytes(data[: start + 60] + data[end:])  # the header block cut mid-write
     whole, doc = diagnose_json(hung_run), diagnose_json(cut)
     assert [(f["kind"], f["ranks"]) for f in doc["findings"] if f["severity"] == "error"] == [
         (f["kind"], f["ranks"]) for f in whole["findings"] if f["severity"] == "error"

@@ -18,7 +18,7 @@ from ddpdoctor.reports import html as html_report
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import load_run, read_trace
-from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 
 STEPS = 8
 DOCTOR = str(Path(reports.__file__).resolve().parent.parent / "probes" / "ddp.py")  # a ddpdoctor frame
@@ -141,11 +141,8 @@ def raise_run(tmp_path: Path) -> Path:
         "thread": "MainThread",
         "wall_ns": (int(header0["wall_ns"]) // 1000 + t0) * 1000,
     }
-    with RunDir(run_dir).trace(1).open("a") as fh:
-        fh.write(json.dumps([schema.RANK_ERROR, t1, 0, STEPS - 1, error1]) + "\n")
-    with RunDir(run_dir).trace(0).open("a") as fh:
-        for rec in (fwd, bwd, [schema.RANK_ERROR, t0, 0, STEPS, error0]):
-            fh.write(json.dumps(rec) + "\n")
+    append_records(RunDir(run_dir).trace(1), [[schema.RANK_ERROR, t1, 0, STEPS - 1, error1]])
+    append_records(RunDir(run_dir).trace(0), [fwd, bwd, [schema.RANK_ERROR, t0, 0, STEPS, error0]])
     _meta(run_dir, 1)
     return run_dir
 

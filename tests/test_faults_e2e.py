@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import JOBS, diagnose_json, free_port, job_env, read_lines, run_doctor, run_plain, torchrun
 
-from ddpdoctor.trace import schema
+from ddpdoctor.trace import binfmt, schema
 from ddpdoctor.trace.merge import time_base
 from ddpdoctor.trace.reader import load_run
 
@@ -136,7 +136,7 @@ def test_trace_file_full_or_not_writable(tmp_path: Path, target: str, error: str
     assert plain.returncode == 0, plain.stderr
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "trace-rank1.jsonl").symlink_to(target)
+    (run_dir / "trace-rank1.bin").symlink_to(target)
     job = run_doctor(tmp_path, torchrun(2, JOBS / "seeded_train.py", "doc.pt"))
     assert job.returncode == 0, job.stderr
     assert job.stderr.count(warning) == 1, job.stderr
@@ -151,11 +151,12 @@ def test_trace_file_full_or_not_writable(tmp_path: Path, target: str, error: str
 def test_truncated_and_corrupt_records_are_skipped_and_counted(tmp_path: Path) -> None:
     job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"))
     assert job.returncode == 0, job.stderr
-    path = job.run_dir / "trace-rank1.jsonl"
-    lines = path.read_text().splitlines()
-    lines[5] = "#corrupt" + lines[5]
-    lines[-1] = lines[-1][: len(lines[-1]) // 2]
-    path.write_text("\n".join(lines))
+    path = job.run_dir / "trace-rank1.bin"
+    data = bytearray(path.read_bytes())
+    metas = [start for tag, start, _ in binfmt.blocks(bytes(data)) if tag == binfmt.META]
+    data[metas[0]] = ord("#")  # a record that is not JSON
+    path.write_bytes(bytes(data[: metas[-1] + 5]))  # the last record cut short
+
     diag = diagnose_json(job.run_dir)
     assert any("skipped 2 truncated or corrupt" in note for note in diag["run"]["notes"])
     assert diag["run"]["steps"] == {"0": 24, "1": 24}

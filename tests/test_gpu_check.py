@@ -66,11 +66,9 @@ def test_step_time_from_device_spans() -> None:
 
 
 def test_fingerprint_check_wants_every_rank_checked_and_equal(tmp_path) -> None:
-    import json
-
     from ddpdoctor.rundir import RunDir
     from ddpdoctor.trace.reader import load_run
-    from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+    from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 
     def run_with(values_of_rank1: list[int], name: str):
         (run_dir,) = write_run(SyntheticJob(ranks=2, steps=4), tmp_path / name)
@@ -79,8 +77,7 @@ def test_fingerprint_check_wants_every_rank_checked_and_equal(tmp_path) -> None:
             init = {"model": 0, "at": "init", "values": [1, 2, 9], "names": ["w", "b", "buf"], "n_params": 2}
             step = {"model": 0, "at": "step", "values": values}
             lines = [[schema.FINGERPRINT, 10, 0, -1, init], [schema.FINGERPRINT, 20, 0, 0, step]]
-            with open(RunDir(run_dir).trace(rank), "a", encoding="utf-8") as fh:
-                fh.writelines(json.dumps(line) + "\n" for line in lines)
+            append_records(RunDir(run_dir).trace(rank), lines)
         return load_run([run_dir])
 
     equal = run_with([1, 2, 7], "equal")  # a buffer may differ; the parameters agree

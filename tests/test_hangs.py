@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import JOBS, diagnose_json, job_env, run_doctor, torchrun
+from tests.conftest import JOBS, diagnose_json, job_env, read_lines, run_doctor, torchrun
 
 pytestmark = pytest.mark.e2e
 FAULTY = JOBS / "faulty_train.py"
@@ -139,8 +139,7 @@ def test_slow_steps_raise_no_false_alarm(tmp_path: Path) -> None:
     assert "HANG" not in job.stderr and not (job.run_dir / "hang-1").exists()
     assert "done" in job.stdout
     waits = []
-    for line in (job.run_dir / "trace-rank0.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_lines(job.run_dir / "trace-rank0.jsonl"):
         if rec[0] in ("backward", "sync_buffers", "collective"):
             waits.append(rec[2] / 1e6)
     assert max(waits) > 2.0, "the job must have waited longer than the floor, or the test proves nothing"

@@ -282,6 +282,7 @@ def test_a_failing_status_tap_logs_once_and_switches_every_tap_off() -> None:
 
 
 def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp_path: Path) -> None:
+    from ddpdoctor.trace import binfmt
     from ddpdoctor.trace.writer import TraceWriter
 
     def write(path: Path, tapped: list | None) -> str:
@@ -293,12 +294,12 @@ def test_writer_taps_see_each_event_of_their_kind_and_the_trace_is_unchanged(tmp
             writer.put((schema.FORWARD, i * 1000, i * 1000 + 500, i, 1, 1, 0))
             writer.put((schema.COLLECTIVE, i * 1000, i * 1000 + 9, i, "barrier", 0, "WORLD", 2, i, 0))
         writer.close()
-        return path.read_text().rsplit("\n", 2)[0]  # without the end record (stamped now)
+        return str(binfmt.records(binfmt.decode(path.read_bytes()))[:-1])  # less the end (stamped now)
 
     tapped: list = []
-    text = write(tmp_path / "a.jsonl", tapped)
-    assert text == write(tmp_path / "b.jsonl", None)
-    assert text.count('"barrier"') == 5 and text.count('["forward"') == 5
+    text = write(tmp_path / "a.bin", tapped)
+    assert text == write(tmp_path / "b.bin", None)
+    assert text.count("'barrier'") == 5 and text.count("['forward'") == 5
     assert [e[8] for e in tapped] == [0, 1, 2, 3, 4]
 
 

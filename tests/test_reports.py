@@ -129,3 +129,13 @@ def test_report_failure_never_changes_the_summary_or_exit(tmp_path: Path, monkey
     text = cli._summary_text(run_dir)
     assert "report: not written (RuntimeError('disk on fire'))" in text
     assert "rank(s) on 1 host(s)" in text
+
+
+def test_summary_counts_the_buckets_ddp_trained_with() -> None:
+    """DDP rebuilds its buckets after the first step (on the H100 check: 1 at construction,
+    6 after): the summary names the buckets the all-reduces used, and the constructor's count."""
+    ddp = {"buckets": [402_751_488]}
+    rebuilt = {i: {"bytes": 67_125_248} for i in range(6)}
+    assert terminal._buckets(ddp, rebuilt) == "6 bucket(s) (1 at construction, rebuilt after the first step)"
+    assert terminal._buckets(ddp, {0: {"bytes": 402_751_488}}) == "1 bucket(s)"
+    assert terminal._buckets(ddp, {}) == "1 bucket(s)"  # no bucket record (several models, old traces)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 
-from ddpdoctor.trace import schema
+from ddpdoctor.trace import binfmt, schema
 from ddpdoctor.trace.reader import TraceError, load_run, read_trace
 from ddpdoctor.trace.writer import TraceWriter
 
@@ -34,9 +36,9 @@ def write_events(path: Path, n: int, **kwargs) -> TraceWriter:
 
 
 def test_round_trip_in_microseconds_since_anchor(tmp_path: Path) -> None:
-    w = write_events(tmp_path / "trace-rank0.jsonl", 3)
+    w = write_events(tmp_path / "trace-rank0.bin", 3)
     w.close()
-    t = read_trace(tmp_path / "trace-rank0.jsonl")
+    t = read_trace(tmp_path / "trace-rank0.bin")
     fwd = t.kind(schema.FORWARD)
     assert fwd.ts.tolist() == [0, 1000, 2000]
     assert fwd.dur.tolist() == [500, 500, 500]
@@ -47,7 +49,7 @@ def test_round_trip_in_microseconds_since_anchor(tmp_path: Path) -> None:
 
 def test_writer_flushes_without_close(tmp_path: Path) -> None:
     """A rank that hangs or is SIGKILLed leaves what was flushed; no close needed."""
-    path = tmp_path / "trace-rank0.jsonl"
+    path = tmp_path / "trace-rank0.bin"
     write_events(path, 10)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and read_trace(path).steps < 10:
@@ -56,18 +58,18 @@ def test_writer_flushes_without_close(tmp_path: Path) -> None:
     assert t.steps == 10 and not t.ended_cleanly
 
 
-def test_bounded_buffer_drops_and_counts(tmp_path: Path) -> None:
-    w = TraceWriter(str(tmp_path / "t.jsonl"), header(), capacity=5, flush_interval=60)
+def test_bounded_ring_keeps_the_newest_and_counts_the_rest(tmp_path: Path) -> None:
+    """A writer a whole ring behind: the oldest events are lost, counted; the newest stay."""
+    w = TraceWriter(str(tmp_path / "t.bin"), header(), capacity=4, flush_interval=60)
     for i in range(12):
         w.put((schema.FORWARD, 5_000_000_000, 5_000_000_001, i, 1, 1, 0))
-    assert w.dropped == 7
     w.close()
-    t = read_trace(tmp_path / "t.jsonl")
-    assert len(t.kind(schema.FORWARD)) == 5
-    assert t.meta[schema.DROPPED][0][2] == {"count": 7}
+    t = read_trace(tmp_path / "t.bin")
+    assert t.kind(schema.FORWARD).step.tolist() == [8, 9, 10, 11]
+    assert t.meta[schema.DROPPED][0][2] == {"count": 8}
 
 
-def test_reader_skips_truncated_and_corrupt_lines(tmp_path: Path) -> None:
+def test_json_lines_of_earlier_versions_skip_truncated_and_corrupt_lines(tmp_path: Path) -> None:
     path = tmp_path / "trace-rank1.jsonl"
     lines = [
         json.dumps(["header", header(rank=1)]),
@@ -90,8 +92,8 @@ def test_reader_skips_truncated_and_corrupt_lines(tmp_path: Path) -> None:
 
 def test_write_failure_switches_writer_off_once(tmp_path: Path) -> None:
     errors: list[BaseException] = []
-    w = TraceWriter(str(tmp_path / "t.jsonl"), header(), on_error=errors.append, flush_interval=60)
-    w._file.close()  # the disk "goes away"
+    w = TraceWriter(str(tmp_path / "t.bin"), header(), on_error=errors.append, flush_interval=60)
+    os.close(w._fd)  # the disk "goes away"
     w.put((schema.FORWARD, 5_000_000_000, 5_000_000_001, 0, 1, 1, 0))
     w.flush()
     w.put((schema.FORWARD, 5_000_000_000, 5_000_000_001, 1, 1, 1, 0))
@@ -128,95 +130,119 @@ def test_newest_attempt_wins_and_nodes_merge(tmp_path: Path) -> None:
     assert run.world_size == 2
 
 
-def test_bulk_parser_agrees_with_json_line_by_line(tmp_path: Path) -> None:
-    """The numpy fast path must give what json gives, and hand every unusual line to json."""
-    records = [
-        ["header", header()],
-        ["forward", 0, 10, 0, 1, 1, 3],
-        ["forward", 5, -7, -1, 0, 1, 123456789012345],
-        ["allreduce", 20, 30, 0, 2, 4_000_000, 4],
-        ["optimizer", 40, 2, 0, "AdamW"],
-        ["optimizer", 41, 2, 1, "Opt, with comma"],
-        ["optimizer", 42, 2, 2, 'quote " inside'],
-        ["optimizer", 43, 2, 3, "Ünïcode"],
-        ["collective", 50, 5, 0, "barrier", 0, "WORLD", 2, 7, 0],
-        ["collective", 60, 5, 1, "all_gather", 1024, "tp,group", 2, 8, 1],
-        ["data_wait", 70, 3, 0, 1],
-        ["data_wait", 71, 3, 1, 1.5],
-        ["data_wait", 72, 3, 2, None],
-        ["forward", 80, 10, 1, 1, 1, 9, "future field"],
-        ["backward", 90, 30, 1],
-        ["backward", 10**19, 1, 2],
-        ["loader", 1, 0, -1, {"id": 1}],
-        ["graph_scan", 95, 1, 1],
-    ]
-    text = [json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records]
-    text.insert(3, json.dumps(["forward", 6, 1, 0, 1, 1, 4]))  # default separators: spaces
-    text.insert(5, '["forward",7,1,0,1,1,5')  # corrupt in the middle
-    text.append('["backward",99,1,')  # truncated
-    path = tmp_path / "trace-rank0.jsonl"
-    path.write_text("\n".join(text), encoding="utf-8")
+def _value(code: str, rng: random.Random):
+    return {
+        "i": rng.choice([0, -1, 2**62, -(2**62), rng.randrange(-(10**12), 10**12)]),
+        "n": rng.choice([0, -1, 2**31 - 1, rng.randrange(-1000, 1000)]),
+        "b": rng.choice([0, 1, -1, 127]),
+        "f": rng.choice([0.0, 1.5, -2.25e9]),
+        "s": rng.choice(["AdamW", "", "a,b", 'q"uote', "Ünïcode", "WORLD"]),
+        "v": rng.choice([[0, 1, 2], {"k": [1.5, None]}, "text", None, []]),
+    }[code]
+
+
+def test_every_declared_kind_round_trips_through_binary_and_the_jsonl_export(tmp_path: Path) -> None:
+    """Each kind's declared layout, with values at the edges of its types: the reader's columns
+    and the JSON-lines export give back exactly what was recorded, in order per kind."""
+    rng = random.Random(3)
+    path = tmp_path / "trace-rank0.bin"
+    w = TraceWriter(str(path), header(), flush_interval=0.01)
+    sent: dict[str, list[tuple]] = {}
+    for i in range(600):
+        kind = rng.choice(sorted(schema.KINDS))
+        fields = tuple(_value(c, rng) for c in schema.KINDS[kind].spec)
+        t0 = 5_000_000_000 + i * 1000
+        w.put((kind, t0, t0 + 2000 * i, i, *fields))
+        sent.setdefault(kind, []).append((i, 2 * i, i, *fields))
+        if i % 100 == 0:
+            time.sleep(0.03)  # several flushes: several blocks
+    w.meta(schema.LOADER, 3, {"id": 1})
+    w.close()
     t = read_trace(path)
-    expect = _reference(text)  # ts 10**19 is not an int64: that line is skipped
-    assert t.skipped_lines == 3
-    assert sorted(t.events) == sorted(expect)
-    for kind, rows in expect.items():
+    assert sorted(t.events) == sorted(sent) and t.skipped_lines == 0 and t.ended_cleanly
+    for kind, rows in sent.items():
         assert _rows(t.kind(kind)) == rows, kind
-    assert t.meta["loader"] == [(1, -1, {"id": 1})]
-    coll = t.kind(schema.COLLECTIVE)
-    assert coll.equals(0, "barrier").tolist() == [True, False]
-    assert t.kind(schema.DATA_WAIT).ints(0).tolist() == [1, -1, -1]
-    fwd = t.kind(schema.FORWARD)
-    assert fwd.select(fwd.ints(0) == 1).step.tolist() == [0, 0, 1]
+    exported: dict[str, list[tuple]] = {}
+    for rec in binfmt.records(binfmt.decode(path.read_bytes()))[1:]:
+        if rec[0] in schema.KINDS:
+            exported.setdefault(rec[0], []).append(tuple(rec[1:]))
+    assert exported == sent
+    (tmp_path / "export").mkdir()
+    text = "\n".join(json.dumps(r) for r in binfmt.records(binfmt.decode(path.read_bytes())))
+    (tmp_path / "export" / "trace-rank0.jsonl").write_text(text)
+    again = read_trace(tmp_path / "export" / "trace-rank0.jsonl")  # the export reads as a trace
+    assert {k: _rows(ev) for k, ev in again.events.items()} == sent
+
+
+def test_values_that_do_not_fit_their_type_never_break_recording(tmp_path: Path) -> None:
+    path = tmp_path / "trace-rank0.bin"
+    w = TraceWriter(str(path), header(), flush_interval=60)
+    w.put((schema.DATA_WAIT, 5_000_000_000, 5_000_000_010, 0, None))  # None: -1
+    w.put((schema.FORWARD, 5_000_000_000, 5_000_000_010, 1, 1, 1))  # a field short: -1
+    w.put((schema.DATA_WAIT, 5_000_000_000, 5_000_000_010, 2, 2**70))  # too wide: lost, counted
+    w.put(("no_such_kind", 5_000_000_000, 5_000_000_010, 3))  # undeclared: ignored
+    w.close()
+    t = read_trace(path)
+    assert _rows(t.kind(schema.DATA_WAIT)) == [(0, 0, 0, -1)]
+    assert _rows(t.kind(schema.FORWARD)) == [(0, 0, 1, 1, 1, -1, -1)]
+    assert t.meta[schema.DROPPED][0][2] == {"count": 1}
+
+
+def test_a_torn_last_block_is_skipped_and_a_later_version_says_what_it_needs(tmp_path: Path) -> None:
+    path = tmp_path / "trace-rank0.bin"
+    write_events(path, 5).close()
+    data = path.read_bytes()
+    path.write_bytes(data + binfmt.block(binfmt.META, b'["x",1,0,0,{}]')[:-3])  # killed mid-write
+    t = read_trace(path)
+    assert t.steps == 5 and t.skipped_lines == 1
+    future = dict(header(), schema="ddpdoctor.trace/9")
+    path.write_bytes(binfmt.json_block(binfmt.HEAD, future))
+    with pytest.raises(TraceError, match="ddpdoctor.trace/9.*upgrade"):
+        read_trace(path)
 
 
 def _rows(ev) -> list[tuple]:
     return [(a, b, c, *f) for a, b, c, f in zip(ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), ev.fields)]
 
 
-def _reference(text: list[str]) -> dict[str, list[tuple]]:
-    """What json makes of every event line: the reader's contract."""
-    expect: dict[str, list[tuple]] = {}
-    for line in text:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if (
-            isinstance(rec, list)
-            and len(rec) >= 4
-            and rec[0] not in ("header", "loader")
-            and all(type(v) is int and -(2**63) <= v < 2**63 for v in rec[1:4])
-        ):
-            expect.setdefault(rec[0], []).append(tuple(rec[1:]))
-    return expect
+def test_export_writes_each_rank_as_json_lines_that_read_back(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    w = write_events(run / "trace-rank0.bin", 4)
+    w.put((schema.COLLECTIVE, 5_000_000_000, 5_000_009_000, 3, "barrier", 0, "WORLD", 2, 9, 0, -1))
+    w.close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "export", str(run), "-f", "jsonl", "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out" / "trace-rank0.jsonl").read_text().splitlines()
+    barrier = '["collective",0,9,3,"barrier",0,"WORLD",2,9,0,-1,-1]'
+    assert [ln for ln in lines if '"barrier"' in ln] == [barrier]
+    assert read_trace(tmp_path / "out" / "trace-rank0.jsonl").steps == 4
+    (tmp_path / "none").mkdir()
+    empty = subprocess.run([sys.executable, "-m", "ddpdoctor", "export", str(tmp_path / "none"), "-fjsonl"])
+    assert empty.returncode == 2
 
 
-def test_bulk_parser_agrees_with_json_on_random_tokens(tmp_path: Path) -> None:
-    """Integers of every width and sign, leading zeros, '-', floats, exponents and odd strings:
-    whatever the fast path accepts must be exactly what json reads, and the rest goes to json."""
-    import random
-
-    rng = random.Random(7)
-    ints = ["0", "-0", "7", "-1", "007", "-", "1.5", "1e3", "+5", " 5", "00", "9" * 16, "1" + "0" * 15]
-    ints += ["9" * 17, "-" + "9" * 16, "12345678", "123456789", "-123456789012345"]
-    strings = ['"AdamW"', '""', '"a,b"', '"a\\"b"', '"é"', '"x" ', '"a"b"', '"' + "s" * 70 + '"']
-    shapes = {"forward": "iiiiii", "allreduce": "iiiiii", "backward": "iii", "optimizer": "iiis"}
-
-    def token(t: str) -> str:
-        if t == "s":
-            return rng.choice(strings)
-        return rng.choice(ints) if rng.random() < 0.3 else str(rng.randrange(-(10**12), 10**12))
-
-    text = [json.dumps(["header", header()])]
-    for _ in range(3000):
-        kind = rng.choice(sorted(shapes))
-        toks = [token(t) for t in shapes[kind]]
-        text.append(f'["{kind}",' + ",".join(toks) + "]")
-    path = tmp_path / "trace-rank0.jsonl"
-    path.write_text("\n".join(text) + "\n", encoding="utf-8")
-    t = read_trace(path)
-    expect = _reference(text)
-    assert t.skipped_lines == len(text) - 1 - sum(len(v) for v in expect.values())
-    for kind, rows in expect.items():
-        assert _rows(t.kind(kind)) == rows, kind
+@pytest.mark.parametrize("keep", [3, 20, 60])
+def test_a_cut_header_block_keeps_the_events_and_metadata_on_one_clock(tmp_path: Path, keep: int) -> None:
+    """A disk that filled during the header's write (its first bytes only, the later blocks
+    appended after them): the rank's events and records still read, on its monotonic clock."""
+    path = tmp_path / "trace-rank1.bin"
+    w = write_events(path, 4)
+    w.put((schema.RAISED, 5_002_000_000, 5_003_000_000, 2, {"kind": schema.COLLECTIVE, "fields": []}))
+    w.close()
+    data = path.read_bytes()
+    end = next(binfmt.blocks(data))[2]
+    path.write_bytes(data[:keep] + data[end:])  # the header block's first bytes only
+    with pytest.raises(TraceError, match="no trace header"):
+        read_trace(path)  # no rank to stand in for it
+    t = read_trace(path, 1)
+    assert t.header == {"rank": 1, "header_cut": True} and t.skipped_lines == 1
+    assert t.steps == 4 and t.kind(schema.FORWARD).ts.tolist()[:2] == [5_000_000, 5_001_000]
+    assert [(ts, step) for ts, step, _ in t.meta[schema.RAISED]] == [(5_002_000, 2)]

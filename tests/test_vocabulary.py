@@ -3,7 +3,6 @@ timeline and the Perfetto export with no other edit."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from ddpdoctor.reports import chrome, html
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import load_run, read_trace
-from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 
-# Short and long names on purpose: the bulk parser matches a line's prefix word by word.
+# Short and long names on purpose: names of any length are declared in the file's layout.
 KINDS = ("ckpt", "checkpoint_shard_write")
 
 
@@ -35,10 +34,8 @@ def declared() -> Iterator[None]:
 
 
 def _append(run_dir: Path, rank: int) -> None:
-    with open(RunDir(run_dir).trace(rank), "a", encoding="utf-8") as fh:
-        for name in KINDS:
-            for step in range(3):
-                fh.write(json.dumps([name, 1000 * step + 50, 200, step, step, f"/ckpt/{step}.pt"]) + "\n")
+    records = [[k, 1000 * step + 50, 200, step, step, f"/ckpt/{step}.pt"] for k in KINDS for step in range(3)]
+    append_records(RunDir(run_dir).trace(rank), records)
 
 
 def test_a_declared_kind_flows_to_the_report_and_the_export(tmp_path: Path, declared: None) -> None:

@@ -261,7 +261,7 @@ def _write_run_dir(
     mono_ns = time.monotonic_ns() - (time.time_ns() - wall_ns)
     for r, lk in looks.items():
         header = {
-            "schema": schema.SCHEMA,
+            "schema": schema.JSONL_SCHEMA,  # a header alone: the JSON-lines form says it plainly
             "rank": r,
             "world_size": lk.proc.world_size or len(looks),
             "local_rank": lk.proc.local_rank,
@@ -273,7 +273,7 @@ def _write_run_dir(
             "restart": 0,
             "attached": True,
         }
-        write_atomic(layout.trace(r), json.dumps([schema.HEADER, header]) + "\n")
+        write_atomic(layout.trace(r).with_suffix(".jsonl"), json.dumps([schema.HEADER, header]) + "\n")
         write_atomic(layout.stacks(r), _stack_text(r, lk))
     write_atomic(run_dir / "attach.json", json.dumps(report, indent=1, default=str))
     write_atomic(run_dir / "attach.txt", report["text"] + "\n")

@@ -50,6 +50,8 @@ COLLECTIVE_OPS = (
 )
 PROBE = "collectives"
 _now = time.monotonic_ns
+_COLLECTIVE = LivePhase.COLLECTIVE
+_KIND = schema.COLLECTIVE
 # Where an op takes its root rank: (position in *args, keyword names, default when not given).
 _ROOT_ARG: dict[str, tuple[int, tuple[str, ...], int]] = {
     "broadcast": (1, ("src", "group_src"), -1),
@@ -155,14 +157,18 @@ def tensor_bytes(obj: Any) -> int:
 
 
 def group_info(group: Any, collector: _c.Collector) -> tuple[Any, str, int, int]:
-    """(process group, its name, its size, its collective sequence number now)."""
+    """(process group, its name, its size, its collective sequence number now); the name and
+    size are looked up once per group."""
     pg = group if group is not None else collector.default_pg
-    name = "WORLD" if pg is collector.default_pg else str(getattr(pg, "group_name", "?"))
+    known = collector.groups.get(id(pg))
+    if known is None or known[0] is not pg:
+        name = "WORLD" if pg is collector.default_pg else str(getattr(pg, "group_name", "?"))
+        known = collector.groups[id(pg)] = (pg, name, int(pg.size()))
     try:
         seq = int(pg._get_sequence_number_for_group())
     except Exception:
         seq = -1
-    return pg, name, int(pg.size()), seq
+    return pg, known[1], known[2], seq
 
 
 def signature(op: str, args: tuple, kwargs: dict[str, Any]) -> tuple[str, int, int]:
@@ -231,34 +237,43 @@ def members(pg: Any, name: str) -> str:
 
 
 def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    always_async = op in ("isend", "irecv")
+
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
-            if c is None or c.in_collective() or PROBE in c.disabled or _compiling():
+            if c is None or c.in_bucket_hook or PROBE in c.disabled or _compiling():
+                return orig(*args, **kwargs)
+            prev = c.progress
+            if prev is not None and prev[0] is _COLLECTIVE:  # c.in_collective(), inlined
                 return orig(*args, **kwargs)
             try:
-                group = kwargs.get("group")
-                if group is None:
+                group = kwargs.get("group") if kwargs else None
+                if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
                 pg, gname, gsize, seq = group_info(group, c)
                 nbytes = tensor_bytes(args[0]) if args else 0
-                if not nbytes:
+                if not nbytes and kwargs:
                     nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
-                is_async = 1 if kwargs.get("async_op") or op in ("isend", "irecv") else 0
+                is_async = 1 if always_async or (kwargs and kwargs.get("async_op")) else 0
                 where = callsite.site(c)
                 sig = (*signature(op, args, kwargs), "" if gname == "WORLD" else members(pg, gname))
                 sid = sig_id(c, sig)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            fields = (op, nbytes, gname, gsize, seq, is_async, where, sid)
-            prev = c.enter(LivePhase.COLLECTIVE, op, seq, group=(gname, gsize, nbytes, pg, sig))
+            # c.enter and c.leave, inlined: this is the hottest probe
+            t0 = _now()
+            c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg, sig)
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
-                c.raised(prev, schema.COLLECTIVE, *fields)
+                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, where, sid)
                 raise
-            c.leave(prev, schema.COLLECTIVE, *fields)
+            t1 = _now()
+            c.progress = prev
+            c.events += 1
+            c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where, sid))
             return result
 
         return collective

@@ -56,6 +56,7 @@ class Collector:
         # runs several DDP forwards; counting them all would split one step into several.
         self.pace_model: Any = None
         self.disabled: set[str] = set()
+        self.groups: dict[int, tuple[Any, str, int]] = {}  # id(process group) -> (it, name, size)
         # Live progress, published by the writer thread as status-rank{R}.json (liveness.py):
         # (phase, op, seq at entry, t0 monotonic ns) of the sync point the rank is inside, or None.
         self.progress: Progress | None = None
@@ -67,7 +68,7 @@ class Collector:
         self.writer = TraceWriter(
             RunDir(run_dir).trace(self.rank, header.get("restart", 0)),
             header,
-            capacity=int(_env.number(_env.BUFFER_EVENTS, 100000, integer=True)),
+            capacity=int(_env.number(_env.BUFFER_EVENTS, 65536, integer=True)),
             flush_interval=_env.number(_env.FLUSH_INTERVAL, 0.25),
             on_error=self._writer_failed,
             ring=os.environ.get(_RING_ENV) != "0",
@@ -76,6 +77,7 @@ class Collector:
             why = self.writer.ring_error
             _log_error(run_dir, f"rank {self.rank}: no crash-safe ring, recording as before: {why}")
         self.put = self.writer.put
+        self.record = self.writer.record
 
     @property
     def live(self) -> bool:
@@ -93,10 +95,12 @@ class Collector:
 
     def leave(self, prev: Progress | None, kind: str | None, *fields: Any) -> None:
         """Leave the sync point entered last and record its span (none when ``kind`` is None)."""
-        t0 = self.progress[3] if self.progress is not None else _now()
+        progress = self.progress
+        t0 = progress[3] if progress is not None else _now()
         self.progress = prev
         if kind is not None:
-            self.emit(kind, t0, _now(), *fields)
+            self.events += 1
+            self.record(kind, t0, _now(), self.step, fields)
 
     def raised(self, prev: Progress | None, kind: str, *fields: Any) -> None:
         """Leave the sync point entered last by an exception: record it as raised (a ``raised``
@@ -117,7 +121,7 @@ class Collector:
     def emit(self, kind: str, t0: int, t1: int, *fields: Any) -> None:
         """Record one event (monotonic ns) at the current step."""
         self.events += 1
-        self.put((kind, t0, t1, self.step, *fields))
+        self.record(kind, t0, t1, self.step, fields)
 
     def progress_seq(self) -> int:
         """The default group's collective sequence number now, -1 if unknown (never raises)."""

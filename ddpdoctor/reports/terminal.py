@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
@@ -27,12 +28,13 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     bs = diag.batch_size
     if bs.get("per_process"):
         lines.append(f"  batch size {bs['per_process']} per process, {bs['global']} global")
-    for ddp in diag.ddp_models or ([diag.ddp] if diag.ddp else []):
+    models = diag.ddp_models or ([diag.ddp] if diag.ddp else [])
+    for ddp in models:
         opts = ddp.get("options", {})
         lines.append(
             f"  DDP: {label(ddp, diag.ddp_models)} with {ddp.get('params', 0):,} parameters, "
-            f"{len(ddp.get('buckets', []))} bucket(s), find_unused_parameters="
-            f"{opts.get('find_unused_parameters')}"
+            f"{_buckets(ddp, diag.bucket_layout if len(models) == 1 else {})}, "
+            f"find_unused_parameters={opts.get('find_unused_parameters')}"
         )
     lines.append("")
     header = f"  {'rank':>5} {'steps':>6} {'step p50':>9} {'fwd':>8} {'bwd':>8} {'data':>8} {'opt':>8}"
@@ -160,3 +162,12 @@ def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
         text = f"GPU: {view.missing}"
         lines.extend(textwrap.wrap(text, WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
     return lines
+
+
+def _buckets(ddp: dict[str, Any], layout: dict[int, Any]) -> str:
+    """The buckets the job trained with: DDP rebuilds them in gradient order after the first
+    step, so the constructor's count (often 1) is not what the all-reduces used."""
+    built = len(ddp.get("buckets", []))
+    if not layout or len(layout) == built:
+        return f"{built} bucket(s)"
+    return f"{len(layout)} bucket(s) ({built} at construction, rebuilt after the first step)"

@@ -130,34 +130,20 @@ def dying_words(text: str, lines: int = WORDS) -> list[str]:
     return [ln for ln in kept if ln.strip()][-lines:]
 
 
-def _last_event_wall(data: bytes, header: dict[str, Any]) -> float | None:
-    """Wall time of the trace's last event: a rank that vanished died right after it."""
-    for line in reversed(data.rstrip(b"\n").split(b"\n")[-4:]):
-        with contextlib.suppress(ValueError, IndexError, TypeError, KeyError):
-            record = json.loads(line)
-            if record[0] not in (schema.HEADER, schema.DROPPED, schema.END):
-                return (header["wall_ns"] / 1e3 + record[1] + record[2]) / 1e6
-    return None
-
-
 def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | None, float | None]:
-    """(header, ended cleanly, first main-thread rank_error, last event's wall time) of a trace."""
-    with open(path, "rb") as fh:
-        data = fh.read()
-    header = json.loads(data[: data.find(b"\n")])[1]
-    clean = data.rfind(b'\n["' + schema.END.encode() + b'",') >= 0
-    error = None
-    at = 0
-    key = b'\n["' + schema.RANK_ERROR.encode() + b'",'
-    while (at := data.find(key, at)) >= 0:
-        line = data[at + 1 : data.find(b"\n", at + 1)]
-        at += 1
-        with contextlib.suppress(ValueError, IndexError):
-            info = json.loads(line)[4]
-            if info.get("thread") == "MainThread":
-                error = info
-                break
-    return header, clean, error, _last_event_wall(data, header)
+    """(header, ended cleanly, first main-thread rank_error, last event's wall time: a rank that
+    vanished died right after it) of a trace; ValueError if it cannot be read."""
+    from ddpdoctor.trace.reader import TraceError, read_trace
+
+    try:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise ValueError(str(exc)) from None
+    errors = trace.meta.get(schema.RANK_ERROR, [])
+    error = next((info for _, _, info in errors if info.get("thread") == "MainThread"), None)
+    last = max((int(ev.end.max()) for ev in trace.events.values() if len(ev)), default=None)
+    wall = None if last is None else (trace.header["wall_ns"] / 1e3 + last) / 1e6
+    return trace.header, trace.ended_cleanly, error, wall
 
 
 def _watch_exits(run_dir: Path) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class Packed:
 
 
 class Strings:
-    """A string column as codes into a table of the distinct values (class names, op names)."""
+    """A string column as codes into a table of the distinct values (class names, op names);
+    also any interned value (a list, a dict: ``schema.FIELD_TYPES`` "v")."""
 
     __slots__ = ("codes", "table")
 
@@ -69,7 +70,9 @@ class Strings:
         return len(self.codes)
 
     def values(self) -> np.ndarray:
-        return np.array(self.table, dtype=object)[self.codes] if self.table else np.zeros(0, object)
+        table = np.empty(len(self.table), dtype=object)  # elements may be lists: never 2-D
+        table[:] = self.table
+        return table[self.codes]
 
     def equals(self, value: Any) -> np.ndarray:
         hits = [i for i, v in enumerate(self.table) if v == value]

@@ -1,9 +1,10 @@
 """Tolerant reader of run directories: rank traces, the supervisor's files, GPU samples.
 
 A line that is truncated (a rank killed mid-write) or corrupt is skipped and counted, never
-fatal. Nothing read from a trace is ever executed or unpickled: it is JSON, and only JSON.
-The common event lines go through the bulk parser (``fastparse.py``) into columns
-(``columns.py``); every other line through ``json``.
+fatal. Nothing read from a trace is ever executed or unpickled: it is numbers and JSON.
+Rank traces are binary (``binfmt.py``): each kind's records are read with one
+``np.frombuffer`` into columns (``columns.py``); traces of earlier versions (JSON lines) are
+read line by line with ``json``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.trace import recover, schema
-from ddpdoctor.trace.columns import Events, Packed
-from ddpdoctor.trace.fastparse import parse_fast
+from ddpdoctor.trace import binfmt, recover, schema
+from ddpdoctor.trace.columns import Events, Fields, Packed, Strings
 
 _I64 = 2**63
 
@@ -80,24 +80,75 @@ class RankTrace:
 
 
 def read_trace(path: Path, rank: int | None = None) -> RankTrace:
-    """Parse one rank's trace file; raises TraceError only when it has no readable header and
-    no events, or no header and no ``rank`` (from its file name) to stand in for it.
-
-    The common event lines (integers and plain strings only) are parsed in bulk with numpy;
-    every other line (header, metadata, anything unusual or damaged) goes through ``json``
-    one by one, and a line that is not valid JSON or not a record is skipped and counted.
-    """
+    """Read one rank's trace: binary (``binfmt.py``), or the JSON lines of traces recorded
+    before version 3. Raises TraceError when it has no readable header and no events, or no
+    header and no ``rank`` (from its file name) to stand in for it, or was written by a later
+    ddpdoctor (saying which version it needs). A trace whose header was cut keeps its events
+    under a stand-in header, filled in by ``recover.restore_headers``."""
     data = Path(path).read_bytes()
-    fast, slow = parse_fast(data)
+    if binfmt.is_binary(data) or Path(path).suffix == ".bin":  # .bin: its header may be cut
+        return _read_binary(Path(path), data, rank)
+    return _read_jsonl(Path(path), _records(path, data), rank)
+
+
+def _stand_in(path: Path, header: dict[str, Any] | None, rank: int | None, found: bool) -> dict[str, Any]:
+    """The trace's header, or a stand-in for a cut one (its events then keep the rank's own
+    clock: ``recover.restore_headers`` places it)."""
+    if header is not None and "rank" in header:
+        _check_version(path, header)
+        return header
+    if rank is None or not found:
+        raise TraceError(f"{path}: no trace header")
+    return {"rank": rank, recover.CUT: True}
+
+
+def _read_binary(path: Path, data: bytes, rank: int | None) -> RankTrace:
+    dec = binfmt.decode(data)
+    header = _stand_in(path, dec.header, rank, bool(dec.records or dec.meta))
+    anchor = dec.anchor
+    events: dict[str, Events] = {}
+    for kind, rec in dec.records.items():
+        t0, t1 = rec["t0"], rec["t1"]
+        cols: list[Packed | Strings] = []
+        for i, code in enumerate(dec.specs[kind]):
+            col = rec[f"f{i}"]
+            if code in schema.INTERNED:
+                ids, codes = np.unique(col, return_inverse=True)
+                table = [binfmt.value(dec.strings, int(j)) for j in ids.tolist()]
+                cols.append(Strings(codes.astype(np.min_scalar_type(max(len(ids) - 1, 0))), table))
+            else:
+                cols.append(Packed.of(col))
+        events[kind] = Events(
+            Packed.of((t0 - anchor) // 1000),
+            Packed.of((t1 - t0) // 1000),
+            Packed.of(rec["step"]),
+            Fields(cols, len(rec)),
+        )
+    meta: dict[str, list[tuple[int, int, dict[str, Any]]]] = {}
+    for kind, ts, _, step, info in dec.meta:
+        if isinstance(kind, str) and isinstance(ts, int) and isinstance(step, int):
+            meta.setdefault(kind, []).append(((ts - anchor) // 1000, step, info))
+    for records in meta.values():
+        records.sort(key=lambda r: r[0])
+    return RankTrace(int(header["rank"]), header, path, events, meta, dec.skipped + (dec.end < len(data)))
+
+
+def _check_version(path: Path, header: dict[str, Any]) -> None:
+    version = str(header.get("schema", ""))
+    if version.startswith("ddpdoctor.trace/") and version not in schema.SCHEMAS:
+        raise TraceError(
+            f"{path}: recorded in trace format {version}; this ddpdoctor reads "
+            f"{', '.join(schema.SCHEMAS)}: upgrade ddpdoctor to read it"
+        )
+
+
+def _read_jsonl(path: Path, recs: list[Any], rank: int | None) -> RankTrace:
+    """A JSON-lines trace (versions 1 and 2, or an export): every line through ``json``."""
     header: dict[str, Any] | None = None
     skipped = 0
-    columns: dict[str, tuple[list[int], list[int], list[int], list[int], list[tuple]]] = {}
+    columns: dict[str, tuple[list[int], list[int], list[int], list[tuple]]] = {}
     meta: dict[str, list[tuple[int, int, dict[str, Any]]]] = {}
-    for line_no, raw in slow:
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            rec = None
+    for rec in recs:
         if not isinstance(rec, list) or not rec or not isinstance(rec[0], str):
             skipped += 1
             continue
@@ -114,32 +165,14 @@ def read_trace(path: Path, rank: int | None = None) -> RankTrace:
             continue
         cols = columns.get(kind)
         if cols is None:
-            cols = columns[kind] = ([], [], [], [], [])
-        for col, value in zip(cols, (line_no, rec[1], rec[2], rec[3], tuple(rec[4:])), strict=True):
+            cols = columns[kind] = ([], [], [], [])
+        for col, value in zip(cols, (rec[1], rec[2], rec[3], tuple(rec[4:])), strict=True):
             col.append(value)
-    if (header is None or "rank" not in header) and (rank is None or not (fast or columns or meta)):
-        raise TraceError(f"{path}: no trace header")
-    if header is None or "rank" not in header:  # cut: filled in by recover.restore_headers
-        header = {"rank": rank, recover.CUT: True}
-    events: dict[str, Events] = {}
-    for kind in sorted(set(fast) | set(columns)):
-        if kind not in columns:
-            _, ts, dur, step, fields = fast[kind]
-            events[kind] = Events(Packed.of(ts), Packed.of(dur), Packed.of(step), fields)
-            continue
-        lines, ts_l, dur_l, step_l, tuples = columns[kind]
-        if kind in fast:  # some lines of a bulk-parsed kind were unusual: merge in file order
-            f_lines, f_ts, f_dur, f_step, f_fields = fast[kind]
-            lines = f_lines.tolist() + lines
-            ts_l, dur_l, step_l = f_ts.tolist() + ts_l, f_dur.tolist() + dur_l, f_step.tolist() + step_l
-            tuples = list(f_fields) + tuples
-        order = np.argsort(np.asarray(lines), kind="stable")
-        events[kind] = Events(
-            Packed.of(np.asarray(ts_l, dtype=np.int64)[order]),
-            Packed.of(np.asarray(dur_l, dtype=np.int64)[order]),
-            Packed.of(np.asarray(step_l, dtype=np.int64)[order]),
-            [tuples[i] for i in order.tolist()],
-        )
+    header = _stand_in(path, header, rank, bool(columns or meta))
+    events = {
+        kind: Events(*(Packed.of(np.asarray(c, dtype=np.int64)) for c in cols[:3]), cols[3])
+        for kind, cols in sorted(columns.items())
+    }
     return RankTrace(int(header["rank"]), header, path, events, meta, skipped)
 
 
@@ -156,11 +189,11 @@ class GpuTrace:
     skipped_lines: int = 0
 
 
-def _records(path: Path) -> list[Any]:
+def _records(path: Path, data: bytes | None = None) -> list[Any]:
     """Every line's JSON value, None for a corrupt one. The whole file parses as one array in a
     single call when it is intact (ten times faster than line by line: large runs), and line by
     line only when that fails."""
-    data = Path(path).read_bytes()
+    data = Path(path).read_bytes() if data is None else data
     body = data.rstrip(b"\n")
     if body:
         try:

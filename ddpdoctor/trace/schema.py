@@ -1,20 +1,32 @@
-"""The per-rank trace format, version 2 (version 1 lacks only the ``dev_*`` records; readers take both).
+"""The per-rank trace format, version 3: binary (versions 1 and 2, JSON lines, still read).
 
-One file per rank, ``trace-rank{R}.jsonl`` (``trace-rank{R}-attempt{N}.jsonl`` after an elastic
-restart), in the run directory. Each line is one JSON array; the first element names the record.
-Files are append-only and flushed every fraction of a second, so a rank that hangs or dies still
-leaves its data; the reader drops a truncated or corrupt line and counts it.
+One file per rank, ``trace-rank{R}.bin`` (``trace-rank{R}-attempt{N}.bin`` after an elastic
+restart), in the run directory: blocks appended by the rank (``trace/binfmt.py``), the events as
+fixed-size records of each kind's declared layout (``record_dtype`` of its ``spec`` below),
+strings and other variable-length values interned once in a side table, header and metadata
+records as JSON. A torn last block (a rank killed mid-write) is dropped and counted; a cut or
+damaged header block (a disk that filled at the first write) loses only the header, which
+``trace/recover.py`` stands in for.
+``ddpdoctor export --format jsonl`` writes each rank's trace as the JSON lines of version 2
+(``trace-rank{R}.jsonl``, which the reader also reads), as described below.
 
-The first line is the header::
+The header::
 
-    ["header", {"schema": "ddpdoctor.trace/2", "rank": 0, "world_size": 2, "local_rank": 0,
-                "host": "node1", "pid": 123, "wall_ns": ..., "mono_ns": ..., "backend": "gloo",
-                "torch": "2.13.0", "argv": [...], "restart": 0}]
+    {"schema": "ddpdoctor.trace/3", "rank": 0, "world_size": 2, "local_rank": 0,
+     "host": "node1", "pid": 123, "wall_ns": ..., "mono_ns": ..., "backend": "gloo",
+     "torch": "2.13.0", "argv": [...], "restart": 0, "layout": [[kind, spec, [fields]]...]}
 
-``wall_ns``/``mono_ns`` anchor the monotonic clock to wall time. Every timestamp below is
-microseconds of ``time.monotonic_ns()`` since ``mono_ns``; ``dur`` is in microseconds too.
-``step`` is the index of the last training step started (a DDP forward in grad mode), -1 before
-the first, so events between the end of step k's backward and the next forward carry step k.
+``wall_ns``/``mono_ns`` anchor the monotonic clock to wall time. Records hold the monotonic ns
+at entry and exit as recorded; readers give every timestamp as microseconds since ``mono_ns``
+and ``dur`` in microseconds too. ``step`` is the index of the last training step started (a DDP
+forward in grad mode), -1 before the first, so events between the end of step k's backward and
+the next forward carry step k.
+
+To add a field to a kind: append its name to ``fields`` and its type letter (``FIELD_TYPES``)
+to ``spec`` in the kind's ``declare`` below, and pass the value in the probe's ``emit``/
+``leave`` call, last. To add a kind: one more ``declare``. Nothing else changes: the writer,
+the ring, the reader and the export all follow the declarations, and each file carries its own
+layout, so traces recorded before the change still read (a missing field reads as absent).
 
 Event records are ``[kind, ts_us, dur_us, step, *fields]``:
 
@@ -48,7 +60,7 @@ dev_bucket      as ``allreduce``, on the device: ts when the bucket's gradients 
 thread (``probes/cuda_timing.py``); their lines come in the order the device finished them,
 some time after the CPU events of the same step.
 
-Metadata records share the shape ``[kind, ts_us, 0, step, {...}]``:
+Metadata records (JSON, written at once) share the shape ``[kind, ts_us, 0, step, {...}]``:
 
 ==============  ===============================================================================
 bucket          {index, bytes, params: [names without "module."]}: a gradient bucket's layout,
@@ -105,13 +117,12 @@ see ``probes/liveness.py``) after every flush: its pid, a heartbeat, the sync po
 inside and its collective sequence number. ``ddpdoctor run`` watches these for hangs and keeps
 what it found in ``hang-N/summary.json`` and ``watch.json``.
 
-Crash safety: every event a rank queues is also copied into ``trace-rank{R}.ring``, a
-memory-mapped ring of fixed 128-byte slots (64-byte header: magic ``DDPRING1``, slot size,
-slot count, ``mono_ns``, pid; each slot: u64 seq, u32 length, u16 part, u16 parts, then the
-``marshal`` of the event tuple; full layout in ``trace/ring.py``). Its pages outlive the
-process, so after the job ``ddpdoctor run`` appends to a trace that has no ``end`` record the
-events with seq above its count of event lines (a ``dropped`` record counts any the ring had
-already overwritten), then removes the ring. A rank also leaves ``fatal-rank{R}.txt`` (fatal
+Crash safety: each event is recorded into ``trace-rank{R}.ring``, a memory-mapped ring of
+fixed 128-byte slots (its layout in ``trace/ring.py``), which the writer thread appends to the
+trace every fraction of a second. Its pages outlive the process, so after the job ``ddpdoctor
+run`` appends to a trace that has no ``end`` record the events the ring holds beyond the trace's
+last block (a ``dropped`` record counts any the ring had already overwritten), then removes
+the ring. A rank also leaves ``fatal-rank{R}.txt`` (fatal
 signal and Python stacks, from faulthandler), ``sigterm-rank{R}.txt``, ``exit-rank{R}.json``
 (``os._exit`` code) and ``stderr-rank{R}.txt`` (the last 64 KiB of its stderr); the supervisor
 sums them up per rank in ``ends.json`` (``supervisor/ends.py``). A process started as a rank
@@ -141,8 +152,8 @@ end             {reason, samples}
 
 Readers must ignore kinds they do not know, so later versions can add records.
 
-Every kind is declared once, below, as an ``EventKind`` (its fields, how the bulk parser reads
-it, its docs) and, if it is drawn, with one or more ``Phase`` entries (label, lane, colour, and
+Every kind is declared once, below, as an ``EventKind`` (its fields, their binary types, its
+title) and, if it is drawn, with one or more ``Phase`` entries (label, lane, colour, and
 which of its events belong to the phase). The reader, the phase statistics, the HTML timeline
 and the Perfetto export all iterate these declarations; ``declare`` adds a kind at run time.
 """
@@ -154,8 +165,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA = "ddpdoctor.trace/2"
-SCHEMAS = ("ddpdoctor.trace/1", SCHEMA)  # the versions the reader accepts
+SCHEMA = "ddpdoctor.trace/3"  # binary (trace/binfmt.py)
+JSONL_SCHEMA = "ddpdoctor.trace/2"  # JSON lines: traces of earlier versions, and the export
+SCHEMAS = ("ddpdoctor.trace/1", JSONL_SCHEMA, SCHEMA)  # the versions the reader accepts
 GPU_SCHEMA = "ddpdoctor.gpu/1"
 BARRIER_OP = "barrier"
 
@@ -226,23 +238,40 @@ class Lane(enum.IntEnum):
     DEVICE_COMM = 3
 
 
+# A field's type in a binary record, one letter in ``EventKind.spec``: its numpy type in the
+# file and its ``struct`` code on the recording thread. "s" (a string) and "v" (any JSON value:
+# a list, a dict) are interned: the record holds the id of the value in the trace's side table,
+# written once per distinct value (``trace/binfmt.py``).
+FIELD_TYPES: dict[str, tuple[str, str]] = {
+    "i": ("<i8", "q"),  # integer (64-bit)
+    "n": ("<i4", "i"),  # narrow integer (32-bit): ids, counts, sizes of groups
+    "b": ("<i1", "b"),  # flag or tiny integer (-128..127)
+    "f": ("<f8", "d"),  # float
+    "s": ("<u4", "I"),  # string, interned
+    "v": ("<u4", "I"),  # JSON value (list, dict...), interned by its JSON text
+}
+INTERNED = frozenset("sv")
+MAX_RECORD = 116  # bytes of step, t0, t1 and fields: a ring slot's room (trace/ring.py)
+
+
 @dataclass(frozen=True)
 class EventKind:
     """One span kind: ``[kind, ts_us, dur_us, step, *fields]``.
 
-    ``spec`` gives the bulk parser one letter per field ("i" integer, "s" short string); a
-    kind without one is always read by the careful (json) path. ``title`` names one event in
-    the timeline and the export from its fields (a format string over ``fields``' names, or a
-    function of the field dict)."""
+    ``spec`` gives each field's type, one letter of ``FIELD_TYPES`` per field: the binary
+    record's layout (``record_dtype``). ``title`` names one event in the timeline and the export
+    from its fields (a format string over ``fields``' names, or a function of the field dict)."""
 
     name: str
     fields: tuple[str, ...] = ()
-    spec: str | None = None
+    spec: str = ""
     title: str | Callable[[Mapping[str, Any]], str] = ""
 
     def __post_init__(self) -> None:
-        if self.spec is not None and len(self.spec) != len(self.fields):
+        if len(self.spec) != len(self.fields) or not set(self.spec) <= set(FIELD_TYPES):
             raise ValueError(f"{self.name}: spec {self.spec!r} does not match fields {self.fields}")
+        if record_dtype(self.spec).itemsize > MAX_RECORD:
+            raise ValueError(f"{self.name}: a record of {self.spec!r} exceeds {MAX_RECORD} bytes")
 
     def args(self, fields: tuple) -> dict[str, Any]:
         """The named fields of one event (extra or missing ones are left out)."""
@@ -272,6 +301,15 @@ class Phase:
     where: tuple[int, Any] | None = None
     negate: bool = False
     per_step: bool = True  # happens every step (DDP init does not): compared across runs
+
+
+def record_dtype(spec: str) -> Any:
+    """The numpy dtype of one binary record of a kind with this ``spec``: step, t0 and t1
+    (monotonic ns, as recorded), then the fields (``f0``, ``f1``...), packed."""
+    import numpy as np
+
+    cols = [("step", "<i4"), ("t0", "<i8"), ("t1", "<i8")]
+    return np.dtype(cols + [(f"f{i}", FIELD_TYPES[c][0]) for i, c in enumerate(spec)])
 
 
 def _forward_title(args: Mapping[str, Any]) -> str:
@@ -313,7 +351,7 @@ def declare(kind: EventKind, *phases: Phase) -> EventKind:
 
 
 declare(
-    EventKind(DDP_INIT, ("info",), title="DDP init"),
+    EventKind(DDP_INIT, ("info",), "v", "DDP init"),
     Phase("ddp_init", DDP_INIT, "DDP init", per_step=False),
 )
 declare(
@@ -321,7 +359,7 @@ declare(
     Phase("data_wait", DATA_WAIT, "data wait", colour="#f2b134"),
 )
 declare(
-    EventKind(FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
+    EventKind(FORWARD, ("grad", "training", "seq", "site"), "bbin", _forward_title),
     Phase("forward", FORWARD, "forward", colour="#4e79a7"),
 )
 # runq: the thread's run-queue delay so far (µs, -1 unknown; probes/cpuwait.py), read at its end.
@@ -335,10 +373,7 @@ declare(
 )
 declare(
     EventKind(
-        COLLECTIVE,
-        ("op", "bytes", "group", "group_size", "seq", "async", "site", "sig"),
-        "sisiiiii",
-        "{op}",
+        COLLECTIVE, ("op", "bytes", "group", "group_size", "seq", "async", "site", "sig"), "sisnibnn", "{op}"
     ),
     Phase("barrier", COLLECTIVE, "barrier", colour="#e15759", where=(0, BARRIER_OP)),
     Phase("collective", COLLECTIVE, "collective", colour="#ff9da7", where=(0, BARRIER_OP), negate=True),
@@ -348,14 +383,14 @@ declare(
     Phase("sync_buffers", SYNC_BUFFERS, "buffer broadcast", Lane.COMM, "#76b7b2"),
 )
 declare(
-    EventKind(ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    EventKind(ALLREDUCE, ("bucket", "bytes", "seq"), "nii", "allreduce bucket {bucket}"),
     Phase("allreduce", ALLREDUCE, "bucket all-reduce", Lane.COMM, "#edc948"),
 )
 declare(EventKind(GRAPH_SCAN, (), "", "unused-parameter graph scan"))
 # Device spans: the fields and titles of their CPU twins (less backward's runq, a host thread's
 # measure), drawn under them.
 declare(
-    EventKind(DEV_FORWARD, ("grad", "training", "seq", "site"), "iiii", _forward_title),
+    EventKind(DEV_FORWARD, ("grad", "training", "seq", "site"), "bbin", _forward_title),
     Phase("dev_forward", DEV_FORWARD, "forward (GPU)", Lane.DEVICE, "#2b4a6b"),
 )
 declare(
@@ -367,7 +402,7 @@ declare(
     Phase("dev_optimizer", DEV_OPTIMIZER, "optimizer (GPU)", Lane.DEVICE, "#6b4a63"),
 )
 declare(
-    EventKind(DEV_ALLREDUCE, ("bucket", "bytes", "seq"), "iii", "allreduce bucket {bucket}"),
+    EventKind(DEV_ALLREDUCE, ("bucket", "bytes", "seq"), "nii", "allreduce bucket {bucket}"),
     Phase("dev_bucket", DEV_ALLREDUCE, "bucket all-reduce (GPU)", Lane.DEVICE_COMM, "#a38a2f"),
 )
 

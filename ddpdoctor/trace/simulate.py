@@ -108,5 +108,5 @@ def simulate_run(
             )
             for kind, c in cols[r].items()
         }
-        ranks[r] = RankTrace(r, header, Path(f"sim/trace-rank{r}.jsonl"), events, {})
+        ranks[r] = RankTrace(r, header, Path(f"sim/trace-rank{r}.bin"), events, {})
     return Run([Path("sim")], [{"exit_code": 0}], ranks)

@@ -1,11 +1,12 @@
-"""Bounded, off-thread writer of one rank's trace file.
+"""Bounded, off-thread trace writing: the training thread packs each event into a slot of the
+recording ring (``trace/ring.py``); a writer thread appends the filled slots to the binary
+trace (``trace/binfmt.py``) every fraction of a second, grouped by kind with numpy.
 
-The training thread only appends a tuple to a deque (`put`); a daemon thread turns tuples into
-JSON lines and flushes them every `flush_interval` seconds. When the deque is full, events are
-dropped and counted rather than letting memory grow. Each accepted event is also copied into a
-memory-mapped ring (trace/ring.py) that outlives a rank killed between two flushes. A failed
-write (disk full, read-only directory) calls `on_error` once and turns the writer into a no-op:
-the job goes on.
+What the training thread pays per event: a dict lookup for its kind, one ``pack_into`` and,
+for a string field, a dict lookup of its interned id. A value seen for the first time is
+written to the trace at once (its ``STR_`` block), as is each metadata record (rare: sites,
+buckets, loader passes, errors), so both are on disk before any event that refers to them.
+The writer thread's work per flush is a few numpy calls per kind present and one ``write``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,35 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.trace import schema
-from ddpdoctor.trace.ring import Ring, ring_path
+import numpy as np
 
-_ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
-_CHUNK = 128  # records encoded between GIL releases
+from ddpdoctor.trace import binfmt, schema
+from ddpdoctor.trace.ring import (
+    HEADER_BYTES,
+    SLOT,
+    VOID,
+    VOID_SLOT,
+    Ring,
+    group,
+    ring_path,
+    sizes_of,
+    slot_struct,
+)
+
+TAP_TAIL = 1024  # events of a tapped kind handed to its tap per flush: the newest
+
+
+class _Kind:
+    """How one kind's events are packed: its id, its ``struct``, where its interned fields are."""
+
+    __slots__ = ("kid", "pack_into", "n", "interned", "dtype", "spec", "defaults")
+
+    def __init__(self, kid: int, spec: str) -> None:
+        self.kid, self.spec, self.n = kid, spec, len(spec)
+        self.pack_into = slot_struct(spec).pack_into
+        self.interned = tuple(i for i, c in enumerate(spec) if c in schema.INTERNED)
+        self.dtype = schema.record_dtype(spec)
+        self.defaults = tuple("" if c in schema.INTERNED else 0 if c == "f" else -1 for c in spec)
 
 
 class TraceWriter:
@@ -34,61 +59,117 @@ class TraceWriter:
         path: str,
         header: dict[str, Any],
         *,
-        capacity: int = 100_000,
         flush_interval: float = 0.25,
         on_error: Callable[[BaseException], None] | None = None,
         ring: bool = False,
+        capacity: int | None = None,
     ) -> None:
+        """``capacity``: events that can wait to be written (the ring's slots, a power of two);
+        more are dropped and counted. ``ring``: map the slots from a file beside the trace, so
+        that a crash loses nothing (else from memory)."""
         self.path = path
         self.mono_anchor_ns: int = header["mono_ns"]
         self.dropped = 0
         self._reported_dropped = 0
-        self._capacity = capacity
-        self._queue: deque[tuple] = deque()
         self._on_error = on_error
         self._failed = False
         self._closed = False
         self._lock = threading.Lock()  # serialises drains (writer thread vs close)
         self._stop = threading.Event()
         self.on_tick: Callable[[], None] | None = None  # called after each periodic flush
-        # kind -> callback that sees each such event as it is written (on this thread, never
-        # the training thread): liveness keeps its recent-step summary this way.
+        # kind -> callback that sees the newest events of that kind as they are written (on
+        # this thread, never the training thread): liveness keeps its recent-step summary so.
         self.taps: dict[str, Callable[[tuple], None]] = {}
+        self._meta_taps: deque[tuple] = deque(maxlen=TAP_TAIL)  # tapped metadata, for that thread
+        layout = binfmt.layout()
+        self._kinds = {name: _Kind(i + 1, spec) for i, (name, spec, _) in enumerate(layout)}
+        self._names = {k.kid: name for name, k in self._kinds.items()}
+        self._sizes = sizes_of(layout)
+        self._ids: dict[Any, int] = {}  # interned value (a str, or a value's JSON text) -> id
+        self._values: list[Any] = []
         self._ring: Ring | None = None
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._file = os.fdopen(fd, "w", encoding="utf-8")
-        self._write([_ENCODE([schema.HEADER, header]) + "\n"])
-        self.ring_error: BaseException | None = None  # why there is no ring, if asked for one
-        if ring and not self._failed:
-            try:
-                self._ring = Ring(ring_path(path), self.mono_anchor_ns)
-            except Exception as exc:  # no room or no mmap: the JSON trace alone, as before
-                self.ring_error = exc
+        self.ring_error: BaseException | None = None  # why there is no crash-safe ring, if asked
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._write(binfmt.json_block(binfmt.HEAD, dict(header, layout=layout)))
+        if not self._failed:
+            if ring:
+                try:
+                    self._ring = Ring(ring_path(path), self.mono_anchor_ns, capacity)
+                except Exception as exc:  # no room or no mmap: memory alone, lost on a crash
+                    self.ring_error = exc
+            if self._ring is None:
+                self._ring = Ring(None, self.mono_anchor_ns, capacity)
         self._thread = threading.Thread(
             target=self._run, args=(flush_interval,), name="ddpdoctor-writer", daemon=True
         )
         self._thread.start()
 
     def put(self, event: tuple) -> None:
-        """Hot path: queue one event. Never blocks, never raises."""
-        if len(self._queue) < self._capacity:
-            self._queue.append(event)
-            ring = self._ring
-            if ring is not None:
-                try:
-                    ring.put(event)
-                except Exception:
-                    self._drop_ring(unlink=False)
-        else:
+        """Record ``(kind, t0_ns, t1_ns, step, *fields)``, or a metadata record stamped with its
+        own start, ``(kind, t0_ns, t1_ns, step, {...})`` (a ``raised`` span, a ``fingerprint``)."""
+        kind = event[0]
+        if kind in schema.META_KINDS:
+            self.meta(kind, event[3], event[4], event[1])
+            return
+        self.record(kind, event[1], event[2], event[3], event[4:])
+
+    def record(self, kind: str, t0: int, t1: int, step: int, fields: tuple) -> None:
+        """Hot path: pack one event into the ring. Never blocks, never raises."""
+        ring = self._ring
+        k = self._kinds.get(kind)
+        if ring is None or k is None:
+            return
+        if k.interned or len(fields) != k.n:
+            fields = self._prepare(k, fields)
+        seq = ring.next()
+        off = HEADER_BYTES + (seq & ring.mask) * SLOT
+        try:
+            k.pack_into(ring.mm, off, k.kid, step, t0, t1, *fields, seq)
+        except Exception:  # a value that does not fit its declared type
+            self._pack_odd(k, ring, off, (step, t0, t1), fields, seq)
+        ring.head = seq
+
+    def _prepare(self, k: _Kind, fields: tuple) -> tuple:
+        values = list(fields[: k.n]) + list(k.defaults[len(fields) :])
+        ids = self._ids
+        for i in k.interned:
+            v = values[i]
+            sid = ids.get(v) if type(v) is str else None
+            values[i] = sid if sid is not None else self.intern(v)
+        return tuple(values)
+
+    def _pack_odd(self, k: _Kind, ring: Ring, off: int, head: tuple, fields: tuple, seq: int) -> None:
+        """Coerce each value to its type (None, floats or huge numbers become -1) or leave the
+        slot void: the seq must be written either way, or the writer would wait for it."""
+        try:
+            values = [_coerce(v, c) for v, c in zip(fields, k.spec, strict=True)]
+            k.pack_into(ring.mm, off, k.kid, *(int(v) for v in head), *values, seq)
+        except Exception:
+            VOID_SLOT.pack_into(ring.mm, off, VOID, seq)
             self.dropped += 1
 
-    def meta(self, kind: str, step: int, info: dict[str, Any]) -> None:
-        """Queue a metadata record stamped now."""
-        now = time.monotonic_ns()
-        self.put((kind, now, now, step, info))
+    def intern(self, value: Any) -> int:
+        """The id of ``value`` in this trace's side table, written to the trace when new."""
+        key = value if type(value) is str else binfmt._ENCODE(value)
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = len(self._values)
+            self._values.append(value if type(value) is str else json.loads(key))
+            self._ids[key] = sid
+            self._write(binfmt.json_block(binfmt.STRING, [sid, self._values[sid]]))
+        return sid
+
+    def meta(self, kind: str, step: int, info: dict[str, Any], t0: int = 0) -> None:
+        """Write a metadata record stamped ``t0`` (monotonic ns), else now, at once: they are
+        rare. A tapped kind reaches its tap on the writer thread, at the next flush."""
+        if not self._failed and not self._closed:
+            ts = t0 or time.monotonic_ns()
+            self._write(binfmt.json_block(binfmt.META, [kind, ts, 0, step, info]))
+            if kind in self.taps:
+                self._meta_taps.append((kind, ts, ts, step, info))
 
     def flush(self) -> None:
-        """Write everything queued so far (any thread)."""
+        """Write everything recorded so far (any thread)."""
         with self._lock:
             self._drain()
 
@@ -103,12 +184,12 @@ class TraceWriter:
             if self._closed:
                 return
             self._drain()
-            if not self._failed:  # written directly: a full queue must not swallow the end
-                now_us = (time.monotonic_ns() - self.mono_anchor_ns) // 1000
-                self._write([_ENCODE([schema.END, now_us, 0, -1, {"reason": reason}]), "\n"])
+            if not self._failed:
+                end = [schema.END, time.monotonic_ns(), 0, -1, {"reason": reason}]
+                self._write(binfmt.json_block(binfmt.META, end))
             self._closed = True
             with contextlib.suppress(OSError):
-                self._file.close()
+                os.close(self._fd)
             self._drop_ring(unlink=not self._failed)
 
     def _drop_ring(self, unlink: bool) -> None:
@@ -127,44 +208,59 @@ class TraceWriter:
                 tick()
 
     def _drain(self) -> None:
-        if self._failed or self._closed:
-            self._queue.clear()
+        ring = self._ring
+        if self._failed or self._closed or ring is None:
             return
-        anchor = self.mono_anchor_ns
-        lines: list[str] = []
-        pop = self._queue.popleft
-        taps = self.taps
-        try:
-            while True:
-                event = pop()
-                kind, t0, t1, step, *fields = event
-                if kind in taps:
-                    _tap(taps[kind], event)
-                lines.append(_ENCODE([kind, (t0 - anchor) // 1000, (t1 - t0) // 1000, step, *fields]))
-                if len(lines) % _CHUNK == 0:
-                    time.sleep(0)  # let the training thread have the GIL between chunks
-        except IndexError:
-            pass
+        rows, lo, hi, lapped = ring.take()
+        self.dropped += lapped
+        if hi > lo:
+            parts = group(rows, self._sizes)
+            self._write(binfmt.events_block(parts, lo, hi))
+            if self.taps:
+                self._tap(parts)
+        while self._meta_taps:
+            event = self._meta_taps.popleft()
+            tap = self.taps.get(event[0])
+            if tap is not None:
+                with contextlib.suppress(Exception):  # a tap that fails must not cost the trace
+                    tap(event)
         if self.dropped != self._reported_dropped:
             count, self._reported_dropped = self.dropped, self.dropped
-            now_us = (time.monotonic_ns() - anchor) // 1000
-            lines.append(_ENCODE([schema.DROPPED, now_us, 0, -1, {"count": count}]))
-        if lines:
-            self._write(["\n".join(lines), "\n"])
+            dropped = [schema.DROPPED, time.monotonic_ns(), 0, -1, {"count": count}]
+            self._write(binfmt.json_block(binfmt.META, dropped))
 
-    def _write(self, parts: list[str]) -> None:
+    def _tap(self, parts: list[tuple[int, bytes, int]]) -> None:
+        """Hand each tap the newest events of its kind, as tuples (bounded per flush)."""
+        for kid, data, count in parts:
+            name = self._names.get(kid)
+            tap = self.taps.get(name) if name is not None else None
+            if tap is None:
+                continue
+            k = self._kinds[name]
+            rec = np.frombuffer(data, k.dtype, count)[-TAP_TAIL:]
+            for row in rec.tolist():
+                step, t0, t1, *fields = row
+                for i in k.interned:
+                    fields[i] = self._values[fields[i]] if fields[i] < len(self._values) else "?"
+                with contextlib.suppress(Exception):  # a tap that fails must not cost the trace
+                    tap((name, t0, t1, step, *fields))
+
+    def _write(self, data: bytes) -> None:
         try:
-            self._file.writelines(parts)
-            self._file.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
         except (OSError, ValueError) as exc:
             self._failed = True
-            self._queue.clear()
             self._drop_ring(unlink=True)  # the trace stops here: nothing to complete it with
             if self._on_error is not None:
                 self._on_error(exc)
 
 
-def _tap(tap: Callable[[tuple], None], event: tuple) -> None:
-    """A tap that fails must not cost the trace."""
-    with contextlib.suppress(Exception):
-        tap(event)
+def _coerce(v: Any, code: str) -> Any:
+    if code == "f":
+        return float(v) if isinstance(v, (int, float)) else 0.0
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return -1
