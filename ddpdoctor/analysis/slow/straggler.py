@@ -379,14 +379,18 @@ def training_span_us(run: Run, steps: np.ndarray) -> float:
 
 
 def costliest(lateness: np.ndarray, late: np.ndarray) -> np.ndarray:
-    """The late steps that make ``COST_CORE`` of the lateness, when they are at most half of them:
+    """The late steps that make ``COST_CORE`` of the lateness (with any at least a quarter as late as
+    the least of those), when they are at most half of them:
     a few long stalls among jitter, where a median over every late step would describe the
     jitter, and hide where the stalls' time went; else ``late`` as it is."""
     steps = np.flatnonzero(late)
+    if len(steps) < 4:
+        return late
     values = lateness[steps]
     order = np.argsort(-values, kind="stable")
     share = np.cumsum(values[order]) / max(float(values.sum()), 1e-9)
     keep = int(np.searchsorted(share, COST_CORE)) + 1
+    keep = int((values >= 0.25 * values[order[keep - 1]]).sum())  # and any stall of that order
     if keep < 2 or keep > len(steps) // 2:
         return late
     core = np.zeros_like(late)
