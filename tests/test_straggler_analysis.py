@@ -108,7 +108,7 @@ def test_a_node_whose_every_rank_is_late_is_a_slow_node_not_one_rank_now_and_the
 def test_a_few_long_stalls_among_jitter_are_the_cost() -> None:
     """Rank 1 stalls 100-350 ms on 4 steps and is a few ms late on a dozen others (a loaded
     host): the stalls make the cost, so they are what the finding describes, not the jitter."""
-    from ddpdoctor.analysis.slow.straggler import costliest
+    from ddpdoctor.analysis.slow.stalls import costliest
 
     lateness = np.full(40, 3_000.0)
     stalls = [4, 12, 20, 28]

@@ -18,6 +18,13 @@ import numpy as np
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.slow.device import clock, device_timed
 from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.slow.stalls import (
+    OTHER_LOADER_FIX,
+    costliest,
+    other_loader,
+    training_span_us,
+    where_time_went,
+)
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -27,7 +34,6 @@ LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
-COST_CORE = 0.8  # of an occasional straggler's lateness: the few steps that make it are the stalls
 COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
 COST_WARNING_S = 0.5  # and in all: a few ms of stalls in a short job are not worth one
 CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
@@ -45,12 +51,6 @@ _FIX = {
     "host-device syncs like .item()) on that rank: move it off the step or do it on every rank "
     "asynchronously.",
 }
-_OTHER_LOADER_FIX = (
-    "Only this rank does that work (an evaluation pass?) while the others wait at the next "
-    "gradient sync: shard it over every rank (a DistributedSampler on that loader, then "
-    "all_reduce the metric), run it less often, or run it where nobody waits (after training, "
-    "or in a separate process)."
-)
 _CPU_FIX = (
     "The rank was ready to run and had no CPU: the host runs more busy threads than it has cores "
     "(ranks x torch threads, DataLoader workers, other jobs). Give each rank its share: "
@@ -275,8 +275,8 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
-                f"{_where(phase, reading)}; the job would run {speedup:.2f}x faster if it kept up",
-                fix=_CPU_FIX if starved else _OTHER_LOADER_FIX if reading else _FIX[phase],
+                f"{where_time_went(phase, reading)}; the job would run {speedup:.2f}x faster if it kept up",
+                fix=_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase],
                 details=details,
             )
         elif n_late >= 2:
@@ -299,9 +299,9 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
                 f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms{starving}, mostly in "
-                f"{_where(phase, reading)}: {100 * cost:.0f} % of the job's time",
+                f"{where_time_went(phase, reading)}: {100 * cost:.0f} % of the job's time",
                 fix=("" if costly or reading else "Occasional noise unless those steps matter; ")
-                + (_CPU_FIX if starved else _OTHER_LOADER_FIX if reading else _FIX[phase]),
+                + (_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]),
                 details=details,
             )
 
@@ -363,76 +363,3 @@ def slow_nodes(run: Run, table: SyncTable, threshold: float) -> Iterable[tuple[F
                      "phase_excess_ms": {p: round(v / 1e3, 3) for p, v in excess.items()}},
         )  # fmt: skip
         yield finding, set(rows)
-
-
-def training_span_us(run: Run, steps: np.ndarray) -> float:
-    """The job's training time over ``steps``: from the first of them to the end of the last, by
-    the latest rank (the median step times the count, where training forwards are missing)."""
-    lo, hi = int(steps[0]), int(steps[-1]) + 1
-    span = 0.0
-    for trace in run.ranks.values():
-        fwd = training_forwards(trace)
-        starts = fwd.ts[(fwd.step >= lo) & (fwd.step <= hi)]
-        if len(starts) >= 2:
-            span = max(span, float(starts.max() - starts.min()))
-    return span or 1.0
-
-
-def costliest(lateness: np.ndarray, late: np.ndarray) -> np.ndarray:
-    """The late steps that make ``COST_CORE`` of the lateness (with any at least a quarter as late as
-    the least of those), when they are at most half of them:
-    a few long stalls among jitter, where a median over every late step would describe the
-    jitter, and hide where the stalls' time went; else ``late`` as it is."""
-    steps = np.flatnonzero(late)
-    if len(steps) < 4:
-        return late
-    values = lateness[steps]
-    order = np.argsort(-values, kind="stable")
-    share = np.cumsum(values[order]) / max(float(values.sum()), 1e-9)
-    keep = int(np.searchsorted(share, COST_CORE)) + 1
-    keep = int((values >= 0.25 * values[order[keep - 1]]).sum())  # and any stall of that order
-    if keep < 2 or keep > len(steps) // 2:
-        return late
-    core = np.zeros_like(late)
-    core[steps[order[:keep]]] = True
-    return core
-
-
-def other_loader(trace: RankTrace, steps: list[int]) -> dict[str, object] | None:
-    """The DataLoader other than the training one that the rank read on ``steps`` (its data
-    waits from the previous step's end to the step's sync), when most of that data wait went
-    to it: work only this rank does (an evaluation pass), not a slow training loader."""
-    from ddpdoctor.analysis.misuse.usage import training_loaders
-
-    dw, fed = trace.kind(schema.DATA_WAIT), training_loaders(trace)
-    if not fed or not steps:
-        return None
-    ids = dw.ints(0, default=0)
-    train = max(fed, key=lambda i: fed[i])
-    wanted = np.asarray(steps, dtype=np.int64)
-    on = np.isin(dw.step, np.concatenate([wanted - 1, wanted]))
-    other = on & (ids != train)
-    total = float(dw.dur[on].sum())
-    if not other.any() or float(dw.dur[other].sum()) < 0.5 * total:
-        return None
-    by_id = {int(i): float(dw.dur[other & (ids == i)].sum()) for i in np.unique(ids[other])}
-    loader = max(by_id, key=lambda i: by_id[i])
-    info = next((m for _, _, m in trace.meta.get(schema.LOADER, []) if m.get("id") == loader), {})
-    return {
-        "id": loader,
-        "sampler": info.get("sampler"),
-        "dataset_len": info.get("dataset_len"),
-        "stack": list(info.get("stack") or ([info["site"]] if info.get("site") else [])),
-        "ms_per_step": round(by_id[loader] / len(steps) / 1e3, 3),
-    }
-
-
-def _where(phase: str, reading: dict[str, object] | None) -> str:
-    """The phase a straggler loses its time in, with the other DataLoader it reads there."""
-    if not reading:
-        return phase
-    size = reading["dataset_len"]
-    what = f"{reading['sampler'] or 'a'} over {size} samples" if size else "a"
-    stack = reading["stack"]
-    at = f", read at {' <- '.join(stack)}" if stack else ""  # type: ignore[arg-type]
-    return f"data_wait of a DataLoader its training steps do not read ({what}{at})"
