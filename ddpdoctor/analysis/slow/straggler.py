@@ -282,7 +282,10 @@ def stragglers(run: Run) -> Iterable[Finding]:
         elif n_late >= 2:
             shown = ", ".join(str(s) for s in steps_list[:8])
             # Severity by cost, not by how few steps it hits: the others wait every time.
-            cost = min(1.0, excess_ms * n_late * 1e3 / training_span_us(run, table.steps))
+            lost_us = excess_ms * n_late * 1e3
+            cost = min(
+                1.0, lost_us / training_span_us(run, table.steps, table.step_us * len(table.steps) + lost_us)
+            )
             details["cost_share"] = round(cost, 4)
             # A stall (half a step or more each time), not jitter, that costs the job 5 %.
             # Not when it waited for a CPU: now and then one rank of an oversubscribed host.
