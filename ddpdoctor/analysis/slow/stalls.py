@@ -92,5 +92,5 @@ def where_time_went(phase: str, reading: dict[str, object] | None) -> str:
     size = reading["dataset_len"]
     what = f"{reading['sampler'] or 'a'} over {size} samples" if size else "a"
     stack = reading["stack"]
-    at = f", read at {' <- '.join(stack)}" if stack else ""  # type: ignore[arg-type]
+    at = f", read at {' <- '.join(stack[:2])}" if stack else ""  # type: ignore[arg-type]
     return f"data_wait of a DataLoader its training steps do not read ({what}{at})"

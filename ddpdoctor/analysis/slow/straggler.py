@@ -264,7 +264,9 @@ def stragglers(run: Run) -> Iterable[Finding]:
             continue
         waited = cpu_wait_excess(table, row, late_steps)
         # Late because it had no CPU, not because of its own work: the host's doing.
-        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3
+        # A rank reading a loader the others never read does work only it does: waiting for a CPU
+        # stretches that work, it is not the cause.
+        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3 and reading is None
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
         starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
