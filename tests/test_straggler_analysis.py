@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
@@ -102,3 +103,17 @@ def test_a_node_whose_every_rank_is_late_is_a_slow_node_not_one_rank_now_and_the
     assert stragglers(healthy) == []
     one = simulate_run(world=4, steps=40, slow=Slowdown(2, "data_wait", 0.2 * STEP_MS), ranks_per_host=2)
     assert [f.kind for f in stragglers(one)] == ["straggler"], "one slow rank of a node is that rank"
+
+
+def test_a_few_long_stalls_among_jitter_are_the_cost() -> None:
+    """Rank 1 stalls 100-350 ms on 4 steps and is a few ms late on a dozen others (a loaded
+    host): the stalls make the cost, so they are what the finding describes, not the jitter."""
+    from ddpdoctor.analysis.slow.stalls import costliest
+
+    lateness = np.full(40, 3_000.0)
+    stalls = [4, 12, 20, 28]
+    lateness[stalls] = [133_000, 356_000, 349_000, 268_000]
+    late = lateness > 900
+    assert np.flatnonzero(costliest(lateness, late)).tolist() == stalls
+    even = np.full(40, 5_000.0)  # lateness spread evenly: every late step is the cost
+    assert costliest(even, even > 900).sum() == 40

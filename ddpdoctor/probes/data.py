@@ -69,7 +69,8 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             info = describe_loader(self)
             where = _caller()
             if where:
-                info["site"] = where
+                info["site"] = where[0].split(" ")[0]
+                info["stack"] = where
             c.meta(schema.LOADER, info)
         except Exception as exc:
             c.fail(PROBE, exc)
@@ -143,20 +144,21 @@ def describe_loader(loader: Any) -> dict[str, Any]:
     }
 
 
-def _caller() -> str:
-    """file:line of the user's loop over the loader (once per pass, so a plain stack walk)."""
+def _caller() -> list[str]:
+    """"file:line func" of the user's loop over the loader and of up to two user frames that
+    called it (once per pass, so a plain stack walk): a loop inside a helper is named with the
+    line that called the helper."""
     import os
     import sys
 
-    frame = sys._getframe(2)
-    for _ in range(32):
-        if frame is None:
-            return ""
-        file = frame.f_code.co_filename
-        if not any(part in file for part in _NOT_USER):
-            return f"{os.path.basename(file)}:{frame.f_lineno}"
+    from ddpdoctor.trace.stacktext import is_user_frame
+
+    frame, found = sys._getframe(2), []
+    for _ in range(64):
+        if frame is None or len(found) == 3:
+            break
+        code = frame.f_code
+        if is_user_frame(code.co_filename):
+            found.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
         frame = frame.f_back
-    return ""
-
-
-_NOT_USER = ("site-packages", "dist-packages", "/ddpdoctor/probes/", "<frozen", "/torch/")
+    return found

@@ -17,17 +17,16 @@ from ddpdoctor.trace.reader import RankTrace, Run
 
 
 def training_loaders(trace: RankTrace) -> dict[int, int]:
-    """Loader id -> batches it fed into a grad-mode DDP forward on this rank."""
+    """Loader id -> batches it fed into a grad-mode DDP forward on this rank: the loader of the
+    last data wait before each training forward. A loader read in between (an evaluation pass
+    on ``model.module``) is not one, though a training forward follows its last batch too."""
     waits, fwd = trace.kind(schema.DATA_WAIT), trace.kind(schema.FORWARD)
     if not len(waits) or not len(fwd):
         return {}
-    order = np.argsort(fwd.ts, kind="stable")
-    fwd_ts = fwd.ts[order]
-    grad = (fwd.ints(0) == 1)[order]
-    nxt = np.searchsorted(fwd_ts, waits.ts)
-    fed = nxt < len(fwd_ts)
-    fed[fed] = grad[nxt[fed]]
-    ids, counts = np.unique(waits.ints(0)[fed], return_counts=True)
+    order = np.argsort(waits.ts, kind="stable")
+    prev = np.unique(np.searchsorted(waits.ts[order], fwd.ts[fwd.ints(0) == 1]) - 1)
+    prev = prev[prev >= 0]
+    ids, counts = np.unique(waits.ints(0)[order][prev], return_counts=True)
     return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 

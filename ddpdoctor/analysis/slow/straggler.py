@@ -18,6 +18,13 @@ import numpy as np
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.slow.device import clock, device_timed
 from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.slow.stalls import (
+    OTHER_LOADER_FIX,
+    costliest,
+    other_loader,
+    training_span_us,
+    where_time_went,
+)
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -225,6 +232,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
         )
         if not persistent:
             late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
+            late = costliest(table.lateness[row], late)
             n_late = int(late.sum())
         if n_late == 0:
             continue
@@ -247,13 +255,18 @@ def stragglers(run: Run) -> Iterable[Finding]:
             "phase_excess_ms": {p: round(v / 1e3, 3) for p, v in excess.items()},
             "clock": clock(run),  # "device": measured with CUDA events
         }
+        reading = other_loader(run.ranks[rank], steps_list) if phase == "data_wait" else None
+        if reading is not None:
+            details["loader"] = reading
         if sum(max(0.0, v) for v in excess.values()) < 0.5 * excess_ms * 1e3:
             # The rank's own phases are no longer than the others': the "lateness" is noise in
             # when completions were observed (a descheduled callback thread), not a straggler.
             continue
         waited = cpu_wait_excess(table, row, late_steps)
         # Late because it had no CPU, not because of its own work: the host's doing.
-        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3
+        # A rank reading a loader the others never read does work only it does: waiting for a CPU
+        # stretches that work, it is not the cause.
+        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3 and reading is None
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
         starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
@@ -264,14 +277,17 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
-                f"{phase}; the job would run {speedup:.2f}x faster if it kept up",
-                fix=_CPU_FIX if starved else _FIX[phase],
+                f"{where_time_went(phase, reading)}; the job would run {speedup:.2f}x faster if it kept up",
+                fix=_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase],
                 details=details,
             )
         elif n_late >= 2:
             shown = ", ".join(str(s) for s in steps_list[:8])
             # Severity by cost, not by how few steps it hits: the others wait every time.
-            cost = excess_ms * n_late / max(step_ms * len(table.steps), 1e-9)
+            lost_us = excess_ms * n_late * 1e3
+            cost = min(
+                1.0, lost_us / training_span_us(run, table.steps, table.step_us * len(table.steps) + lost_us)
+            )
             details["cost_share"] = round(cost, 4)
             # A stall (half a step or more each time), not jitter, that costs the job 5 %.
             # Not when it waited for a CPU: now and then one rank of an oversubscribed host.
@@ -288,9 +304,9 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
                 f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms{starving}, mostly in "
-                f"{phase}: {100 * cost:.0f} % of the job's time",
-                fix=("" if costly else "Occasional noise unless those steps matter; ")
-                + (_CPU_FIX if starved else _FIX[phase]),
+                f"{where_time_went(phase, reading)}: {100 * cost:.0f} % of the job's time",
+                fix=("" if costly or reading else "Occasional noise unless those steps matter; ")
+                + (_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]),
                 details=details,
             )
 

@@ -1,0 +1,96 @@
+"""Occasional stalls: the few steps that make a rank's lateness, the training time they cost,
+and the DataLoader a late rank read that its training steps never read (work only it does).
+
+Kept apart from the straggler rule (straggler.py), which uses them on the ranks it finds late
+now and then rather than on most steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddpdoctor.analysis.slow.phases import training_forwards
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import RankTrace, Run
+
+COST_CORE = 0.8  # of an occasional straggler's lateness: the few steps that make it are the stalls
+
+OTHER_LOADER_FIX = (
+    "Only this rank does that work (an evaluation pass?) while the others wait at the next "
+    "gradient sync: shard it over every rank (a DistributedSampler on that loader, then "
+    "all_reduce the metric), run it less often, or run it where nobody waits (after training, "
+    "or in a separate process)."
+)
+
+
+def training_span_us(run: Run, steps: np.ndarray, fallback_us: float) -> float:
+    """The job's training time over ``steps``: from the first of them to the start of the one
+    after the last, by the slowest rank; ``fallback_us`` where no rank has two such starts."""
+    lo, hi = int(steps[0]), int(steps[-1]) + 1
+    span = 0.0
+    for trace in run.ranks.values():
+        fwd = training_forwards(trace)
+        starts = fwd.ts[(fwd.step >= lo) & (fwd.step <= hi)]
+        if len(starts) >= 2:
+            span = max(span, float(starts.max() - starts.min()))
+    return span or max(fallback_us, 1.0)
+
+
+def costliest(lateness: np.ndarray, late: np.ndarray) -> np.ndarray:
+    """The late steps that make ``COST_CORE`` of the lateness (with any at least a quarter as late as
+    the least of those), when they are at most half of them:
+    a few long stalls among jitter, where a median over every late step would describe the
+    jitter, and hide where the stalls' time went; else ``late`` as it is."""
+    steps = np.flatnonzero(late)
+    if len(steps) < 4:
+        return late
+    values = lateness[steps]
+    order = np.argsort(-values, kind="stable")
+    share = np.cumsum(values[order]) / max(float(values.sum()), 1e-9)
+    keep = int(np.searchsorted(share, COST_CORE)) + 1
+    keep = int((values >= 0.25 * values[order[keep - 1]]).sum())  # and any stall of that order
+    if keep < 2 or keep > len(steps) // 2:
+        return late
+    core = np.zeros_like(late)
+    core[steps[order[:keep]]] = True
+    return core
+
+
+def other_loader(trace: RankTrace, steps: list[int]) -> dict[str, object] | None:
+    """The DataLoader other than the training one that the rank read on ``steps`` (its data
+    waits from the previous step's end to the step's sync), when most of that data wait went
+    to it: work only this rank does (an evaluation pass), not a slow training loader."""
+    from ddpdoctor.analysis.misuse.usage import training_loaders
+
+    dw, fed = trace.kind(schema.DATA_WAIT), training_loaders(trace)
+    if not fed or not steps:
+        return None
+    ids = dw.ints(0, default=0)
+    train = max(fed, key=lambda i: fed[i])
+    wanted = np.asarray(steps, dtype=np.int64)
+    on = np.isin(dw.step, np.concatenate([wanted - 1, wanted]))
+    other = on & (ids != train)
+    total = float(dw.dur[on].sum())
+    if not other.any() or float(dw.dur[other].sum()) < 0.5 * total:
+        return None
+    by_id = {int(i): float(dw.dur[other & (ids == i)].sum()) for i in np.unique(ids[other])}
+    loader = max(by_id, key=lambda i: by_id[i])
+    info = next((m for _, _, m in trace.meta.get(schema.LOADER, []) if m.get("id") == loader), {})
+    return {
+        "id": loader,
+        "sampler": info.get("sampler"),
+        "dataset_len": info.get("dataset_len"),
+        "stack": list(info.get("stack") or ([info["site"]] if info.get("site") else [])),
+        "ms_per_step": round(by_id[loader] / len(steps) / 1e3, 3),
+    }
+
+
+def where_time_went(phase: str, reading: dict[str, object] | None) -> str:
+    """The phase a straggler loses its time in, with the other DataLoader it reads there."""
+    if not reading:
+        return phase
+    size = reading["dataset_len"]
+    what = f"{reading['sampler'] or 'a'} over {size} samples" if size else "a"
+    stack = reading["stack"]
+    at = f", read at {' <- '.join(stack[:2])}" if stack else ""  # type: ignore[arg-type]
+    return f"data_wait of a DataLoader its training steps do not read ({what}{at})"
