@@ -167,8 +167,9 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             f"{_where(error.get('frames') or [])}"
         )
         fix = (
-            f"Fix the exception on rank {rank} (traceback in the job's output and in this finding); "
-            "the other ranks' errors are consequences of it."
+            f"Fix the {error.get('type') or 'exception'} that rank {rank} raised"
+            f"{_where(error.get('frames') or []).replace(' (', ' at ', 1).rstrip(')')} (traceback in "
+            "the job's output and in this finding); the other ranks' errors are consequences of it."
         )
         known = known_error(error)
         if known is not None:
