@@ -124,6 +124,8 @@ def test_user_frames_skip_libraries_and_ddpdoctor() -> None:
     assert not is_user_frame(TORCH) and not is_user_frame(probe.__file__) and not is_user_frame("<frozen x>")
     assert is_user_frame("/home/u/train.py")
     assert user_frame(main_thread(EVAL_STACK["threads"]))["function"] == "evaluate"
+    # A run recorded by another checkout of ddpdoctor (a cluster's, read on a laptop)
+    assert not is_user_frame("/opt/src/ddpdoctor/ddpdoctor/probes/ddp.py")
 
 
 def test_adaptive_threshold_and_sync_wait() -> None:

@@ -16,6 +16,11 @@ import ddpdoctor
 # ddpdoctor's own files, wherever it is installed (its probes sit in every rank's stack).
 DOCTOR_DIR = os.path.dirname(os.path.abspath(ddpdoctor.__file__)) + os.sep
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "<frozen", os.sep + "lib" + os.sep + "python3")
+# ddpdoctor's in-rank code wherever the run was recorded: a run recorded by one checkout and
+# read by another (a cluster's install, a laptop's) names the recorder's files.
+_DOCTOR_MARKERS = tuple(
+    os.sep + os.path.join("ddpdoctor", part, "") for part in ("probes", "bootstrap", "trace")
+)
 
 
 def is_user_frame(filename: str) -> bool:
@@ -23,7 +28,7 @@ def is_user_frame(filename: str) -> bool:
     rule for "the user's frame" everywhere a stack is read."""
     if not filename or filename.startswith(DOCTOR_DIR) or filename.startswith("<"):
         return False
-    return not any(marker in filename for marker in _LIBRARY_MARKERS)
+    return not any(marker in filename for marker in _LIBRARY_MARKERS + _DOCTOR_MARKERS)
 
 
 def parse_pyspy_json(text: str) -> dict[str, Any]:
