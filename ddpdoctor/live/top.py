@@ -5,10 +5,10 @@ current sync point, last collective, recent rate, its wait at the last gradient 
 last steps; see probes/liveness.py and probes/recent.py). `top` reads only those small files,
 the tail of the node's GPU samples and run.json, so it costs the job nothing and stays cheap at
 a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
-already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
-analysis/hung/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
-the recent steps, a rank that raised or vanished, ranks whose model parameters differ at a
-fingerprint check they all took (live/replicas.py).
+already prove, each by the rule the rest of ddpdoctor uses: a hang or a wait by the run-time
+watcher's (``proof.judge``, ``proof.is_hang``, then ``hang.analyse`` without stacks), a straggler
+by the trace analysis's (live/lateness.py), a rank that raised or vanished, ranks whose model
+parameters differ at a fingerprint check they all took (live/replicas.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ddpdoctor.analysis.hung.hang import analyse
 from ddpdoctor.analysis.hung.proof import Activity, Verdict, is_hang, judge
-from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
 from ddpdoctor.live.gpu import GpuTails
+from ddpdoctor.live.lateness import LiveLateness, live_lateness
 from ddpdoctor.live.render import render
 from ddpdoctor.live.replicas import weights_diverged
 from ddpdoctor.rundir import RunDir
@@ -100,14 +98,15 @@ class Top:
         finished = bool(runs) and all(r["status"] == "finished" for r in runs)
         # Without run.json (ddpdoctor.instrument()): done when every rank has exited cleanly.
         finished = finished or (bool(statuses) and all(s.get("exited") for s in statuses.values()))
-        lateness = _lateness(statuses)
+        table = live_lateness(statuses)
+        lateness = table.per_rank() if table is not None else {}
         ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
         job = _job(statuses, ranks, lateness, now, finished)
         reported = any(run["hangs"] for run in runs)
         timeout = "reported" if reported else self._hang_timeout()
         activity = view.activity if view is not None else {}
         findings = _findings(
-            statuses, ranks, lateness, job, now, self.floor_s, finished, timeout, activity, state
+            statuses, ranks, table, job, now, self.floor_s, finished, timeout, activity, state
         )
         for run in runs:
             for hang in run["hangs"]:
@@ -206,52 +205,6 @@ def _in_phase_s(st: dict[str, Any], now: float) -> float:
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(st.get("heartbeat_wall") or now))
 
 
-def _lateness(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per rank over the recent steps every rank published: mean µs it got the last bucket ready
-    after the earliest rank, and the share of those steps on which it was the latest.
-    Plain lists first, one array at the end: a thousand ranks cost a few milliseconds."""
-    ranks, series = [], []
-    for rank, st in statuses.items():
-        pairs = st.get("sync_wait_us")
-        if not isinstance(pairs, list) or not pairs:
-            return {}  # a rank without bucket timings: lateness is unknown for all
-        ranks.append(rank)
-        series.append(pairs)
-    if len(ranks) < 2:
-        return {}
-    try:
-        lo = max(int(p[0][0]) for p in series)  # each rank publishes its steps in order
-        hi = min(int(p[-1][0]) for p in series)
-        if hi < lo or hi - lo > 10_000:
-            return {}
-        nan = float("nan")
-        rows = []
-        for pairs in series:
-            first = int(pairs[0][0])
-            if int(pairs[-1][0]) - first == len(pairs) - 1:  # consecutive steps: one slice
-                rows.append([p[1] for p in pairs[lo - first : hi - first + 1]])
-                continue
-            row = [nan] * (hi - lo + 1)
-            for step, wait in pairs:
-                if lo <= step <= hi:
-                    row[step - lo] = wait
-            rows.append(row)
-        waits = np.array(rows, dtype=np.float64)
-    except (TypeError, ValueError, IndexError):
-        return {}
-    waits = waits[:, ~np.isnan(waits).any(axis=0)]  # the steps every rank has
-    n = waits.shape[1]
-    if not n:
-        return {}
-    late = waits.max(axis=0) - waits  # the longest wait is the earliest arrival
-    latest = np.bincount(waits.argmin(axis=0), minlength=len(ranks))
-    mean = late.mean(axis=1)
-    return {
-        rank: {"mean_us": float(mean[i]), "latest_share": round(float(latest[i]) / n, 3), "steps": n}
-        for i, rank in enumerate(ranks)
-    }
-
-
 def _job(
     statuses: dict[int, dict[str, Any]],
     ranks: list[dict[str, Any]],
@@ -284,7 +237,7 @@ def _job(
 def _findings(
     statuses: dict[int, dict[str, Any]],
     ranks: list[dict[str, Any]],
-    lateness: dict[int, dict[str, Any]],
+    table: LiveLateness | None,
     job: dict[str, Any],
     now: float,
     floor_s: float,
@@ -305,9 +258,8 @@ def _findings(
         elif row["state"] == "gone" and not finished:
             text = f"rank {row['rank']} (pid {row['pid']}) is gone without a clean exit at step {row['step']}"
             out.append({"kind": "rank_gone", "ranks": [row["rank"]], "text": text})
-    straggler = _straggler(statuses, lateness)
-    if straggler:
-        out.append(straggler)
+    if table is not None:  # the trace analysis's straggler rule (live/lateness.py)
+        out += table.stragglers()
     out += weights_diverged(statuses)
     live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
@@ -347,28 +299,6 @@ def _findings(
         text = f"{lead} {diag.explanation} Fix: {diag.fix}"
         out.append({"kind": "hang", "ranks": diag.culprits, "pattern": diag.pattern, "text": text})
     return out
-
-
-def _straggler(
-    statuses: dict[int, dict[str, Any]], lateness: dict[int, dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The rank that got its last bucket ready last on most recent steps, by enough to matter."""
-    if not lateness:
-        return None
-    rank = max(lateness, key=lambda r: lateness[r]["latest_share"])
-    late = lateness[rank]
-    rates = [float(s["steps_per_s"]) for s in statuses.values() if s.get("steps_per_s")]
-    step_us = 1e6 / min(rates) if rates else 0.0
-    share_needed = max(PERSISTENT, min(1.0, 3 / len(lateness))) if len(lateness) > 2 else 0.8
-    if late["steps"] < MIN_STEPS or late["latest_share"] < share_needed:
-        return None
-    if late["mean_us"] < max(LATE_FLOOR_US, LATE_FRACTION * step_us):
-        return None
-    text = (
-        f"rank {rank} arrives last at the gradient sync on {late['latest_share']:.0%} of the last "
-        f"{late['steps']} steps, {late['mean_us'] / 1000:.1f} ms late on average: the other ranks wait for it"
-    )
-    return {"kind": "straggler", "ranks": [rank], "text": text}
 
 
 def run(
