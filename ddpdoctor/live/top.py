@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis.hung.hang import analyse
-from ddpdoctor.analysis.hung.proof import Activity, Verdict, is_hang, judge
+from ddpdoctor.analysis.hung.proof import Activity, Verdict, VerdictState, is_hang, judge
 from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.lateness import LiveLateness, live_lateness
 from ddpdoctor.live.render import render
@@ -277,11 +277,11 @@ def _findings(
         alive = {r: Activity(alive=not s.get("exited")) for r, s in statuses.items()}
         verdict = judge(statuses, {**alive, **activity}, now, world)
     timeout = hang_timeout if isinstance(hang_timeout, (int, float)) else None
-    if verdict.state == "busy":
+    if verdict.state is VerdictState.BUSY:
         out.append({"kind": "waiting", "ranks": verdict.culprits, "text": f"not a hang: {verdict.proof}"})
     if is_hang(verdict, threshold, hang_timeout=timeout, longest=longest, quiet=quiet, started=started):
         partial = world if len(statuses) < (world or 0) else None
-        proof = verdict.proof if verdict.state == "proven" else ""
+        proof = verdict.proof if verdict.state is VerdictState.PROVEN else ""
         diag = analyse(
             live,
             {},

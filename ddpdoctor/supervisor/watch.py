@@ -31,7 +31,7 @@ from typing import Any
 
 from ddpdoctor.analysis.hung import flight
 from ddpdoctor.analysis.hung.hang import analyse
-from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, is_hang, judge
+from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, VerdictState, is_hang, judge
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
@@ -279,7 +279,7 @@ class Watcher:
         alive = {r: activity[r].alive for r in statuses}
         longest = max((sync_wait_s(s, now) for r, s in statuses.items() if alive[r]), default=0.0)
         recovered = False
-        if not self._armed and changed and longest <= threshold and verdict.state != "proven":
+        if not self._armed and changed and longest <= threshold and verdict.state is not VerdictState.PROVEN:
             self._armed = True  # every rank is out of the stuck sync point and moving
             recovered = True
         failing = any(st.get("error") for st in statuses.values())
@@ -334,9 +334,7 @@ class Watcher:
         stacks.update(self.board.gather_stacks(n, [k for k, v in nodes.items() if not v.get("lost")]))
         verdict = Verdict.from_json(hang["verdict"]) if hang.get("verdict") else None
         threshold, quiet = float(hang["threshold_s"]), float(hang["quiet_s"])
-        proof = ""
-        if verdict is not None and verdict.state in ("proven", "busy"):
-            proof = verdict.proof if verdict.state == "proven" else f"busy: {verdict.proof}"
+        proof = verdict.proof_line if verdict is not None else ""
         diag = analyse(
             statuses,
             stacks,

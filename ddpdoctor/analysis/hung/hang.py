@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
+from ddpdoctor.analysis.hung.proof import Verdict
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
@@ -351,15 +352,6 @@ def _judge(
     )
 
 
-def _proof_of(verdict: dict[str, Any]) -> str:
-    """The proof line a live verdict printed (see HangDiagnosis.proof), from its summary."""
-    if verdict.get("state") == "proven":
-        return str(verdict.get("proof") or "")
-    if verdict.get("state") == "busy":
-        return f"busy: {verdict.get('proof')}"
-    return ""
-
-
 def hang_finding(summary: dict[str, Any]) -> Finding | None:
     """The `hang` finding from a persisted ``hang-N/summary.json`` (see supervisor/watch.py)."""
     statuses = {int(r): s for r, s in (summary.get("statuses") or {}).items()}
@@ -373,7 +365,7 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
         quiet_s=summary.get("quiet_s"),
         now=summary.get("detected_wall"),
         world_size=summary.get("world_size"),
-        proof=_proof_of(summary.get("verdict") or {}),
+        proof=Verdict.from_json(summary.get("verdict") or {}).proof_line,
     )
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")

@@ -20,6 +20,7 @@ while its peer has not yet returned from #n. So a rank counts as blocked only af
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +68,21 @@ class Activity:
     frame: str | None = None  # its innermost user frame, "evaluate() train.py:27"
 
 
+class VerdictState(enum.StrEnum):
+    """The state of the job at one look (its value is what watch.json and the store carry)."""
+
+    RUNNING = "running"  # nothing waits, or nothing can be said yet
+    PROVEN = "proven"  # the ranks can never all return: a hang now, no threshold needed
+    STALLED = "stalled"  # ranks wait for one that makes no progress outside any sync point
+    BUSY = "busy"  # ranks wait for one that progresses: a wait, not a hang
+    BLOCKED = "blocked"  # every live rank waits at one consistent point: the threshold decides
+    QUIET = "quiet"  # no rank waits and none makes progress
+    UNMEASURED = "unmeasured"  # the ranks the others wait for were not measured: the clock decides
+
+
 @dataclass
 class Verdict:
-    state: str  # "running" | "proven" | "stalled" | "busy" | "blocked" | "quiet" | "unmeasured"
+    state: VerdictState
     proof: str = ""  # the sentence that proves or explains the state
     culprits: list[int] = field(default_factory=list)  # the ranks the others wait on
     waiting: list[int] = field(default_factory=list)  # ranks blocked in a sync point
@@ -78,6 +91,9 @@ class Verdict:
     where: dict[int, str] = field(default_factory=dict)  # rank -> "barrier #15", "evaluate() ..."
     phases: dict[int, dict[str, Any]] = field(default_factory=dict)  # the waiting ranks' phases
     rank_only: bool = False  # busy: a culprit works outside every sync point (not a slow step)
+
+    def __post_init__(self) -> None:
+        self.state = VerdictState(self.state)  # "busy" as given by a caller is VerdictState.BUSY
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,7 +112,7 @@ class Verdict:
     def from_json(cls, d: dict[str, Any]) -> Verdict:
         """The verdict as another node's watcher wrote it (supervisor/board.py)."""
         return cls(
-            str(d.get("state") or "running"),
+            _state(d.get("state")),
             str(d.get("proof") or ""),
             [int(r) for r in d.get("culprits") or []],
             [int(r) for r in d.get("waiting") or []],
@@ -106,6 +122,22 @@ class Verdict:
             {int(r): p for r, p in (d.get("phases") or {}).items()},
             bool(d.get("rank_only")),
         )
+
+    @property
+    def proof_line(self) -> str:
+        """The line a hang report prints for this verdict: the proof, or whom the ranks wait on."""
+        if self.state is VerdictState.PROVEN:
+            return self.proof
+        if self.state is VerdictState.BUSY:
+            return f"busy: {self.proof}"
+        return ""
+
+
+def _state(value: Any) -> VerdictState:
+    try:
+        return VerdictState(value or VerdictState.RUNNING)
+    except ValueError:
+        return VerdictState.RUNNING  # a state a newer ddpdoctor wrote: nothing proven here
 
 
 def is_hang(
@@ -120,15 +152,15 @@ def is_hang(
     """The one live rule (the watcher, `top`, `attach`): proven now; stalled or blocked past the
     threshold; busy only past an explicit ``--hang-timeout``; unmeasured by the clock alone."""
     state = verdict.state
-    if state == "proven":
+    if state is VerdictState.PROVEN:
         return True
-    if state in ("stalled", "quiet"):
+    if state in (VerdictState.STALLED, VerdictState.QUIET):
         return verdict.idle_s >= threshold
-    if state == "busy":
+    if state is VerdictState.BUSY:
         return hang_timeout is not None and verdict.wait_s >= hang_timeout
-    if state == "blocked":
+    if state is VerdictState.BLOCKED:
         return verdict.wait_s >= threshold
-    if state == "unmeasured":  # no /proc, no stack: the wait alone decides
+    if state is VerdictState.UNMEASURED:  # no /proc, no stack: the wait alone decides
         return longest > threshold or (started and quiet > threshold)
     return False
 
@@ -179,7 +211,7 @@ def judge(
     gone = {r for r, st in statuses.items() if not acts[r].alive or st.get("exited")}
     live = {r: st for r, st in statuses.items() if r not in gone}
     if world - set(statuses):
-        return Verdict("running")  # a rank never reported: nothing can be proven about it
+        return Verdict(VerdictState.RUNNING)  # a rank never reported: nothing can be proven about it
     waits: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}
     for r, st in live.items():
@@ -198,9 +230,9 @@ def judge(
         proven = _prove(waits, gone, statuses, world)
         if proven is not None:
             text, culprits = proven
-            return Verdict("proven", text, culprits, sorted(waits), wait_s, 0.0, where, waits)
+            return Verdict(VerdictState.PROVEN, text, culprits, sorted(waits), wait_s, 0.0, where, waits)
         return Verdict(
-            "blocked",
+            VerdictState.BLOCKED,
             f"every live rank waits in {_same_point(waits)}: nothing on record says why",
             sorted(live),
             sorted(waits),
@@ -210,7 +242,7 @@ def judge(
             waits,
         )
     if not others:
-        return Verdict("running")
+        return Verdict(VerdictState.RUNNING)
     moving = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s < BUSY_S]
     stalled = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s >= BUSY_S]
     for r in others:
@@ -222,22 +254,22 @@ def judge(
             f"rank {culprit} makes no progress outside any sync point ({where[culprit]}) while "
             f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)}"
         )
-        return Verdict("stalled", text, stalled, sorted(waits), wait_s, idle, where, waits)
+        return Verdict(VerdictState.STALLED, text, stalled, sorted(waits), wait_s, idle, where, waits)
     if waits and moving:
         busy = ", ".join(f"rank {r} in {where[r]}" for r in moving)
         text = f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)} for busy {busy}"
         alone = any((live[r].get("phase") or {}).get("name") not in SYNC for r in moving)
-        return Verdict("busy", text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
+        return Verdict(VerdictState.BUSY, text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
     if not waits and stalled and len(stalled) == len(others):
         idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
         text = f"no rank makes progress: rank(s) {rank_list(stalled)} idle outside any sync point"
-        return Verdict("quiet", text, stalled, [], 0.0, idle, where)
+        return Verdict(VerdictState.QUIET, text, stalled, [], 0.0, idle, where)
     unknown = [r for r in others if acts[r].idle_s is None]
     if unknown and not moving:
         # Nothing measured about the ranks that do not wait: only the clock can decide.
         text = f"rank(s) {rank_list(unknown)} not measured"
-        return Verdict("unmeasured", text, unknown, sorted(waits), wait_s, 0.0, where, waits)
-    return Verdict("running", waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
+        return Verdict(VerdictState.UNMEASURED, text, unknown, sorted(waits), wait_s, 0.0, where, waits)
+    return Verdict(VerdictState.RUNNING, waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
 
 
 def _outside(status: dict[str, Any]) -> str:
