@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis.hung.hang import SYNC_PHASES
 from ddpdoctor.rundir import RunDir
+from ddpdoctor.trace.schema import SYNC_LIVE_PHASES
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -37,7 +37,7 @@ def adaptive_threshold(statuses: dict[int, dict[str, Any]], floor_s: float, mult
 def sync_wait_s(status: dict[str, Any], now: float) -> float:
     """How long the rank has been inside its current sync point (0 if it is in none)."""
     phase = status.get("phase")
-    if not phase or phase.get("name") not in SYNC_PHASES:
+    if not phase or phase.get("name") not in SYNC_LIVE_PHASES:
         return 0.0
     return float(phase.get("since_s", 0.0)) + max(0.0, now - float(status.get("heartbeat_wall") or now))
 
@@ -45,7 +45,7 @@ def sync_wait_s(status: dict[str, Any], now: float) -> float:
 def waits_now(status: dict[str, Any], now: float, at_least_s: float = 1.0) -> bool:
     """In a sync point for ``at_least_s`` or more: someone the job is waiting with."""
     phase = status.get("phase") or {}
-    return phase.get("name") in SYNC_PHASES and sync_wait_s(status, now) >= at_least_s
+    return phase.get("name") in SYNC_LIVE_PHASES and sync_wait_s(status, now) >= at_least_s
 
 
 def snapshot(statuses: dict[int, dict[str, Any]], but: int) -> dict[str, Any]:

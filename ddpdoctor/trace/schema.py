@@ -371,20 +371,93 @@ declare(
 )
 
 
+# The span kinds under names the members of LivePhase do not shadow in its class body.
+_K_FORWARD, _K_SYNC_BUFFERS, _K_BACKWARD, _K_COLLECTIVE = FORWARD, SYNC_BUFFERS, BACKWARD, COLLECTIVE
+
+
 class LivePhase(str, enum.Enum):
     """Where a live rank is, as its status file says (``phase.name``): set by the probes around
-    each sync point and read by the supervisor's hang watch."""
+    each sync point, read by the supervisor's hang watch, `top`, `attach` and the failure
+    view. One declaration per phase: its value, its name in the user's words, the op its ranks
+    meet in (None: the status' own op), how it waits (see analysis/hung/proof.py), where a
+    rank in it stands in the user's code, and the spans it stands for on the timeline."""
 
-    FORWARD = "forward"
-    SYNC_BUFFERS = "sync_buffers"
-    BACKWARD = "backward"
-    COLLECTIVE = "collective"
-    DATA = "data"
+    def __new__(
+        cls,
+        value: str,
+        label: str,
+        op: str | None,
+        waits: str | None,
+        where: str,
+        spans: tuple[tuple[str, Lane], ...],
+    ) -> LivePhase:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.label = label  # "gradient all-reduce"; "" for a collective: its op names it
+        member.op = op  # the op every rank compares: "broadcast", "allreduce"
+        # "atomic": one collective call, exactly this op at exactly this sequence number;
+        # "compound": DDP's own pass, entered at #n, may issue #n, #n+1, ...; None: no peer.
+        member.waits = waits
+        member.where = where  # format with op (the status') and num ("collective #12")
+        member.spans = spans  # (kind, lane), outermost first
+        return member
+
+    label: str
+    op: str | None
+    waits: str | None
+    where: str
+    spans: tuple[tuple[str, Lane], ...]
+
+    FORWARD = (
+        "forward",
+        "DDP forward",
+        None,
+        "compound",
+        "DistributedDataParallel.forward ({op} mode, {num})",
+        ((_K_FORWARD, Lane.COMPUTE),),
+    )
+    SYNC_BUFFERS = (
+        "sync_buffers",
+        "buffer broadcast",
+        "broadcast",
+        "atomic",
+        "DistributedDataParallel.forward -> _sync_buffers (broadcast, {num})",
+        ((_K_FORWARD, Lane.COMPUTE), (_K_SYNC_BUFFERS, Lane.COMM)),
+    )
+    BACKWARD = (
+        "backward",
+        "gradient all-reduce",
+        "allreduce",
+        "compound",
+        "backward -> DDP gradient all-reduce ({num})",
+        ((_K_BACKWARD, Lane.COMPUTE), (ALLREDUCE, Lane.COMM)),
+    )
+    COLLECTIVE = ("collective", "", None, "atomic", "dist.{op}() ({num})", ((_K_COLLECTIVE, Lane.COMPUTE),))
+    DATA = (
+        "data",
+        "DataLoader wait",
+        "next",
+        None,
+        "DataLoader.__next__ (waiting for a batch)",
+        ((DATA_WAIT, Lane.COMPUTE),),
+    )
+
+    @classmethod
+    def of(cls, name: Any) -> LivePhase | None:
+        """The member a status' ``phase.name`` names; None for none (or one a newer ddpdoctor wrote)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
 
     @property
     def waits_for_peers(self) -> bool:
         """A rank here can be blocked by another rank (a DataLoader wait cannot)."""
-        return self is not LivePhase.DATA
+        return self.waits is not None
+
+    def status(self) -> dict[str, Any]:
+        """The ``phase`` of a status file for this phase, before its sequence number and time."""
+        return {"name": self.value, "op": self.op}
 
 
 SYNC_LIVE_PHASES = frozenset(p.value for p in LivePhase if p.waits_for_peers)

@@ -23,13 +23,13 @@ from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.schema import LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
-GRAD_ALLREDUCE = "gradient all-reduce"
-BUFFERS = "buffer broadcast"
-FORWARD = "DDP forward"
-# The live status' phase names, as ledger ops.
-_PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD}
+# DDP's own sync points, as ledger ops: the live phases' names in the user's words.
+GRAD_ALLREDUCE = LivePhase.BACKWARD.label
+BUFFERS = LivePhase.SYNC_BUFFERS.label
+FORWARD = LivePhase.FORWARD.label
 # Errors a rank raises because a peer died or stalled: consequences, not the root cause.
 _CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _CONSEQUENCE_TEXT = (
@@ -265,15 +265,16 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
             place = user_frame(thread.get("frames") or [])
     phase = status.get("phase") or {}
     name, op = phase.get("name"), phase.get("op")
-    if not name or name == "data":
+    live = LivePhase.of(name)
+    if not name or live is LivePhase.DATA:
         return None, place
-    if name == "collective":
+    if live is LivePhase.COLLECTIVE:
         label = str(op)
-    elif name == "forward":
+    elif live is LivePhase.FORWARD:
         label = f"{FORWARD} ({op})"
     else:
-        label = _PHASE_OPS.get(str(name), str(name))
-        if name == "sync_buffers" and "eval" in str(op):
+        label = live.label if live is not None else str(name)
+        if live is LivePhase.SYNC_BUFFERS and "eval" in str(op):
             label += " (eval)"
     seq = phase.get("seq")
     point = Point(

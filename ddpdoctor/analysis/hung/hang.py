@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.analysis.hung.proof import Verdict
+from ddpdoctor.analysis.hung.proof import Verdict, op_label
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
-# Phases in which a rank waits for the others (see probes: Collector.enter).
-SYNC_PHASES = SYNC_LIVE_PHASES
+# A DDP forward, with or without its buffer broadcast: a pass every rank must run.
+_DDP_FORWARD = frozenset({LivePhase.FORWARD.value, LivePhase.SYNC_BUFFERS.value})
 
 Frame = dict[str, Any]  # {"file", "line", "function"}
 
@@ -58,29 +58,22 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
         if inner is None:
             return "user code (no sync point)"
         return f"user code, not in a sync point ({inner.get('function')})"
-    name, op, seq = phase.get("name"), phase.get("op"), phase.get("seq", -1)
+    seq = phase.get("seq", -1)
     num = f"collective #{seq}" if isinstance(seq, int) and seq >= 0 else "collective"
-    if name == "sync_buffers":
-        return f"DistributedDataParallel.forward -> _sync_buffers (broadcast, {num})"
-    if name == "forward":
-        return f"DistributedDataParallel.forward ({op} mode, {num})"
-    if name == "backward":
-        return f"backward -> DDP gradient all-reduce ({num})"
-    if name == LivePhase.DATA:
-        return "DataLoader.__next__ (waiting for a batch)"
-    if op == "barrier":
-        return f"dist.barrier() ({num})"
-    return f"dist.{op}() ({num})"
+    live = LivePhase.of(phase.get("name")) or LivePhase.COLLECTIVE
+    return live.where.format(op=phase.get("op"), num=num)
 
 
 def _op_name(phase: dict[str, Any] | None) -> str:
+    """What ranks that disagree are told apart by: the op, with a DDP forward's mode."""
     if not phase:
         return "none"
-    if phase.get("name") in ("sync_buffers", "forward"):
-        return "broadcast" if phase.get("name") == "sync_buffers" else f"DDP forward ({phase.get('op')})"
-    if phase.get("name") == "backward":
-        return "gradient all_reduce"
-    return str(phase.get("op"))
+    live = LivePhase.of(phase.get("name"))
+    if live is LivePhase.FORWARD:
+        return f"{live.label} ({phase.get('op')})"
+    if live is LivePhase.BACKWARD:
+        return live.label
+    return op_label(phase)
 
 
 @dataclass
@@ -95,7 +88,7 @@ class RankState:
 
     @property
     def in_sync(self) -> bool:
-        return bool(self.phase) and self.phase.get("name") in SYNC_PHASES  # type: ignore[union-attr]
+        return bool(self.phase) and self.phase.get("name") in SYNC_LIVE_PHASES  # type: ignore[union-attr]
 
     @property
     def seq(self) -> int:
@@ -272,9 +265,7 @@ def _judge(
         ops.setdefault(_op_name(s.phase), []).append(r)
     if len(by_seq) == 1 and len(ops) > 1:
         seq = next(iter(by_seq))
-        forward_ranks = sorted(
-            r for r, s in waiting.items() if (s.phase or {}).get("name") in ("sync_buffers", "forward")
-        )
+        forward_ranks = sorted(r for r, s in waiting.items() if (s.phase or {}).get("name") in _DDP_FORWARD)
         # Name the op of the lowest rank first: "broadcast vs barrier" when rank 0 is the odd one.
         names = " vs ".join(sorted(ops, key=lambda op: min(ops[op])))
         if forward_ranks and len(forward_ranks) < len(waiting):

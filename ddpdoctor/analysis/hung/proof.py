@@ -26,16 +26,17 @@ from typing import Any
 
 from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
 STALE_S = 2.0  # a status older than this says nothing about now
 BUSY_S = 3.0  # CPU time or stack moved within this many seconds: the rank is progressing
 # One collective call: the rank waits in exactly this op at exactly this sequence number.
-ATOMIC = frozenset({"collective", "sync_buffers"})
+ATOMIC = frozenset(p.value for p in LivePhase if p.waits == "atomic")
 # DDP's own forward/backward: entered at sequence number n, they may issue #n, #n+1, ...;
 # they wait only when their CPU is idle, and compute otherwise.
-COMPOUND = frozenset({"forward", "backward"})
-SYNC = ATOMIC | COMPOUND
+COMPOUND = frozenset(p.value for p in LivePhase if p.waits == "compound")
+SYNC = SYNC_LIVE_PHASES
 # Ops whose per-rank arguments legitimately differ in size (objects, splits, roots) or that are
 # not group collectives at all (point to point): never used to prove a size or order mismatch.
 _NO_PROOF_OPS = frozenset(
@@ -173,13 +174,11 @@ def phase_since(status: dict[str, Any], now: float) -> float:
 
 
 def op_label(phase: dict[str, Any]) -> str:
-    name = phase.get("name")
-    if name == "sync_buffers":
-        return "broadcast"
-    if name == "backward":
-        return "allreduce"  # DDP's gradient buckets (and the unused-parameter map)
-    if name == "forward":
-        return "DDP forward"
+    """The op ranks in this phase meet in: "broadcast" (DDP's buffers), "allreduce" (its
+    gradient buckets and the unused-parameter map), "DDP forward", or the collective's own."""
+    live = LivePhase.of(phase.get("name"))
+    if live is not None and live is not LivePhase.COLLECTIVE:
+        return live.op or live.label
     return str(phase.get("op"))
 
 
@@ -187,8 +186,8 @@ def point(phase: dict[str, Any]) -> str:
     """'barrier #15', 'broadcast #67 (DDP buffers)', 'allreduce #40.. (DDP backward)'."""
     seq = phase.get("seq", -1)
     name = phase.get("name")
-    if name == "sync_buffers":
-        return f"broadcast #{seq} (DDP buffers)"
+    if name == LivePhase.SYNC_BUFFERS:
+        return f"{op_label(phase)} #{seq} (DDP buffers)"
     if name in COMPOUND:
         return f"{op_label(phase)} #{seq}.. (DDP {name})"
     return f"{phase.get('op')} #{seq}"
@@ -274,7 +273,7 @@ def judge(
 
 def _outside(status: dict[str, Any]) -> str:
     phase = status.get("phase") or {}
-    if phase.get("name") == "data":
+    if phase.get("name") == LivePhase.DATA:
         return "DataLoader.__next__"
     if phase.get("name") in COMPOUND:
         return point(phase)

@@ -14,9 +14,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.hung.hang import SYNC_PHASES, hang_finding
+from ddpdoctor.analysis.hung.hang import hang_finding
+from ddpdoctor.analysis.hung.proof import op_label
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
 _FIXES = (
     (
@@ -67,10 +69,10 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
     seq = phase.get("seq")
     if trace is None or not isinstance(seq, int) or seq < 0:
         return None, None
-    if phase.get("name") == "collective":
+    if phase.get("name") == LivePhase.COLLECTIVE:
         ev = trace.kind(schema.COLLECTIVE)
         hit = (ev.ints(4) == seq) & ev.equals(0, phase.get("op"))
-    elif phase.get("name") == "sync_buffers":
+    elif phase.get("name") == LivePhase.SYNC_BUFFERS:
         ev = trace.kind(schema.SYNC_BUFFERS)
         hit = ev.ints(0) == seq
     else:
@@ -83,8 +85,7 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
 
 
 def _point(phase: dict[str, Any]) -> str:
-    op = "broadcast" if phase.get("name") == "sync_buffers" else phase.get("op")
-    return f"{op} #{phase.get('seq')}"
+    return f"{op_label(phase)} #{phase.get('seq')}"
 
 
 def _episodes(run: Run) -> Iterable[dict[str, Any]]:
@@ -115,7 +116,7 @@ def _episodes(run: Run) -> Iterable[dict[str, Any]]:
         if finding is None:
             continue
         ranks = finding.details.get("ranks") or {}
-        waiting = sorted(int(r) for r, s in ranks.items() if s.get("phase") in SYNC_PHASES)
+        waiting = sorted(int(r) for r, s in ranks.items() if s.get("phase") in SYNC_LIVE_PHASES)
         busy = sorted(int(r) for r in ranks if int(r) not in waiting)
         statuses = summary.get("statuses") or {}
         where = {}
