@@ -11,6 +11,7 @@ from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.slow.straggler import sync_table
 from ddpdoctor.live.lateness import live_lateness
 from ddpdoctor.probes.recent import KEEP_STEPS, RecentSteps
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 from ddpdoctor.trace.simulate import BASE_MS, Slowdown, simulate_run
@@ -34,7 +35,7 @@ def statuses_of(run: Run) -> dict[int, dict]:
         for _, kind, event in sorted(events, key=lambda e: e[:2]):
             recent.taps()[kind](event)
         recent.finish()
-        out[rank] = recent.status()
+        out[rank] = RankStatus(rank, **recent.status())
     return out
 
 

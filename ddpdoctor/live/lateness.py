@@ -23,6 +23,7 @@ from ddpdoctor.analysis.slow.straggler import (
     lateness_from_waits,
     persistent_stragglers,
 )
+from ddpdoctor.probes.status import RankStatus
 
 MAX_SPAN = 10_000  # steps between the ranks' oldest and newest published step: a corrupt status
 
@@ -63,13 +64,13 @@ class LiveLateness:
         return out
 
 
-def live_lateness(statuses: Mapping[int, Mapping[str, Any]]) -> LiveLateness | None:
+def live_lateness(statuses: Mapping[int, RankStatus]) -> LiveLateness | None:
     """The ranks' published last-bucket waits lined up by step; None when a rank published
     none (lateness is then unknown for all), with fewer than two ranks, or no shared step.
     Plain lists first, one array at the end: a thousand ranks cost a few milliseconds."""
     ranks, series = [], []
     for rank, st in statuses.items():
-        pairs = st.get("sync_wait_us")
+        pairs = st.sync_wait_us
         if not isinstance(pairs, list) or not pairs:
             return None
         ranks.append(rank)
@@ -99,7 +100,7 @@ def live_lateness(statuses: Mapping[int, Mapping[str, Any]]) -> LiveLateness | N
     shared = ~np.isnan(waits).any(axis=0)  # the steps every rank has
     if not shared.any():
         return None
-    rates = [float(s["steps_per_s"]) for s in statuses.values() if s.get("steps_per_s")]
+    rates = [float(s.steps_per_s) for s in statuses.values() if s.steps_per_s]
     step_us = 1e6 / min(rates) if rates else 0.0  # every DDP step waits for the slowest rank
     steps = [lo + i for i in np.flatnonzero(shared).tolist()]
     return LiveLateness(ranks, steps, lateness_from_waits(waits[:, shared]), step_us)

@@ -27,12 +27,13 @@ from ddpdoctor.live.gpu import GpuTails
 from ddpdoctor.live.lateness import LiveLateness, live_lateness
 from ddpdoctor.live.render import render
 from ddpdoctor.live.replicas import weights_diverged
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.activity import pid_alive
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView
 from ddpdoctor.supervisor.layout import Layout
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, sync_wait_s
+from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses
 from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, HANG_MULTIPLE
 from ddpdoctor.trace.reader import read_meta
 
@@ -70,7 +71,7 @@ class Top:
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """One frame, as the JSON object `--json` prints."""
         now = time.time() if now is None else now
-        statuses: dict[int, dict[str, Any]] = {}
+        statuses: dict[int, RankStatus] = {}
         runs = []
         view: JobView | None = None
         state: dict[str, Any] | None = None
@@ -97,7 +98,7 @@ class Top:
         self.gpus.poll(self.run_dirs)
         finished = bool(runs) and all(r["status"] == "finished" for r in runs)
         # Without run.json (ddpdoctor.instrument()): done when every rank has exited cleanly.
-        finished = finished or (bool(statuses) and all(s.get("exited") for s in statuses.values()))
+        finished = finished or (bool(statuses) and all(s.exited for s in statuses.values()))
         table = live_lateness(statuses)
         lateness = table.per_rank() if table is not None else {}
         ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
@@ -121,49 +122,49 @@ class Top:
         }
 
     def _row(
-        self, rank: int, st: dict[str, Any], now: float, late: dict[str, Any] | None, finished: bool
+        self, rank: int, st: RankStatus, now: float, late: dict[str, Any] | None, finished: bool
     ) -> dict[str, Any]:
-        step = int(st.get("step", -1))
-        rate = st.get("steps_per_s")
+        step = st.step
+        rate = st.steps_per_s
         prev = self._prev.get(rank)
         if rate is None and prev is not None and now > prev[0] and not finished:
             rate = round((step - prev[1]) / (now - prev[0]), 4)
         self._prev[rank] = (now, step)
         if _stalled(st, now):
             rate = 0.0  # the rate of its last steps is no rate of a rank that stopped stepping
-        phase = st.get("phase") or {}
-        last = st.get("last_collective") or {}
+        phase = st.phase or {}
+        last = st.last_collective or {}
         return {
             "rank": rank,
-            "host": st.get("host"),
-            "pid": st.get("pid"),
+            "host": st.host,
+            "pid": st.pid,
             "state": self._state(st, now, finished),
             "step": step,
-            "steps": step + 1,  # training steps started (step is the index of the last, -1 before any)
+            "steps": st.steps,
             "steps_per_s": rate,
             "phase": phase.get("name"),
             "op": phase.get("op"),
-            "phase_s": round(_in_phase_s(st, now), 3) if phase else None,
+            "phase_s": round(st.in_phase_s(now), 3) if phase else None,
             "last_op": last.get("op"),
             "last_seq": last.get("seq"),
-            "seq": st.get("seq"),
+            "seq": st.seq,
             "late_ms": None if late is None else round(late["mean_us"] / 1000, 3),
             "latest_share": None if late is None else late["latest_share"],
             "gpu": self.gpus.for_rank(st),
-            "error": st.get("error"),
+            "error": st.error,
         }
 
-    def _state(self, st: dict[str, Any], now: float, finished: bool) -> str:
-        if st.get("error"):
+    def _state(self, st: RankStatus, now: float, finished: bool) -> str:
+        if st.error:
             return "raised"
-        if st.get("exited"):
+        if st.exited:
             return "exited"
-        pid = st.get("pid")
-        if (st.get("host") in (None, self.host)) and isinstance(pid, int) and pid > 0 and not pid_alive(pid):
+        pid = st.pid
+        if st.host in (None, self.host) and isinstance(pid, int) and pid > 0 and not pid_alive(pid):
             return "gone"  # no clean exit recorded: killed, or the status lags a fast exit
         if finished:
             return "ended"
-        if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
+        if now - (st.heartbeat_wall or 0.0) > STALE_S:
             return "silent"
         return "stalled" if _stalled(st, now) else "running"
 
@@ -192,21 +193,16 @@ class Top:
         return out
 
 
-def _stalled(st: dict[str, Any], now: float) -> bool:
+def _stalled(st: RankStatus, now: float) -> bool:
     """Alive but no step began for many times its recent step period (a hang, a long wait)."""
-    last, rate = st.get("last_step_wall"), st.get("steps_per_s")
+    last, rate = st.last_step_wall, st.steps_per_s
     if not isinstance(last, (int, float)) or not isinstance(rate, (int, float)) or rate <= 0:
         return False
     return now - last > max(STALL_S, STALL_STEPS / rate)
 
 
-def _in_phase_s(st: dict[str, Any], now: float) -> float:
-    phase = st.get("phase") or {}
-    return float(phase.get("since_s", 0.0)) + max(0.0, now - float(st.get("heartbeat_wall") or now))
-
-
 def _job(
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     ranks: list[dict[str, Any]],
     lateness: dict[int, dict[str, Any]],
     now: float,
@@ -214,8 +210,8 @@ def _job(
 ) -> dict[str, Any]:
     steps = [r["steps"] for r in ranks]
     rates = [r["steps_per_s"] for r in ranks if r["steps_per_s"] is not None]
-    world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0)
-    progress = [float(s.get("progress_wall") or 0.0) for s in statuses.values()]
+    world = max((s.world_size or 0 for s in statuses.values()), default=0)
+    progress = [s.progress_wall or 0.0 for s in statuses.values()]
     slowest = max(lateness, key=lambda r: lateness[r]["mean_us"]) if lateness else None
     if slowest is None and rates:
         slowest = min((r for r in ranks if r["steps_per_s"] is not None), key=lambda r: r["steps_per_s"])[
@@ -235,7 +231,7 @@ def _job(
 
 
 def _findings(
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     ranks: list[dict[str, Any]],
     table: LiveLateness | None,
     job: dict[str, Any],
@@ -261,20 +257,20 @@ def _findings(
     if table is not None:  # the trace analysis's straggler rule (live/lateness.py)
         out += table.stragglers()
     out += weights_diverged(statuses)
-    live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
+    live = {r: s for r, s in statuses.items() if not s.exited and not s.error}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
         return out  # a failing rank explains the others' wait (the watcher says the same)
     if hang_timeout == "reported":
         return out  # the watcher's own report (with stacks) is shown instead
     threshold = hang_timeout or adaptive_threshold(statuses, floor_s, HANG_MULTIPLE)
-    longest = max((sync_wait_s(s, now) for s in live.values()), default=0.0)
-    started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
+    longest = max((s.sync_wait_s(now) for s in live.values()), default=0.0)
+    started = any(s.step >= 1 for s in statuses.values())
     quiet = job["since_progress_s"] or 0.0
     world = job["world_size"]
     if state is not None:  # the leading watcher's verdict, judged with what it measured
         verdict, threshold = Verdict.from_json(state["verdict"]), float(state["threshold"])
     else:  # the watcher's own rule over what the status files show (no CPU measured here)
-        alive = {r: Activity(alive=not s.get("exited")) for r, s in statuses.items()}
+        alive = {r: Activity(alive=not s.exited) for r, s in statuses.items()}
         verdict = judge(statuses, {**alive, **activity}, now, world)
     timeout = hang_timeout if isinstance(hang_timeout, (int, float)) else None
     if verdict.state is VerdictState.BUSY:

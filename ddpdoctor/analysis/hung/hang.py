@@ -8,13 +8,14 @@ of `ddpdoctor run` and `diagnose` afterwards, and unit tests feed it synthetic d
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.analysis.hung.proof import Verdict, op_label
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
@@ -41,14 +42,6 @@ def main_thread(threads: list[dict[str, Any]]) -> list[Frame]:
 def user_frame(frames: list[Frame]) -> Frame | None:
     """The innermost frame of user code: where the script itself stands."""
     return next((f for f in frames if is_user_frame(str(f.get("file", "")))), None)
-
-
-def _since(status: dict[str, Any], now: float | None) -> float:
-    phase = status.get("phase") or {}
-    since = float(phase.get("since_s", 0.0))
-    if now is not None and status.get("heartbeat_wall"):
-        since += max(0.0, now - float(status["heartbeat_wall"]))
-    return since
 
 
 def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
@@ -186,7 +179,7 @@ def group_ranks(keys: dict[int, K]) -> list[tuple[list[int], K]]:
 
 
 def analyse(
-    statuses: dict[int, dict[str, Any]],
+    statuses: Mapping[int, RankStatus | Mapping[str, Any]],
     stacks: dict[int, dict[str, Any]],
     *,
     threshold_s: float,
@@ -195,14 +188,16 @@ def analyse(
     world_size: int | None = None,
     proof: str = "",
 ) -> HangDiagnosis:
-    """Diagnose a hang from each rank's status and stack dump (``{"method", "threads"}``)."""
+    """Diagnose a hang from each rank's status (as read, or its JSON from a hang summary) and
+    stack dump (``{"method", "threads"}``)."""
     states: dict[int, RankState] = {}
-    for rank, status in sorted(statuses.items()):
+    for rank, raw in sorted(statuses.items()):
+        status = RankStatus.of(raw)
         dump = stacks.get(rank) or {}
         frames = main_thread(dump.get("threads") or [])
-        phase = status.get("phase") or None
+        phase = status.phase or None
         where, user = _where(phase, frames)
-        states[rank] = RankState(rank, phase, _since(status, now), frames, where, user, dump.get("method"))
+        states[rank] = RankState(rank, phase, status.in_phase_s(now), frames, where, user, dump.get("method"))
     groups = group_ranks({rank: st.where for rank, st in states.items()})
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)

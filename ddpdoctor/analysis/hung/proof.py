@@ -21,11 +21,13 @@ while its peer has not yet returned from #n. So a rank counts as blocked only af
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
@@ -166,13 +168,6 @@ def is_hang(
     return False
 
 
-def phase_since(status: dict[str, Any], now: float) -> float:
-    """Seconds in the current phase, as of ``now`` (the status was written a little earlier)."""
-    phase = status.get("phase") or {}
-    age = max(0.0, now - float(status.get("heartbeat_wall") or now))
-    return float(phase.get("since_s") or 0.0) + age
-
-
 def op_label(phase: dict[str, Any]) -> str:
     """The op ranks in this phase meet in: "broadcast" (DDP's buffers), "allreduce" (its
     gradient buckets and the unused-parameter map), "DDP forward", or the collective's own."""
@@ -199,31 +194,33 @@ def _members(phase: dict[str, Any], world: set[int]) -> set[int]:
 
 
 def judge(
-    statuses: dict[int, dict[str, Any]],
+    statuses: Mapping[int, RankStatus | Mapping[str, Any]],
     activity: dict[int, Activity],
     now: float,
     world_size: int | None = None,
 ) -> Verdict:
-    """One look at every rank -> the state of the job. Pure: no clock, no files, no processes."""
+    """One look at every rank -> the state of the job. Pure: no clock, no files, no processes.
+    The statuses as read, or as JSON (a hang summary's, a test's)."""
+    statuses = {r: RankStatus.of(s) for r, s in statuses.items()}
     world = set(range(world_size)) if world_size else set(statuses)
     acts = {r: activity.get(r, Activity()) for r in statuses}
-    gone = {r for r, st in statuses.items() if not acts[r].alive or st.get("exited")}
+    gone = {r for r, st in statuses.items() if not acts[r].alive or st.exited}
     live = {r: st for r, st in statuses.items() if r not in gone}
     if world - set(statuses):
         return Verdict(VerdictState.RUNNING)  # a rank never reported: nothing can be proven about it
     waits: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}
     for r, st in live.items():
-        phase = st.get("phase") or {}
+        phase = st.phase or {}
         if phase.get("name") not in SYNC:
             continue
-        fresh = now - float(st.get("heartbeat_wall") or 0.0) <= STALE_S
-        settled = phase_since(st, now) >= CONFIRM_S
+        fresh = now - (st.heartbeat_wall or 0.0) <= STALE_S
+        settled = st.in_phase_s(now) >= CONFIRM_S
         idle = acts[r].idle_s
         if fresh and settled and (phase["name"] in ATOMIC or (idle is not None and idle >= CONFIRM_S)):
             waits[r] = phase
             where[r] = point(phase)
-    wait_s = max((phase_since(live[r], now) for r in waits), default=0.0)
+    wait_s = max((live[r].in_phase_s(now) for r in waits), default=0.0)
     others = sorted(set(live) - set(waits))
     if waits and not others:
         proven = _prove(waits, gone, statuses, world)
@@ -257,7 +254,7 @@ def judge(
     if waits and moving:
         busy = ", ".join(f"rank {r} in {where[r]}" for r in moving)
         text = f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)} for busy {busy}"
-        alone = any((live[r].get("phase") or {}).get("name") not in SYNC for r in moving)
+        alone = any(not live[r].in_sync for r in moving)
         return Verdict(VerdictState.BUSY, text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
     if not waits and stalled and len(stalled) == len(others):
         idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
@@ -271,13 +268,13 @@ def judge(
     return Verdict(VerdictState.RUNNING, waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
 
 
-def _outside(status: dict[str, Any]) -> str:
-    phase = status.get("phase") or {}
+def _outside(status: RankStatus) -> str:
+    phase = status.phase or {}
     if phase.get("name") == LivePhase.DATA:
         return "DataLoader.__next__"
     if phase.get("name") in COMPOUND:
         return point(phase)
-    return f"user code after step {status.get('step')}"
+    return f"user code after step {status.step}"
 
 
 def _same_point(waits: dict[int, dict[str, Any]]) -> str:
@@ -288,7 +285,7 @@ def _same_point(waits: dict[int, dict[str, Any]]) -> str:
 def _prove(
     waits: dict[int, dict[str, Any]],
     gone: set[int],
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     world: set[int],
 ) -> tuple[str, list[int]] | None:
     """The sentence that proves every blocked rank can never return, and whom it blames."""
@@ -300,15 +297,15 @@ def _prove(
             members = members_of.setdefault(key, _members(phase, world))
             for d in sorted(members & gone):
                 final = statuses[d]
-                seq = int(final.get("seq", -1))
+                seq = final.seq
                 if key == "WORLD" and seq > int(phase.get("seq", -1)) >= 0:
                     continue  # it issued this collective before leaving: the wait may still end
-                how = "exited" if final.get("exited") else "died"
-                if final.get("lost"):  # its node stopped reporting (supervisor/board.py)
-                    how = f"was lost with {final['lost']}"
+                how = "exited" if final.exited else "died"
+                if final.lost:  # its node stopped reporting (supervisor/board.py)
+                    how = f"was lost with {final.lost}"
                 who = sorted(w for w, q in waits.items() if str(q.get("group") or "WORLD") == key)
                 return (
-                    f"rank {d} {how} (after step {final.get('step')}) while rank(s) {rank_list(who)} "
+                    f"rank {d} {how} (after step {final.step}) while rank(s) {rank_list(who)} "
                     f"wait in {point(phase)}, a collective of its group it can no longer join",
                     [d],
                 )
