@@ -9,7 +9,7 @@ import pytest
 from ddpdoctor.analysis.failed.failure_spans import _from_phase
 from ddpdoctor.analysis.hung.hang import describe_phase
 from ddpdoctor.analysis.hung.proof import ATOMIC, COMPOUND, SYNC, op_label, point
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 
 
 @pytest.mark.parametrize("live", list(LivePhase))

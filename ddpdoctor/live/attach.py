@@ -26,7 +26,7 @@ from typing import Any
 from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.live.procs import RankProc
 from ddpdoctor.supervisor.stacks import pyspy_path
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.stacktext import parse_pyspy_json
 
 ATTACH_SCHEMA = "ddpdoctor.attach/1"

@@ -11,7 +11,7 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 
 PROBE = "data"
 _now = time.monotonic_ns

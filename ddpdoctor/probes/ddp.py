@@ -22,7 +22,7 @@ from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 
 PROBE = "ddp"
 _now = time.monotonic_ns

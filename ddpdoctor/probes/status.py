@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 
 STATUS_SCHEMA = "ddpdoctor.status/1"
 

@@ -18,7 +18,7 @@ from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
 if TYPE_CHECKING:

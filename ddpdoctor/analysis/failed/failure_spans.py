@@ -16,9 +16,9 @@ from typing import Any
 from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.schema import LivePhase
 from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
 # The phases whose outermost span carries the sequence number the watcher saw.

@@ -22,8 +22,8 @@ import numpy as np
 from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.schema import LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
 # DDP's own sync points, as ledger ops: the live phases' names in the user's words.

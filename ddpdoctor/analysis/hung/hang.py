@@ -16,7 +16,7 @@ from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
 from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.analysis.hung.proof import Verdict, op_label
 from ddpdoctor.probes.status import RankStatus
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
 
 # A DDP forward, with or without its buffer broadcast: a pass every rank must run.

@@ -28,7 +28,7 @@ from typing import Any
 from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.probes.status import RankStatus
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
 STALE_S = 2.0  # a status older than this says nothing about now

@@ -17,8 +17,8 @@ from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.hung.proof import op_label
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.reader import Run
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
 
 _FIXES = (
     (
