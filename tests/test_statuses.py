@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ddpdoctor.probes.status import STATUS_SCHEMA, RankStatus
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.statuses import read_statuses, snapshot
@@ -43,3 +45,21 @@ def test_seconds_in_phase_sync_waits_and_steps_are_derived_once() -> None:
     assert data.in_phase_s(101.0) == 10.0 and data.sync_wait_s(101.0) == 0.0 and not data.in_sync
     others = snapshot({0: st, 1: data}, but=1)
     assert others == {"0": {"phase": "collective", "op": "barrier", "seq": 12, "step": 4}}
+
+
+def test_the_hang_floor_is_resolved_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpdoctor.live.top import Top
+    from ddpdoctor.supervisor.statuses import DEFAULT_FLOOR_S, hang_floor_s
+
+    monkeypatch.delenv("DDPDOCTOR_HANG_FLOOR_S", raising=False)
+    assert hang_floor_s() == DEFAULT_FLOOR_S == Top([]).floor_s
+    monkeypatch.setenv("DDPDOCTOR_HANG_FLOOR_S", "12")
+    assert hang_floor_s() == 12.0 == Top([]).floor_s, "top and the watcher use the same floor"
+
+
+def test_flight_dumps_and_gpu_files_are_named_by_the_run_dir(tmp_path: Path) -> None:
+    for name in (RunDir.flight_dump_name(3), "fr-rank.json", "fr-rankx.json", ".fr-rank1.json.tmp"):
+        (tmp_path / name).write_text("{}")
+    assert RunDir.flight_dumps(tmp_path) == {3: tmp_path / "fr-rank3.json"}
+    gpu = RunDir(tmp_path).gpu("node-1.example")
+    assert RunDir.gpu_host(gpu) == "node-1.example"

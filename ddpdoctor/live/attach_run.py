@@ -276,8 +276,8 @@ def _write_run_dir(
         }
         write_atomic(layout.trace(r), json.dumps([schema.HEADER, header]) + "\n")
         write_atomic(layout.stacks(r), _stack_text(r, lk))
-    write_atomic(run_dir / "attach.json", json.dumps(report, indent=1, default=str))
-    write_atomic(run_dir / "attach.txt", report["text"] + "\n")
+    write_atomic(layout / RunDir.ATTACH, json.dumps(report, indent=1, default=str))
+    write_atomic(layout / RunDir.ATTACH_TEXT, report["text"] + "\n")
     if state != "stuck":
         return
     hang_dir = layout.hang(1)

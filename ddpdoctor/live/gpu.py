@@ -32,7 +32,7 @@ class GpuTail:
 
     @property
     def host(self) -> str:
-        return self.path.name[len("gpu-") : -len(".jsonl")]
+        return RunDir.gpu_host(self.path)
 
     def poll(self) -> None:
         try:

@@ -33,8 +33,7 @@ from ddpdoctor.supervisor.activity import pid_alive
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView
 from ddpdoctor.supervisor.layout import Layout
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses
-from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, HANG_MULTIPLE
+from ddpdoctor.supervisor.statuses import HANG_MULTIPLE, adaptive_threshold, hang_floor_s, read_statuses
 from ddpdoctor.trace.reader import read_meta
 
 TOP_SCHEMA = "ddpdoctor.top/1"
@@ -47,9 +46,9 @@ STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (o
 class Top:
     """The state kept between refreshes: per-file GPU offsets, the previous step counts."""
 
-    def __init__(self, run_dirs: list[Path], floor_s: float = DEFAULT_FLOOR_S) -> None:
+    def __init__(self, run_dirs: list[Path], floor_s: float | None = None) -> None:
         self.run_dirs = run_dirs
-        self.floor_s = floor_s
+        self.floor_s = hang_floor_s() if floor_s is None else floor_s
         self.gpus = GpuTails()
         self.host = os.uname().nodename
         self._prev: dict[int, tuple[float, int]] = {}  # rank -> (wall, step) at the last look

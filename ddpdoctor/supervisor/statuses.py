@@ -10,8 +10,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor import _env
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
+
+DEFAULT_FLOOR_S = 30.0  # the adaptive hang threshold never goes below this (DDPDOCTOR_HANG_FLOOR_S)
+HANG_MULTIPLE = 5.0  # ... and is this many times the slowest step any rank has seen
+
+
+def hang_floor_s() -> float:
+    """The adaptive threshold's floor: DDPDOCTOR_HANG_FLOOR_S, else DEFAULT_FLOOR_S (a ValueError
+    in one line when the variable is no positive number)."""
+    return _env.number(_env.HANG_FLOOR, 0.0) or DEFAULT_FLOOR_S
 
 
 def read_statuses(run_dir: Path) -> dict[int, RankStatus]:

@@ -39,15 +39,19 @@ from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_samp
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.stacks import render_stack
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot
+from ddpdoctor.supervisor.statuses import (
+    DEFAULT_FLOOR_S,
+    HANG_MULTIPLE,
+    adaptive_threshold,
+    read_statuses,
+    snapshot,
+)
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
-DEFAULT_FLOOR_S = 30.0
 FRESH_S = 1.0
 LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
-HANG_MULTIPLE = 5.0
 
 
 class Watcher:
