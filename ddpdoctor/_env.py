@@ -6,8 +6,8 @@ pass it on unchanged.
 
 RUN_DIR = "DDPDOCTOR_RUN_DIR"  # where ranks write their traces; its presence arms the bootstrap
 BOOTSTRAP_DIR = "DDPDOCTOR_BOOTSTRAP_DIR"  # our sitecustomize directory, to find the user's own
-FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (trace/writer.py FLUSH_S)
-BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events held in memory before dropping (writer.py CAPACITY)
+FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (default 0.25)
+BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events held in memory before dropping (default 100000)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"

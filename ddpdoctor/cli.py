@@ -114,9 +114,8 @@ def _nvml_interval(interval: float, off: bool) -> float | None:
 
 def _watch_options(hang_timeout: str, on_hang: str) -> object:
 
+    from ddpdoctor import _env
     from ddpdoctor.supervisor.launch import WatchOptions
-    from ddpdoctor.supervisor.statuses import hang_floor_s
-    from ddpdoctor.trace.writer import settings_from_env as writer_settings
 
     timeout: float | None = None
     if hang_timeout != "auto":
@@ -127,8 +126,9 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
         if timeout <= 0:
             raise click.BadParameter("must be positive", param_hint="--hang-timeout")
     try:  # the ranks' settings too: a bad value stops here, in one line, not in every rank
-        floor = hang_floor_s()
-        writer_settings()
+        floor = _env.number(_env.HANG_FLOOR, 0.0) or None
+        _env.number(_env.FLUSH_INTERVAL, 0.25)
+        _env.number(_env.BUFFER_EVENTS, 100000, integer=True)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     return WatchOptions(timeout, on_hang, floor)

@@ -23,7 +23,6 @@ from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.writer import TraceWriter
-from ddpdoctor.trace.writer import settings_from_env as writer_settings
 
 _now = time.monotonic_ns
 # phase, op, sequence number at entry, t0 (monotonic ns)[, group name, group size, bytes, group]:
@@ -65,12 +64,11 @@ class Collector:
         self.events = 0  # events recorded so far: a counter the supervisor watches move
         self.last_step_ns = 0  # entry of the last training forward
         self.max_step_ns = 0  # the slowest step seen (forward entry to next forward entry)
-        capacity, flush_s = writer_settings()
         self.writer = TraceWriter(
             RunDir(run_dir).trace(self.rank, header.get("restart", 0)),
             header,
-            capacity=capacity,
-            flush_interval=flush_s,
+            capacity=int(_env.number(_env.BUFFER_EVENTS, 100000, integer=True)),
+            flush_interval=_env.number(_env.FLUSH_INTERVAL, 0.25),
             on_error=self._writer_failed,
             ring=os.environ.get(_RING_ENV) != "0",
         )

@@ -19,20 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor import _env
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.ring import Ring, ring_path
-
-CAPACITY = 100_000  # events held in memory before dropping (DDPDOCTOR_BUFFER_EVENTS)
-FLUSH_S = 0.25  # seconds between flushes (DDPDOCTOR_FLUSH_S)
-
-
-def settings_from_env() -> tuple[int, float]:
-    """(capacity, flush interval) as the environment sets them; a ValueError in one line when
-    a value is no positive number (`ddpdoctor run` checks before the ranks start)."""
-    capacity = int(_env.number(_env.BUFFER_EVENTS, CAPACITY, integer=True))
-    return capacity, _env.number(_env.FLUSH_INTERVAL, FLUSH_S)
-
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _CHUNK = 128  # records encoded between GIL releases
@@ -46,8 +34,8 @@ class TraceWriter:
         path: str,
         header: dict[str, Any],
         *,
-        capacity: int = CAPACITY,
-        flush_interval: float = FLUSH_S,
+        capacity: int = 100_000,
+        flush_interval: float = 0.25,
         on_error: Callable[[BaseException], None] | None = None,
         ring: bool = False,
     ) -> None:
