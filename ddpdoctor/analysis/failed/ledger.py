@@ -21,6 +21,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import clip
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -257,15 +258,15 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     if not run.hangs:
         return None, ""
     summary = run.hangs[-1]
-    status = (summary.get("statuses") or {}).get(str(rank)) or {}
+    status = RankStatus.of((summary.get("statuses") or {}).get(str(rank)) or {"rank": rank})
     stack = (summary.get("stacks") or {}).get(str(rank)) or {}
     place = ""
     for thread in stack.get("threads") or []:
         if thread.get("name") == "MainThread" or len(stack.get("threads") or []) == 1:
             place = user_frame(thread.get("frames") or [])
-    phase = status.get("phase") or {}
+    phase = status.phase or {}
     name, op = phase.get("name"), phase.get("op")
-    live = LivePhase.of(name)
+    live = status.live_phase
     if not name or live is LivePhase.DATA:
         return None, place
     if live is LivePhase.COLLECTIVE:
@@ -278,7 +279,7 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
             label += " (eval)"
     seq = phase.get("seq")
     point = Point(
-        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", int(status.get("step", -1)), place,
+        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", status.step, place,
         in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
         root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
