@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,24 +195,52 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
         return Ending(
             "exception", step, error=err, consequence=is_consequence(err), wall_s=wall / 1e9 if wall else None
         )
-    sig = signal_name(exit_info.get("signal"))
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
-    end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
-    if end.get("interrupted"):  # the user's Ctrl-C of a hung job: ddpdoctor ended it
-        return Ending("interrupted", step, signal=str(end.get("signal")), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "signal" and end.get("signal"):
-        return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "os_exit" and end.get("code"):
-        return Ending("vanished", step, wall_s=end.get("at_wall") or when)
-    if trace.ended_cleanly:
-        return Ending("clean_exit", step, wall_s=_end_wall(trace))
-    if watch.get("killed_on_hang"):
-        return Ending("stopped_on_hang", step, wall_s=when)
-    if sig:
-        return Ending("signal", step, signal=sig, wall_s=when)
-    if exit_info:
-        return Ending("vanished", step, wall_s=when)
-    return Ending("running", step)
+    facts = _Facts(run.ends.get(rank) or {}, exit_info, trace, bool(watch.get("killed_on_hang")), when)
+    row = next(r for r in _ENDINGS if r.applies(facts))
+    return Ending(row.how, step, signal=row.signal(facts), wall_s=row.wall(facts))
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What is known of a rank that left a trace and raised nothing, for the rows below."""
+
+    end: dict[str, Any]  # the supervisor's word after the job (supervisor/ends.py)
+    exit_info: dict[str, Any]  # the watcher's glimpse of its process leaving
+    trace: RankTrace
+    killed_on_hang: bool  # ddpdoctor stopped the job on a hang
+    when: float | None  # its last heartbeat, or when the watcher saw it gone
+
+    @property
+    def own_wall(self) -> float | None:
+        return self.end.get("at_wall") or self.when
+
+
+@dataclass(frozen=True)
+class _EndingRow:
+    how: str
+    applies: Callable[[_Facts], bool]
+    signal: Callable[[_Facts], str | None] = lambda f: None
+    wall: Callable[[_Facts], float | None] = lambda f: f.when
+
+
+# How a rank that raised nothing ended: the first row that applies. The rank's own record
+# (ends.json) comes before its trace's clean close, which comes before the watcher's glimpse.
+_ENDINGS = (
+    # the user's Ctrl-C of a hung job: ddpdoctor ended it
+    _EndingRow("interrupted", lambda f: bool(f.end.get("interrupted")), lambda f: str(f.end.get("signal")),
+               lambda f: f.own_wall),
+    _EndingRow("signal", lambda f: f.end.get("how") == "signal" and bool(f.end.get("signal")),
+               lambda f: str(f.end["signal"]), lambda f: f.own_wall),
+    _EndingRow("vanished", lambda f: f.end.get("how") == "os_exit" and bool(f.end.get("code")),
+               wall=lambda f: f.own_wall),
+    _EndingRow("clean_exit", lambda f: f.trace.ended_cleanly, wall=lambda f: _end_wall(f.trace)),
+    _EndingRow("stopped_on_hang", lambda f: f.killed_on_hang),
+    _EndingRow("signal", lambda f: bool(signal_name(f.exit_info.get("signal"))),
+               lambda f: signal_name(f.exit_info.get("signal"))),
+    _EndingRow("vanished", lambda f: bool(f.exit_info)),
+    _EndingRow("running", lambda f: True, wall=lambda f: None),  # the trace just stops
+)  # fmt: skip
 
 
 def last_step_started(trace: RankTrace) -> int:
