@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ddpdoctor.analysis.failed import endings
 from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.trace import schema
@@ -73,7 +74,7 @@ def open_spans(
     clock: Clock,
     rank: int,
     trace: RankTrace,
-    ending: ledgers.Ending,
+    ending: endings.Ending,
     hang: dict[str, Any] | None,
     end_s: float,
     ended_by: str,
