@@ -64,6 +64,7 @@ def node_sim(port: int, nodes: list[int], per_node: int, world: int, clock: Any,
     import torch.distributed as dist
 
     from ddpdoctor.analysis.hung.proof import Activity
+    from ddpdoctor.probes.status import RankStatus
     from ddpdoctor.supervisor import board
     from ddpdoctor.supervisor.jobview import NodeView
 
@@ -83,9 +84,8 @@ def node_sim(port: int, nodes: list[int], per_node: int, world: int, clock: Any,
         for node in nodes:
             ranks = range(node * per_node, (node + 1) * per_node)
             blocked = start + block
-            statuses = {
-                r: status(r, world, node, tick, events if tick < blocked else 5000, blocked) for r in ranks
-            }
+            n = events if tick < blocked else 5000
+            statuses = {r: RankStatus.from_json(status(r, world, node, tick, n, blocked)) for r in ranks}
             view = NodeView(node, f"node{node:04d}", f"/scratch/runs/n{node}", tick, statuses,
                                   {r: Activity() for r in ranks})  # fmt: skip
             blob = view.to_json()

@@ -33,11 +33,17 @@ class RunDir:
     EXPORT = "trace.json"  # Perfetto / Chrome trace
     HANG_SUMMARY = "summary.json"  # inside each hang-N/
     ENDS = "ends.json"  # the supervisor: how each rank ended, its last stderr lines (ends.py)
+    STARTUP_ERRORS = "startup-errors.jsonl"  # ranks that failed before their process group (startup.py)
+    FR_REQUEST = "fr-request.json"  # the supervisor asks every rank for its Flight Recorder entries
+    ATTACH = "attach.json"  # `ddpdoctor attach`: the looks and the verdict (live/attach_run.py)
+    ATTACH_TEXT = "attach.txt"  # and what it printed
 
     # Binary traces (``.bin``); ``.jsonl``: recorded by a version before 3, or an export.
     _TRACE = re.compile(r"^trace-rank(\d+)(?:-attempt(\d+))?\.(?:bin|jsonl)$")
     _PROC = re.compile(r"^proc-rank(\d+)(?:-attempt(\d+))?\.json$")
     _STATUS = re.compile(r"^status-rank(\d+)\.json$")
+    _FLIGHT = re.compile(r"^fr-rank(\d+)\.json$")
+    _GPU = re.compile(r"^gpu-(.+)\.jsonl$")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         object.__setattr__(self, "path", Path(path))
@@ -111,6 +117,22 @@ class RunDir:
 
     def hang_stack(self, n: int, rank: int) -> Path:
         return self.hang(n) / f"stack-rank{rank}.txt"
+
+    @staticmethod
+    def flight_dump_name(rank: int) -> str:
+        """A rank's Flight Recorder entries, written into a hang's directory on request."""
+        return f"fr-rank{rank}.json"
+
+    @classmethod
+    def flight_dumps(cls, hang_dir: Path) -> dict[int, Path]:
+        found = (cls._FLIGHT.match(p.name) for p in hang_dir.glob("fr-rank*.json"))
+        return {int(m.group(1)): hang_dir / m.group(0) for m in found if m}
+
+    @classmethod
+    def gpu_host(cls, path: Path) -> str:
+        """The (file-name-safe) host of a ``gpu-<host>.jsonl``."""
+        match = cls._GPU.match(path.name)
+        return match.group(1) if match else path.stem
 
     def traces(self) -> dict[int, Path]:
         """The newest attempt's trace of each rank (regular files only: a trace name pointing

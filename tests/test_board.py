@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ddpdoctor.analysis.hung.proof import Activity, judge
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor.jobview import JobView, NodeView, nodes_text
 from ddpdoctor.supervisor.layout import Layout, parse_layout
 
@@ -34,9 +35,9 @@ def test_layout_from_torchrun_arguments() -> None:
     assert skip.nnodes == 3
 
 
-def _status(rank: int, now: float, **phase: object) -> dict:
-    return {"rank": rank, "world_size": 2, "pid": 1, "heartbeat_wall": now, "progress_wall": now,
-            "step": 4, "events": 10, "phase": phase or None}  # fmt: skip
+def _status(rank: int, now: float, **phase: object) -> RankStatus:
+    return RankStatus(rank, world_size=2, pid=1, heartbeat_wall=now, progress_wall=now, step=4, events=10,
+                      phase=phase or None)  # fmt: skip
 
 
 def test_a_nodes_look_travels_and_lands_on_the_readers_clock() -> None:
@@ -44,9 +45,9 @@ def test_a_nodes_look_travels_and_lands_on_the_readers_clock() -> None:
         1, "b", "/runs/n1", 1000.0, {1: _status(1, 999.5)}, {1: Activity(True, 4.0, 0.0, "f() x.py:3")}
     )
     back = NodeView.from_json(view.to_json())
-    assert back.activity[1] == Activity(True, 4.0, 0.0, "f() x.py:3") and back.statuses[1]["step"] == 4
+    assert back.activity[1] == Activity(True, 4.0, 0.0, "f() x.py:3") and back.statuses[1] == view.statuses[1]
     moved = back.shifted(+7.0)  # its clock is 7 s behind ours
-    assert moved.wall == 1007.0 and moved.statuses[1]["heartbeat_wall"] == 1006.5
+    assert moved.wall == 1007.0 and moved.statuses[1].heartbeat_wall == 1006.5
 
 
 def test_a_lost_nodes_ranks_are_gone_and_named_in_the_proof() -> None:
@@ -57,7 +58,7 @@ def test_a_lost_nodes_ranks_are_gone_and_named_in_the_proof() -> None:
         1: NodeView(1, "b", "/runs/n1", now - 6, {1: _status(1, now - 6)}, {1: Activity()}),
     }
     job = JobView(nodes, lost={1: 6.0})
-    assert job.activity[1].alive is False and job.statuses[1]["lost"] == "node 1 (b)"
+    assert job.activity[1].alive is False and job.statuses[1].lost == "node 1 (b)"
     verdict = judge(job.statuses, job.activity, now, 2)
     assert verdict.state == "proven" and verdict.culprits == [1]
     assert "rank 1 was lost with node 1 (b)" in verdict.proof

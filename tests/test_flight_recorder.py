@@ -10,6 +10,7 @@ import pytest
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.hung import flight
 from ddpdoctor.probes import flight_recorder
+from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.launch import job_environment
 from tests.conftest import JOBS, diagnose_json, run_doctor, torchrun
 
@@ -69,7 +70,7 @@ def test_no_wait_when_the_flight_recorder_is_off(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     (tmp_path / "hang-1").mkdir()
     assert flight.on_hang(tmp_path, tmp_path / "hang-1", {0: {}}, timeout_s=30) == ""
-    assert not (tmp_path / flight_recorder.REQUEST).exists()
+    assert not (tmp_path / RunDir.FR_REQUEST).exists()
 
 
 def test_rank_side_answers_each_request_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,10 +78,10 @@ def test_rank_side_answers_each_request_once(tmp_path: Path, monkeypatch: pytest
     w = flight_recorder._Watcher(str(tmp_path), 3, on_error=None)
     assert w.serve() is None  # no request yet
     (tmp_path / "hang-1").mkdir()
-    (tmp_path / flight_recorder.REQUEST).write_text(json.dumps({"id": 1, "dir": "hang-1"}))
+    (tmp_path / RunDir.FR_REQUEST).write_text(json.dumps({"id": 1, "dir": "hang-1"}))
     assert w.serve() == tmp_path / "hang-1" / "fr-rank3.json"
     assert w.serve() is None  # the same request again: already answered
-    (tmp_path / flight_recorder.REQUEST).write_text(json.dumps({"id": 2, "dir": "../elsewhere"}))
+    (tmp_path / RunDir.FR_REQUEST).write_text(json.dumps({"id": 2, "dir": "../elsewhere"}))
     assert w.serve() is None  # never outside the run directory
 
 

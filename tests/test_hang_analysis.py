@@ -14,7 +14,8 @@ import pytest
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.hung.hang import analyse, main_thread, user_frame
 from ddpdoctor.probes.startup import classify
-from ddpdoctor.supervisor.statuses import adaptive_threshold, sync_wait_s
+from ddpdoctor.probes.status import RankStatus
+from ddpdoctor.supervisor.statuses import adaptive_threshold
 from ddpdoctor.supervisor.watch import Watcher
 from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.stacktext import is_user_frame, parse_faulthandler
@@ -130,10 +131,15 @@ def test_user_frames_skip_libraries_and_ddpdoctor() -> None:
 
 def test_adaptive_threshold_and_sync_wait() -> None:
     assert adaptive_threshold({}, 30, 5) == 30
-    assert adaptive_threshold({0: {"max_step_s": 2.0}, 1: {"max_step_s": 9.0}}, 30, 5) == 45
-    assert sync_wait_s(status(0, "collective", "barrier", since=4.0), now=101.5) == pytest.approx(5.5)
-    assert sync_wait_s(status(0, "data", "next", since=40.0), now=100) == 0.0
-    assert sync_wait_s(status(0, None), now=100) == 0.0
+    assert (
+        adaptive_threshold({0: RankStatus(0, max_step_s=2.0), 1: RankStatus(1, max_step_s=9.0)}, 30, 5) == 45
+    )
+    barrier = RankStatus.of(status(0, "collective", "barrier", since=4.0))
+    assert barrier.sync_wait_s(now=101.5) == pytest.approx(5.5) and barrier.waits_now(101.5, 5.0)
+    assert barrier.in_phase_s(None) == 4.0, "without a now, the time the status says"
+    data = RankStatus.of(status(0, "data", "next", since=40.0))
+    assert data.sync_wait_s(now=100) == 0.0 and data.in_phase_s(100) == 40.0 and not data.waits_now(100)
+    assert RankStatus.of(status(0, None)).sync_wait_s(now=100) == 0.0
 
 
 def _write_status(run_dir: Path, rank: int, **kw) -> None:

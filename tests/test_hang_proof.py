@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.hung.proof import CONFIRM_S, Activity, judge
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor.activity import ActivityTracker
 from ddpdoctor.supervisor.waits import WaitNotes
 from ddpdoctor.trace.reader import load_run
@@ -165,7 +166,7 @@ def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None
         return {"method": "py-spy", "threads": [{"name": "MainThread", "frames": frames}]}
 
     tr = ActivityTracker(dump=dump, cpu=lambda pid: cpu[pid])
-    statuses = {0: st(0), 1: st(1)}
+    statuses = {0: RankStatus.of(st(0)), 1: RankStatus.of(st(1))}
     alive = {0: True, 1: True}
     first = tr.look(statuses, 0.0, {0, 1}, alive, since={0: 0.0, 1: 0.0})
     assert first[0].idle_s is None, "one window must pass before anything is known"

@@ -233,7 +233,7 @@ def test_top_compares_the_ranks_weights_while_the_job_trains(tmp_path: Path, cas
             params = {
                 r: fp["params"]
                 for r, st in statuses.items()
-                for fp in st.get("fingerprints") or []
+                for fp in st.fingerprints or []
                 if (fp["model"], fp["step"], fp["at"]) == (0, 0, "step")
             }
             return params if len(params) == 3 else None

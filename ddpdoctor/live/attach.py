@@ -26,6 +26,7 @@ from typing import Any
 from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.live.procs import RankProc
 from ddpdoctor.supervisor.stacks import pyspy_path
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.stacktext import parse_pyspy_json
 
 ATTACH_SCHEMA = "ddpdoctor.attach/1"
@@ -80,14 +81,14 @@ def phase_of(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
         if file.endswith(_DDP) and fn == "__init__":  # its shape check and state broadcast
             return {"name": "ddp_init", "op": "init"}
         if file.endswith(_DDP) and fn in _BROADCAST:
-            return {"name": "sync_buffers", "op": "broadcast"}
+            return LivePhase.SYNC_BUFFERS.status()
         if file.endswith(_C10D) and not fn.startswith("_") and fn not in _NOT_BLOCKING:
-            return {"name": "collective", "op": fn}
+            return {**LivePhase.COLLECTIVE.status(), "op": fn}
     for file, fn in named:
         if (file.endswith("torch/autograd/__init__.py") and fn == "backward") or fn == "_engine_run_backward":
-            return {"name": "backward", "op": "allreduce"}
+            return LivePhase.BACKWARD.status()
         if file.endswith("torch/utils/data/dataloader.py") and fn == "__next__":
-            return {"name": "data", "op": "next"}
+            return LivePhase.DATA.status()
     return None
 
 

@@ -31,6 +31,7 @@ from ddpdoctor.live.attach import (
     refused,
 )
 from ddpdoctor.live.procs import all_procs, find_ranks, ptrace_problem, read_proc
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir, new_run_dir, write_atomic
 from ddpdoctor.supervisor.stacks import pyspy_path
 from ddpdoctor.trace import schema
@@ -80,13 +81,13 @@ def attach(pid: int, watch_s: float, out: str | None) -> Attached:
     return judge(pid, launcher, looks, watch_s, out)
 
 
-def _status(r: RankLooks, unchanged_s: float, now: float) -> dict[str, Any]:
+def _status(r: RankLooks, unchanged_s: float, now: float) -> RankStatus:
     """What a status file would say about this rank, from its stack."""
     frames = _main(r.last)
     phase = phase_of(frames)
     if phase is not None:
         phase = {**phase, "seq": -1, "since_s": unchanged_s}
-    return {"rank": r.proc.rank, "pid": r.proc.pid, "phase": phase, "heartbeat_wall": now, "step": -1}
+    return RankStatus(r.proc.rank, pid=r.proc.pid, phase=phase, heartbeat_wall=now)
 
 
 def _main(dump: dict[str, Any]) -> list[dict[str, Any]]:
@@ -204,10 +205,10 @@ def _looks_line(state: str, looks: dict[int, RankLooks], moved: list[int], gone:
     return f"{head} progressing - {', '.join(parts)}"
 
 
-def _native_where_it_helps(looks: dict[int, RankLooks], statuses: dict[int, dict[str, Any]]) -> None:
+def _native_where_it_helps(looks: dict[int, RankLooks], statuses: dict[int, RankStatus]) -> None:
     """Native frames show what a rank waits on below Python (gloo/NCCL in a collective or in the
     backward's all-reduce): taken once, for stuck ranks in a sync point."""
-    wanted = [r for r, st in statuses.items() if st.get("phase")]
+    wanted = [r for r, st in statuses.items() if st.phase]
     if not wanted:
         return
     with ThreadPoolExecutor(max_workers=min(8, len(wanted))) as pool:
@@ -233,7 +234,7 @@ def _write_run_dir(
     run_dir: Path,
     launcher: int,
     looks: dict[int, RankLooks],
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     stacks: dict[int, dict[str, Any]],
     diag: Any,
     state: str,
@@ -275,8 +276,8 @@ def _write_run_dir(
         }
         write_atomic(layout.trace(r).with_suffix(".jsonl"), json.dumps([schema.HEADER, header]) + "\n")
         write_atomic(layout.stacks(r), _stack_text(r, lk))
-    write_atomic(run_dir / "attach.json", json.dumps(report, indent=1, default=str))
-    write_atomic(run_dir / "attach.txt", report["text"] + "\n")
+    write_atomic(layout / RunDir.ATTACH, json.dumps(report, indent=1, default=str))
+    write_atomic(layout / RunDir.ATTACH_TEXT, report["text"] + "\n")
     if state != "stuck":
         return
     hang_dir = layout.hang(1)
@@ -292,7 +293,7 @@ def _write_run_dir(
         "world_size": world,
         "action": "attach",
         "hang_dir": str(hang_dir),
-        "statuses": {str(r): s for r, s in statuses.items()},
+        "statuses": {str(r): s.to_json() for r, s in statuses.items()},
         "stacks": {str(r): s for r, s in stacks.items()},
         "text": report["text"],
         "reported_wall": now,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
@@ -31,7 +32,7 @@ class GpuTail:
 
     @property
     def host(self) -> str:
-        return self.path.name[len("gpu-") : -len(".jsonl")]
+        return RunDir.gpu_host(self.path)
 
     def poll(self) -> None:
         try:
@@ -86,19 +87,15 @@ class GpuTails:
         for tail in self.tails.values():
             tail.poll()
 
-    def for_rank(self, status: dict[str, Any]) -> dict[str, Any] | None:
+    def for_rank(self, status: RankStatus) -> dict[str, Any] | None:
         """{"gpu", "util"} of the GPU this rank runs on (by its pid, else its local rank)."""
-        host, pid = status.get("host"), status.get("pid")
+        host, pid = status.host, status.pid
         for tail in self.tails.values():
             if host and tail.host != host:
                 continue
             gpu = tail.pid_gpu.get(pid) if isinstance(pid, int) else None
-            if (
-                gpu is None
-                and isinstance(status.get("local_rank"), int)
-                and status["local_rank"] in tail.util
-            ):
-                gpu = status["local_rank"]
+            if gpu is None and isinstance(status.local_rank, int) and status.local_rank in tail.util:
+                gpu = status.local_rank
             if gpu is not None and gpu in tail.util:
                 return {"gpu": gpu, "util": tail.util[gpu], "mem_used": tail.mem_used.get(gpu)}
         return None

@@ -14,17 +14,19 @@ parameters and the cause.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.misuse.divergence import AT_ORDER, Key, odd_ranks, when_checked
+from ddpdoctor.probes.status import RankStatus
 
 
-def _checks(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[int, dict[Key, int]]]:
+def _checks(statuses: Mapping[int, RankStatus]) -> dict[int, dict[int, dict[Key, int]]]:
     """model -> rank -> {check: the parameters' number}."""
     out: dict[int, dict[int, dict[Key, int]]] = defaultdict(lambda: defaultdict(dict))
     for rank, st in statuses.items():
-        for fp in st.get("fingerprints") or []:
+        for fp in st.fingerprints or []:
             try:
                 model, step, at, params = int(fp["model"]), int(fp["step"]), fp["at"], int(fp["params"])
             except (KeyError, TypeError, ValueError):
@@ -34,7 +36,7 @@ def _checks(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[int, dict[Key
     return out
 
 
-def weights_diverged(statuses: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def weights_diverged(statuses: Mapping[int, RankStatus]) -> list[dict[str, Any]]:
     """A ``weights_diverged`` finding per DDP model whose ranks' parameters differ at the latest
     check every rank took (the ranks named differ from the majority; on a tie, all)."""
     out: list[dict[str, Any]] = []

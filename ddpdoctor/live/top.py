@@ -5,10 +5,10 @@ current sync point, last collective, recent rate, its wait at the last gradient 
 last steps; see probes/liveness.py and probes/recent.py). `top` reads only those small files,
 the tail of the node's GPU samples and run.json, so it costs the job nothing and stays cheap at
 a thousand ranks (docs/live.md has the measurement). Findings are the ones the status data
-already prove: a hang by the run-time watcher's own rule and verdict (supervisor/watch.py,
-analysis/hung/hang.py, without stacks), a rank that arrives last at the gradient sync on most of
-the recent steps, a rank that raised or vanished, ranks whose model parameters differ at a
-fingerprint check they all took (live/replicas.py).
+already prove, each by the rule the rest of ddpdoctor uses: a hang or a wait by the run-time
+watcher's (``proof.judge``, ``proof.is_hang``, then ``hang.analyse`` without stacks), a straggler
+by the trace analysis's (live/lateness.py), a rank that raised or vanished, ranks whose model
+parameters differ at a fingerprint check they all took (live/replicas.py).
 """
 
 from __future__ import annotations
@@ -21,21 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ddpdoctor.analysis.hung.hang import analyse
-from ddpdoctor.analysis.hung.proof import Activity, Verdict, is_hang, judge
-from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, LATE_FRACTION, MIN_STEPS, PERSISTENT
+from ddpdoctor.analysis.hung.proof import Activity, Verdict, VerdictState, is_hang, judge
 from ddpdoctor.live.gpu import GpuTails
+from ddpdoctor.live.lateness import LiveLateness, live_lateness
 from ddpdoctor.live.render import render
 from ddpdoctor.live.replicas import weights_diverged
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.activity import pid_alive
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView
 from ddpdoctor.supervisor.layout import Layout
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, sync_wait_s
-from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, HANG_MULTIPLE
+from ddpdoctor.supervisor.statuses import HANG_MULTIPLE, adaptive_threshold, hang_floor_s, read_statuses
 from ddpdoctor.trace.reader import read_meta
 
 TOP_SCHEMA = "ddpdoctor.top/1"
@@ -48,9 +46,9 @@ STALE_S = 5.0  # no heartbeat for this long: the rank's writer thread stopped (o
 class Top:
     """The state kept between refreshes: per-file GPU offsets, the previous step counts."""
 
-    def __init__(self, run_dirs: list[Path], floor_s: float = DEFAULT_FLOOR_S) -> None:
+    def __init__(self, run_dirs: list[Path], floor_s: float | None = None) -> None:
         self.run_dirs = run_dirs
-        self.floor_s = floor_s
+        self.floor_s = hang_floor_s() if floor_s is None else floor_s
         self.gpus = GpuTails()
         self.host = os.uname().nodename
         self._prev: dict[int, tuple[float, int]] = {}  # rank -> (wall, step) at the last look
@@ -72,7 +70,7 @@ class Top:
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """One frame, as the JSON object `--json` prints."""
         now = time.time() if now is None else now
-        statuses: dict[int, dict[str, Any]] = {}
+        statuses: dict[int, RankStatus] = {}
         runs = []
         view: JobView | None = None
         state: dict[str, Any] | None = None
@@ -99,15 +97,16 @@ class Top:
         self.gpus.poll(self.run_dirs)
         finished = bool(runs) and all(r["status"] == "finished" for r in runs)
         # Without run.json (ddpdoctor.instrument()): done when every rank has exited cleanly.
-        finished = finished or (bool(statuses) and all(s.get("exited") for s in statuses.values()))
-        lateness = _lateness(statuses)
+        finished = finished or (bool(statuses) and all(s.exited for s in statuses.values()))
+        table = live_lateness(statuses)
+        lateness = table.per_rank() if table is not None else {}
         ranks = [self._row(r, st, now, lateness.get(r), finished) for r, st in sorted(statuses.items())]
         job = _job(statuses, ranks, lateness, now, finished)
         reported = any(run["hangs"] for run in runs)
         timeout = "reported" if reported else self._hang_timeout()
         activity = view.activity if view is not None else {}
         findings = _findings(
-            statuses, ranks, lateness, job, now, self.floor_s, finished, timeout, activity, state
+            statuses, ranks, table, job, now, self.floor_s, finished, timeout, activity, state
         )
         for run in runs:
             for hang in run["hangs"]:
@@ -122,49 +121,49 @@ class Top:
         }
 
     def _row(
-        self, rank: int, st: dict[str, Any], now: float, late: dict[str, Any] | None, finished: bool
+        self, rank: int, st: RankStatus, now: float, late: dict[str, Any] | None, finished: bool
     ) -> dict[str, Any]:
-        step = int(st.get("step", -1))
-        rate = st.get("steps_per_s")
+        step = st.step
+        rate = st.steps_per_s
         prev = self._prev.get(rank)
         if rate is None and prev is not None and now > prev[0] and not finished:
             rate = round((step - prev[1]) / (now - prev[0]), 4)
         self._prev[rank] = (now, step)
         if _stalled(st, now):
             rate = 0.0  # the rate of its last steps is no rate of a rank that stopped stepping
-        phase = st.get("phase") or {}
-        last = st.get("last_collective") or {}
+        phase = st.phase or {}
+        last = st.last_collective or {}
         return {
             "rank": rank,
-            "host": st.get("host"),
-            "pid": st.get("pid"),
+            "host": st.host,
+            "pid": st.pid,
             "state": self._state(st, now, finished),
             "step": step,
-            "steps": step + 1,  # training steps started (step is the index of the last, -1 before any)
+            "steps": st.steps,
             "steps_per_s": rate,
             "phase": phase.get("name"),
             "op": phase.get("op"),
-            "phase_s": round(_in_phase_s(st, now), 3) if phase else None,
+            "phase_s": round(st.in_phase_s(now), 3) if phase else None,
             "last_op": last.get("op"),
             "last_seq": last.get("seq"),
-            "seq": st.get("seq"),
+            "seq": st.seq,
             "late_ms": None if late is None else round(late["mean_us"] / 1000, 3),
             "latest_share": None if late is None else late["latest_share"],
             "gpu": self.gpus.for_rank(st),
-            "error": st.get("error"),
+            "error": st.error,
         }
 
-    def _state(self, st: dict[str, Any], now: float, finished: bool) -> str:
-        if st.get("error"):
+    def _state(self, st: RankStatus, now: float, finished: bool) -> str:
+        if st.error:
             return "raised"
-        if st.get("exited"):
+        if st.exited:
             return "exited"
-        pid = st.get("pid")
-        if (st.get("host") in (None, self.host)) and isinstance(pid, int) and pid > 0 and not pid_alive(pid):
+        pid = st.pid
+        if st.host in (None, self.host) and isinstance(pid, int) and pid > 0 and not pid_alive(pid):
             return "gone"  # no clean exit recorded: killed, or the status lags a fast exit
         if finished:
             return "ended"
-        if now - float(st.get("heartbeat_wall") or 0.0) > STALE_S:
+        if now - (st.heartbeat_wall or 0.0) > STALE_S:
             return "silent"
         return "stalled" if _stalled(st, now) else "running"
 
@@ -193,67 +192,16 @@ class Top:
         return out
 
 
-def _stalled(st: dict[str, Any], now: float) -> bool:
+def _stalled(st: RankStatus, now: float) -> bool:
     """Alive but no step began for many times its recent step period (a hang, a long wait)."""
-    last, rate = st.get("last_step_wall"), st.get("steps_per_s")
+    last, rate = st.last_step_wall, st.steps_per_s
     if not isinstance(last, (int, float)) or not isinstance(rate, (int, float)) or rate <= 0:
         return False
     return now - last > max(STALL_S, STALL_STEPS / rate)
 
 
-def _in_phase_s(st: dict[str, Any], now: float) -> float:
-    phase = st.get("phase") or {}
-    return float(phase.get("since_s", 0.0)) + max(0.0, now - float(st.get("heartbeat_wall") or now))
-
-
-def _lateness(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per rank over the recent steps every rank published: mean µs it got the last bucket ready
-    after the earliest rank, and the share of those steps on which it was the latest.
-    Plain lists first, one array at the end: a thousand ranks cost a few milliseconds."""
-    ranks, series = [], []
-    for rank, st in statuses.items():
-        pairs = st.get("sync_wait_us")
-        if not isinstance(pairs, list) or not pairs:
-            return {}  # a rank without bucket timings: lateness is unknown for all
-        ranks.append(rank)
-        series.append(pairs)
-    if len(ranks) < 2:
-        return {}
-    try:
-        lo = max(int(p[0][0]) for p in series)  # each rank publishes its steps in order
-        hi = min(int(p[-1][0]) for p in series)
-        if hi < lo or hi - lo > 10_000:
-            return {}
-        nan = float("nan")
-        rows = []
-        for pairs in series:
-            first = int(pairs[0][0])
-            if int(pairs[-1][0]) - first == len(pairs) - 1:  # consecutive steps: one slice
-                rows.append([p[1] for p in pairs[lo - first : hi - first + 1]])
-                continue
-            row = [nan] * (hi - lo + 1)
-            for step, wait in pairs:
-                if lo <= step <= hi:
-                    row[step - lo] = wait
-            rows.append(row)
-        waits = np.array(rows, dtype=np.float64)
-    except (TypeError, ValueError, IndexError):
-        return {}
-    waits = waits[:, ~np.isnan(waits).any(axis=0)]  # the steps every rank has
-    n = waits.shape[1]
-    if not n:
-        return {}
-    late = waits.max(axis=0) - waits  # the longest wait is the earliest arrival
-    latest = np.bincount(waits.argmin(axis=0), minlength=len(ranks))
-    mean = late.mean(axis=1)
-    return {
-        rank: {"mean_us": float(mean[i]), "latest_share": round(float(latest[i]) / n, 3), "steps": n}
-        for i, rank in enumerate(ranks)
-    }
-
-
 def _job(
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     ranks: list[dict[str, Any]],
     lateness: dict[int, dict[str, Any]],
     now: float,
@@ -261,8 +209,8 @@ def _job(
 ) -> dict[str, Any]:
     steps = [r["steps"] for r in ranks]
     rates = [r["steps_per_s"] for r in ranks if r["steps_per_s"] is not None]
-    world = max((int(s.get("world_size") or 0) for s in statuses.values()), default=0)
-    progress = [float(s.get("progress_wall") or 0.0) for s in statuses.values()]
+    world = max((s.world_size or 0 for s in statuses.values()), default=0)
+    progress = [s.progress_wall or 0.0 for s in statuses.values()]
     slowest = max(lateness, key=lambda r: lateness[r]["mean_us"]) if lateness else None
     if slowest is None and rates:
         slowest = min((r for r in ranks if r["steps_per_s"] is not None), key=lambda r: r["steps_per_s"])[
@@ -282,9 +230,9 @@ def _job(
 
 
 def _findings(
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     ranks: list[dict[str, Any]],
-    lateness: dict[int, dict[str, Any]],
+    table: LiveLateness | None,
     job: dict[str, Any],
     now: float,
     floor_s: float,
@@ -305,31 +253,30 @@ def _findings(
         elif row["state"] == "gone" and not finished:
             text = f"rank {row['rank']} (pid {row['pid']}) is gone without a clean exit at step {row['step']}"
             out.append({"kind": "rank_gone", "ranks": [row["rank"]], "text": text})
-    straggler = _straggler(statuses, lateness)
-    if straggler:
-        out.append(straggler)
+    if table is not None:  # the trace analysis's straggler rule (live/lateness.py)
+        out += table.stragglers()
     out += weights_diverged(statuses)
-    live = {r: s for r, s in statuses.items() if not s.get("exited") and not s.get("error")}
+    live = {r: s for r, s in statuses.items() if not s.exited and not s.error}
     if finished or not live or out and out[0]["kind"] in ("rank_error", "rank_gone"):
         return out  # a failing rank explains the others' wait (the watcher says the same)
     if hang_timeout == "reported":
         return out  # the watcher's own report (with stacks) is shown instead
     threshold = hang_timeout or adaptive_threshold(statuses, floor_s, HANG_MULTIPLE)
-    longest = max((sync_wait_s(s, now) for s in live.values()), default=0.0)
-    started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
+    longest = max((s.sync_wait_s(now) for s in live.values()), default=0.0)
+    started = any(s.step >= 1 for s in statuses.values())
     quiet = job["since_progress_s"] or 0.0
     world = job["world_size"]
     if state is not None:  # the leading watcher's verdict, judged with what it measured
         verdict, threshold = Verdict.from_json(state["verdict"]), float(state["threshold"])
     else:  # the watcher's own rule over what the status files show (no CPU measured here)
-        alive = {r: Activity(alive=not s.get("exited")) for r, s in statuses.items()}
+        alive = {r: Activity(alive=not s.exited) for r, s in statuses.items()}
         verdict = judge(statuses, {**alive, **activity}, now, world)
     timeout = hang_timeout if isinstance(hang_timeout, (int, float)) else None
-    if verdict.state == "busy":
+    if verdict.state is VerdictState.BUSY:
         out.append({"kind": "waiting", "ranks": verdict.culprits, "text": f"not a hang: {verdict.proof}"})
     if is_hang(verdict, threshold, hang_timeout=timeout, longest=longest, quiet=quiet, started=started):
         partial = world if len(statuses) < (world or 0) else None
-        proof = verdict.proof if verdict.state == "proven" else ""
+        proof = verdict.proof if verdict.state is VerdictState.PROVEN else ""
         diag = analyse(
             live,
             {},
@@ -347,28 +294,6 @@ def _findings(
         text = f"{lead} {diag.explanation} Fix: {diag.fix}"
         out.append({"kind": "hang", "ranks": diag.culprits, "pattern": diag.pattern, "text": text})
     return out
-
-
-def _straggler(
-    statuses: dict[int, dict[str, Any]], lateness: dict[int, dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The rank that got its last bucket ready last on most recent steps, by enough to matter."""
-    if not lateness:
-        return None
-    rank = max(lateness, key=lambda r: lateness[r]["latest_share"])
-    late = lateness[rank]
-    rates = [float(s["steps_per_s"]) for s in statuses.values() if s.get("steps_per_s")]
-    step_us = 1e6 / min(rates) if rates else 0.0
-    share_needed = max(PERSISTENT, min(1.0, 3 / len(lateness))) if len(lateness) > 2 else 0.8
-    if late["steps"] < MIN_STEPS or late["latest_share"] < share_needed:
-        return None
-    if late["mean_us"] < max(LATE_FLOOR_US, LATE_FRACTION * step_us):
-        return None
-    text = (
-        f"rank {rank} arrives last at the gradient sync on {late['latest_share']:.0%} of the last "
-        f"{late['steps']} steps, {late['mean_us'] / 1000:.1f} ms late on average: the other ranks wait for it"
-    )
-    return {"kind": "straggler", "ranks": [rank], "text": text}
 
 
 def run(

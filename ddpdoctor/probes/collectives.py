@@ -19,7 +19,7 @@ from ddpdoctor.probes import callsite
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 
 # Ops called from Python; DDP's own gradient all-reduce runs in C++ and is timed by the comm hook.
 COLLECTIVE_OPS = (

@@ -21,7 +21,7 @@ from ddpdoctor import _env
 from ddpdoctor.probes import liveness
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.writer import TraceWriter
 
 _now = time.monotonic_ns

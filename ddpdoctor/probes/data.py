@@ -11,7 +11,7 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 
 PROBE = "data"
 _now = time.monotonic_ns
@@ -20,6 +20,7 @@ _PASSES = "_ddpdoctor_passes"  # on the DataLoader: passes begun so far
 _PASS = "_ddpdoctor_pass"  # on the iterator: (pass number, batches given so far)
 DIGESTED = 2  # first batches of each pass digested: enough to tell orders and ranks apart
 SAMPLE = 4096  # elements of each tensor hashed, evenly spaced: microseconds, whatever its size
+_NEXT = LivePhase.DATA.op
 
 
 def install() -> None:
@@ -34,7 +35,7 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         c = _c.ACTIVE
         if c is None or PROBE in c.disabled:
             return next_(self)
-        prev = c.enter(LivePhase.DATA, "next", -1)
+        prev = c.enter(LivePhase.DATA, _NEXT, -1)
         try:
             batch = next_(self)
         except BaseException:  # StopIteration ends the pass: nothing was waited for
@@ -145,7 +146,7 @@ def describe_loader(loader: Any) -> dict[str, Any]:
 
 
 def _caller() -> list[str]:
-    """"file:line func" of the user's loop over the loader and of up to two user frames that
+    """ "file:line func" of the user's loop over the loader and of up to two user frames that
     called it (once per pass, so a plain stack walk): a loop inside a helper is named with the
     line that called the helper."""
     import os

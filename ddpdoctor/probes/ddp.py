@@ -22,11 +22,12 @@ from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.schema import LivePhase
+from ddpdoctor.trace.livephase import LivePhase
 
 PROBE = "ddp"
 _now = time.monotonic_ns
 _STATE = "_ddpdoctor_state"  # attribute on each DDP instance
+_BROADCAST, _ALLREDUCE = LivePhase.SYNC_BUFFERS.op, LivePhase.BACKWARD.op  # looked up once
 
 
 class _ModelState:
@@ -274,7 +275,7 @@ def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
             return sync(self, *args, **kwargs)
         pg, gname, gsize, seq = group_info(self.process_group, c)
         # The mode tells a hang's diagnosis an evaluation through the wrapper from a training step.
-        op = "broadcast" if getattr(self, "training", True) else "broadcast (eval)"
+        op = _BROADCAST if getattr(self, "training", True) else f"{_BROADCAST} (eval)"
         prev = c.enter(LivePhase.SYNC_BUFFERS, op, seq, group=(gname, gsize, -1, pg))
         try:
             result = sync(self, *args, **kwargs)
@@ -293,7 +294,7 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or not c.awaiting_backward or PROBE in c.disabled:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
-        prev = c.enter(LivePhase.BACKWARD, "allreduce", c.progress_seq())
+        prev = c.enter(LivePhase.BACKWARD, _ALLREDUCE, c.progress_seq())
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:

@@ -20,16 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REQUEST = "fr-request.json"
+from ddpdoctor.rundir import RunDir
+
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 BUFFER_SIZE = "2000"  # entries kept per rank: small (a few hundred bytes each)
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"  # NCCL: CUDA events per collective (start, end)
 POLL_S = 0.25
 PROBE = "flight_recorder"
-
-
-def dump_filename(rank: int) -> str:
-    return f"fr-rank{rank}.json"
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
@@ -58,7 +55,7 @@ class _Watcher:
 
     def __init__(self, run_dir: str, rank: int, on_error: Any) -> None:
         self.run_dir, self.rank, self.on_error = run_dir, rank, on_error
-        self.request = os.path.join(run_dir, REQUEST)
+        self.request = str(RunDir(run_dir) / RunDir.FR_REQUEST)
         self.done: set[int] = set()
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._run, name="ddpdoctor-fr", daemon=True)
@@ -90,7 +87,7 @@ class _Watcher:
         if n in self.done or os.sep in sub or sub.startswith("."):
             return None
         self.done.add(n)
-        out = Path(self.run_dir) / sub / dump_filename(self.rank)
+        out = Path(self.run_dir) / sub / RunDir.flight_dump_name(self.rank)
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_bytes(dump_json())
         os.replace(tmp, out)
@@ -112,14 +109,14 @@ def request_dumps(run_dir: Path, hang_dir: Path, ranks: list[int], timeout_s: fl
     """Supervisor side: ask every rank for its entries into ``hang_dir``; wait up to
     ``timeout_s`` for ``ranks``' files. Returns the files that arrived, by rank."""
     n = int(hang_dir.name.rsplit("-", 1)[-1]) if hang_dir.name.rsplit("-", 1)[-1].isdigit() else 1
-    tmp = run_dir / f".{REQUEST}.tmp"
+    tmp = run_dir / f".{RunDir.FR_REQUEST}.tmp"
     tmp.write_text(json.dumps({"id": n, "dir": hang_dir.name}), encoding="utf-8")
-    os.replace(tmp, run_dir / REQUEST)
+    os.replace(tmp, run_dir / RunDir.FR_REQUEST)
     deadline = time.monotonic() + timeout_s
     found: dict[int, Path] = {}
     while True:
         for r in ranks:
-            path = hang_dir / dump_filename(r)
+            path = hang_dir / RunDir.flight_dump_name(r)
             if r not in found and path.exists():
                 found[r] = path
         if len(found) == len(ranks) or time.monotonic() > deadline:

@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import ctypes
 import faulthandler
-import json
 import os
 import signal
 import socket
@@ -31,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.probes import flight_recorder
 from ddpdoctor.probes.recent import RecentFingerprints, RecentSteps
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
 if TYPE_CHECKING:  # the collector imports this module, never the other way at run time
     from ddpdoctor.probes.collector import Collector
 
-STATUS_SCHEMA = "ddpdoctor.status/1"
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
 
@@ -70,7 +69,7 @@ class _Liveness:
         self.last_seq = -1  # after destroy_process_group the group answers no more: keep the last
         self._group_ranks: dict[int, list[int] | None] = {}
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankStatus:
         c = self.c
         if self.stacks_file and signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
             self.stacks_file = None  # the job took SIGUSR1 since: never send it ours
@@ -92,29 +91,28 @@ class _Liveness:
         wall = time.time()
         if c.events != self.seen_events:
             self.seen_events, self.progress_wall = c.events, wall
-        return {
-            "schema": STATUS_SCHEMA,
-            "rank": c.rank,
-            "world_size": self.world_size,
-            "local_rank": self.local_rank,
-            "node": self.node,
-            "host": self.host,
-            "pid": self.pid,
-            "heartbeat_wall": wall,
-            "progress_wall": self.progress_wall,
-            "exited": self.exited,
-            "step": c.step,
-            "events": c.events,
-            "seq": self.seq(),
-            "phase": phase,
-            "max_step_s": round(c.max_step_ns / 1e9, 3),
-            "faulthandler": self.stacks_file,
-            "ptracer": self.ptracer,
-            "error": self.error,
-            "cpu_s": round(cpu_s, 3),
+        return RankStatus(
+            rank=c.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            node=self.node,
+            host=self.host,
+            pid=self.pid,
+            heartbeat_wall=wall,
+            progress_wall=self.progress_wall,
+            exited=self.exited,
+            step=c.step,
+            events=c.events,
+            seq=self.seq(),
+            phase=phase,
+            max_step_s=round(c.max_step_ns / 1e9, 3),
+            faulthandler=self.stacks_file,
+            ptracer=self.ptracer,
+            error=self.error,
+            cpu_s=round(cpu_s, 3),
             **self.recent.status(now),
             **self.fingerprints.status(),
-        }
+        )
 
     def seq(self) -> int:
         seq = self.c.progress_seq()
@@ -142,9 +140,7 @@ class _Liveness:
             return
         try:
             with self._lock:
-                with open(self.tmp, "w", encoding="utf-8") as fh:
-                    fh.write(json.dumps(self.status(), separators=(",", ":")))
-                os.replace(self.tmp, self.path)
+                self.status().write(self.path, self.tmp)
         except Exception as exc:
             self.broken = True
             self.c.fail("status", exc)

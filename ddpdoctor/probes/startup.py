@@ -18,8 +18,7 @@ import time
 from typing import Any
 
 from ddpdoctor import _env
-
-STARTUP_ERRORS = "startup-errors.jsonl"
+from ddpdoctor.rundir import RunDir
 
 _PORT = re.compile(r"port:? (\d+)", re.I)
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
@@ -85,7 +84,7 @@ def _record(exc_type: Any, exc: Any) -> None:
         "rank": os.environ.get("RANK"),
         "wall_ns": time.time_ns(),
     }
-    with open(os.path.join(run_dir, STARTUP_ERRORS), "a", encoding="utf-8") as fh:
+    with open(RunDir(run_dir) / RunDir.STARTUP_ERRORS, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(rec) + "\n")
 
 
@@ -104,7 +103,7 @@ def read(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The recorded startup failures, earliest first."""
     out: list[dict[str, Any]] = []
     try:
-        with open(os.path.join(run_dir, STARTUP_ERRORS), encoding="utf-8") as fh:
+        with open(RunDir(run_dir) / RunDir.STARTUP_ERRORS, encoding="utf-8") as fh:
             for line in fh:
                 try:
                     rec = json.loads(line)

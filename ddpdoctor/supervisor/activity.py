@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.hung.hang import main_thread, user_frame
-from ddpdoctor.analysis.hung.proof import SYNC, Activity
+from ddpdoctor.analysis.hung.proof import Activity
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor import stacks as _stacks
 
 WINDOW_S = 1.0
@@ -114,7 +115,7 @@ class ActivityTracker:
 
     def look(
         self,
-        statuses: dict[int, dict[str, Any]],
+        statuses: dict[int, RankStatus],
         now: float,
         ranks: set[int],
         alive: dict[int, bool],
@@ -126,7 +127,7 @@ class ActivityTracker:
         first measurement."""
         out: dict[int, Activity] = {}
         for rank, st in statuses.items():
-            pid = int(st.get("pid") or 0)
+            pid = st.pid or 0
             if rank not in ranks or not alive.get(rank, True) or pid <= 0:
                 out[rank] = Activity(alive=alive.get(rank, True))
                 continue
@@ -135,8 +136,8 @@ class ActivityTracker:
                 out[rank] = self._activity(tr, now)  # mid-window: nothing new to read
                 continue
             cpu = self._cpu(pid)
-            if cpu is None and st.get("cpu_s") is not None:
-                cpu = float(st["cpu_s"])
+            if cpu is None and st.cpu_s is not None:
+                cpu = float(st.cpu_s)
             if tr is None or tr.pid != pid:
                 start = min(now, (since or {}).get(rank, now))
                 tr = self._tracks[rank] = _Track(pid, now, cpu, start)
@@ -148,7 +149,7 @@ class ActivityTracker:
                 tr.known = True
                 tr.ref_t, tr.ref_cpu = now, cpu
             idle_cpu = tr.rate is None or tr.rate < MIN_RATE
-            outside = (st.get("phase") or {}).get("name") not in SYNC  # compound phases: CPU only
+            outside = not st.in_sync  # compound phases: CPU only
             needs_frame = want_frame is not None and rank in want_frame and tr.frame is None
             if (
                 self._dump is not None

@@ -190,7 +190,7 @@ class Board:
                 seen = self._seen[n] = (view.wall, now)
             self._views[n] = view.shifted(seen[1] - view.wall)
             silent = now - seen[1]
-            if silent >= NODE_STALE_S and not all(s.get("exited") for s in view.statuses.values()):
+            if silent >= NODE_STALE_S and not all(s.exited for s in view.statuses.values()):
                 lost[n] = silent
         if mine is not None:
             self._views[mine.node] = mine

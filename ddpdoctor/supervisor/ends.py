@@ -287,7 +287,7 @@ def _sources(ends: dict[str, Any]) -> None:
         end["consequence"] = False
         earlier = [r for r, t in own.items() if r != rank and t and t < (end.get("at_wall") or 0.0)]
         if end["how"] == "exception":
-            from ddpdoctor.analysis.failed.ending import is_consequence
+            from ddpdoctor.analysis.failed.endings import is_consequence
 
             end["consequence"] = bool(earlier) and is_consequence(
                 {"type": "", "message": end.get("source", "")}

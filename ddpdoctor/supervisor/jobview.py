@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.hung.proof import Activity
+from ddpdoctor.probes.status import RankStatus
 
 
 @dataclass
@@ -23,7 +24,7 @@ class NodeView:
     host: str
     run_dir: str
     wall: float  # the node's clock when it looked
-    statuses: dict[int, dict[str, Any]]
+    statuses: dict[int, RankStatus]
     activity: dict[int, Activity]
     measuring: bool = False
 
@@ -34,7 +35,7 @@ class NodeView:
                 "host": self.host,
                 "run_dir": self.run_dir,
                 "wall": self.wall,
-                "statuses": {str(r): s for r, s in self.statuses.items()},
+                "statuses": {str(r): s.to_json() for r, s in self.statuses.items()},
                 "activity": {
                     str(r): [a.alive, a.idle_s, a.cpu_rate, a.frame] for r, a in self.activity.items()
                 },
@@ -52,7 +53,7 @@ class NodeView:
             str(d.get("host") or "?"),
             str(d.get("run_dir") or ""),
             float(d["wall"]),
-            {int(r): s for r, s in (d.get("statuses") or {}).items()},
+            {int(r): RankStatus.from_json(s) for r, s in (d.get("statuses") or {}).items()},
             {int(r): Activity(*a) for r, a in (d.get("activity") or {}).items()},
             bool(d.get("measuring")),
         )
@@ -61,11 +62,11 @@ class NodeView:
         """The same look with its times moved onto another clock (``by`` seconds)."""
         moved = {}
         for r, st in self.statuses.items():
-            st = dict(st)
-            for key in ("heartbeat_wall", "progress_wall"):
-                if isinstance(st.get(key), (int, float)):
-                    st[key] = float(st[key]) + by
-            moved[r] = st
+            hb, progress = st.heartbeat_wall, st.progress_wall
+            moved[r] = st.replace(
+                heartbeat_wall=None if hb is None else float(hb) + by,
+                progress_wall=None if progress is None else float(progress) + by,
+            )
         return NodeView(
             self.node, self.host, self.run_dir, self.wall + by, moved, self.activity, self.measuring
         )
@@ -79,12 +80,12 @@ class JobView:
     lost: dict[int, float] = field(default_factory=dict)  # node -> seconds silent
 
     @property
-    def statuses(self) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
+    def statuses(self) -> dict[int, RankStatus]:
+        out: dict[int, RankStatus] = {}
         for node in sorted(self.nodes):
             for r, st in self.nodes[node].statuses.items():
-                if node in self.lost and not st.get("exited"):
-                    st = {**st, "lost": self.where(r)}
+                if node in self.lost and not st.exited:
+                    st = st.replace(lost=self.where(r))
                 out[r] = st
         return out
 

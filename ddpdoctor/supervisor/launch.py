@@ -51,7 +51,7 @@ class WatchOptions:
 
     hang_timeout: float | None = None  # None: adaptive
     on_hang: str = "dump"  # "dump" | "kill"
-    floor_s: float | None = None  # None: watch.DEFAULT_FLOOR_S
+    floor_s: float | None = None  # None: statuses.hang_floor_s()
 
 
 def job_environment(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -167,13 +167,14 @@ def _start_watcher(run_dir: Path, launcher_pid: int, watch: WatchOptions | None,
         return None
     try:
         from ddpdoctor.supervisor.board import Board
-        from ddpdoctor.supervisor.watch import DEFAULT_FLOOR_S, Watcher
+        from ddpdoctor.supervisor.statuses import hang_floor_s
+        from ddpdoctor.supervisor.watch import Watcher
 
         watcher = Watcher(
             run_dir,
             hang_timeout=watch.hang_timeout,
             on_hang=watch.on_hang,
-            floor_s=watch.floor_s if watch.floor_s is not None else DEFAULT_FLOOR_S,
+            floor_s=watch.floor_s if watch.floor_s is not None else hang_floor_s(),
             report=eprint,
             kill_job=lambda pids: stop_job(launcher_pid, pids),
             board=Board(layout, report=eprint),

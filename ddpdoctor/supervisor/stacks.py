@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ddpdoctor import _env
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace.stacktext import parse_faulthandler, parse_pyspy_json
 
 PYSPY_TIMEOUT_S = 5.0
@@ -88,19 +89,19 @@ def faulthandler_dump(pid: int, path: str, wait: float = FAULTHANDLER_WAIT_S) ->
     return {"method": "faulthandler", "threads": parse_faulthandler(text), "error": "", "text": text}
 
 
-def dump_rank(status: dict[str, Any], use_pyspy: bool = True) -> dict[str, Any]:
-    pid = int(status.get("pid") or 0)
+def dump_rank(status: RankStatus, use_pyspy: bool = True) -> dict[str, Any]:
+    pid = status.pid or 0
     if pid <= 0:
         return {"method": None, "threads": [], "error": "no pid"}
     result = pyspy_dump(pid) if use_pyspy else {"method": None, "threads": [], "error": "py-spy off"}
-    if result["method"] is None and status.get("faulthandler"):
-        fallback = faulthandler_dump(pid, str(status["faulthandler"]))
+    if result["method"] is None and status.faulthandler:
+        fallback = faulthandler_dump(pid, status.faulthandler)
         fallback["error"] = "; ".join(filter(None, [result["error"], fallback["error"]]))
         result = fallback
     return result
 
 
-def dump_all(statuses: dict[int, dict[str, Any]], use_pyspy: bool = True) -> dict[int, dict[str, Any]]:
+def dump_all(statuses: dict[int, RankStatus], use_pyspy: bool = True) -> dict[int, dict[str, Any]]:
     """Stacks of every rank, dumped in parallel."""
     if not statuses:
         return {}

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.analysis.hung.proof import Verdict
+from ddpdoctor.analysis.hung.proof import Verdict, VerdictState
 from ddpdoctor.rundir import RunDir, write_atomic
 
 WAITING_SCHEMA = "ddpdoctor.waiting/1"
@@ -34,7 +34,7 @@ class WaitNotes:
 
     def update(self, verdict: Verdict, now: float, threshold: float, report: Callable[[str], None]) -> None:
         """Follow one look's verdict: open, refresh or close the current episode."""
-        if verdict.state == "busy" and (verdict.rank_only or self.current is not None):
+        if verdict.state is VerdictState.BUSY and (verdict.rank_only or self.current is not None):
             cur = self.current
             if cur is None:
                 cur = self.current = {
@@ -56,7 +56,7 @@ class WaitNotes:
                 self._written = now
                 self._write(cur)
             return
-        if self.current is not None and verdict.state != "unmeasured":
+        if self.current is not None and verdict.state is not VerdictState.UNMEASURED:
             self.close(now)
 
     def close(self, now: float) -> None:

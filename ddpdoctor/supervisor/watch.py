@@ -31,22 +31,27 @@ from typing import Any
 
 from ddpdoctor.analysis.hung import flight
 from ddpdoctor.analysis.hung.hang import analyse
-from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, is_hang, judge
+from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, VerdictState, is_hang, judge
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir, write_atomic
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.stacks import render_stack
-from ddpdoctor.supervisor.statuses import adaptive_threshold, read_statuses, snapshot, sync_wait_s, waits_now
+from ddpdoctor.supervisor.statuses import (
+    DEFAULT_FLOOR_S,
+    HANG_MULTIPLE,
+    adaptive_threshold,
+    read_statuses,
+    snapshot,
+)
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
-DEFAULT_FLOOR_S = 30.0
 FRESH_S = 1.0
 LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
-HANG_MULTIPLE = 5.0
 
 
 class Watcher:
@@ -87,7 +92,7 @@ class Watcher:
         # Statuses with an older heartbeat belong to an earlier run in a reused --out dir.
         self._started_wall = time.time() - 1.0 if since_wall is None else since_wall
         self._armed = True
-        self._statuses: dict[int, dict[str, Any]] = {}
+        self._statuses: dict[int, RankStatus] = {}
         self._lock = threading.Lock()
         self._rank_change: dict[int, float] = {}  # when each rank last recorded an event
         self._tracker = ActivityTracker(dump=pyspy_sample if use_pyspy else None)
@@ -130,17 +135,17 @@ class Watcher:
         nodes = {**self._nodes, **self._view.layout()} if self.board.leading else self._nodes
         return {**self.board.layout.to_json(), "node": self.board.node, "nodes": nodes or self._view.layout()}
 
-    def _node(self, statuses: dict[int, dict[str, Any]]) -> int:
+    def _node(self, statuses: dict[int, RankStatus]) -> int:
         """This node's rank in the job: its ranks' GROUP_RANK, else the launcher's --node_rank."""
         for st in statuses.values():
-            if isinstance(st.get("node"), int):
-                return int(st["node"])
+            if isinstance(st.node, int):
+                return st.node
         return self.board.node if self.board.node is not None else 0
 
     def rank_pids(self) -> list[int]:
-        return [int(s.get("pid") or 0) for s in self._statuses.values()]
+        return [s.pid or 0 for s in self._statuses.values()]
 
-    def threshold(self, statuses: dict[int, dict[str, Any]]) -> float:
+    def threshold(self, statuses: dict[int, RankStatus]) -> float:
         if self.hang_timeout is not None:
             return self.hang_timeout
         return adaptive_threshold(statuses, self.floor_s, self.multiple)
@@ -164,7 +169,7 @@ class Watcher:
             statuses = {
                 r: st
                 for r, st in read_statuses(self.run_dir).items()
-                if float(st.get("heartbeat_wall") or 0.0) >= self._started_wall
+                if (st.heartbeat_wall or 0.0) >= self._started_wall
             }
             if not statuses and not self.board.layout.multi_node:
                 return None
@@ -178,7 +183,7 @@ class Watcher:
                 self._measure(statuses, alive, now),
                 self._measuring,
             )
-            running = any(a and not statuses[r].get("exited") for r, a in alive.items())
+            running = any(a and not statuses[r].exited for r, a in alive.items())
             self._view = self.board.exchange(mine, now, running)
             if self.board.leading:
                 state = self._decide(self._view, now, detect)
@@ -204,48 +209,47 @@ class Watcher:
                 return None
         return self._on_hang(hang, now)
 
-    def _look_local(self, statuses: dict[int, dict[str, Any]], now: float) -> dict[int, bool]:
+    def _look_local(self, statuses: dict[int, RankStatus], now: float) -> dict[int, bool]:
         """This node's facts: which ranks are alive, which raised or left (for rank_failure)."""
         self._statuses = statuses
         alive: dict[int, bool] = {}
         for rank, st in statuses.items():
-            events = int(st.get("events") or 0)
-            if self._local_events.get(rank) != events:
-                self._local_events[rank] = events
+            if self._local_events.get(rank) != st.events:
+                self._local_events[rank] = st.events
                 self._rank_change[rank] = now
-            if st.get("error") and rank not in self.errors:
-                self.errors[rank] = {"seen_wall": now, **st["error"], "others": snapshot(statuses, rank)}
+            if st.error and rank not in self.errors:
+                self.errors[rank] = {"seen_wall": now, **st.error, "others": snapshot(statuses, rank)}
                 self._write_watch()
-            pid = int(st.get("pid") or 0)
+            pid = st.pid or 0
             # A heartbeat written in the last second is proof of life, and costs no syscall.
-            fresh = now - float(st.get("heartbeat_wall") or 0.0) < FRESH_S and not st.get("exited")
+            fresh = now - (st.heartbeat_wall or 0.0) < FRESH_S and not st.exited
             alive[rank] = True if fresh or not pid else pid_alive(pid)
             if pid and rank not in self.exits and not alive[rank]:
                 self.exits[rank] = {
                     "pid": pid,
                     "seen_wall": now,
                     "signal": zombie_signal(pid),
-                    "exited": bool(st.get("exited")),
-                    "step": st.get("step"),
-                    "last_heartbeat_wall": st.get("heartbeat_wall"),
-                    "error": st.get("error"),
+                    "exited": st.exited,
+                    "step": st.step,
+                    "last_heartbeat_wall": st.heartbeat_wall,
+                    "error": st.error,
                     "others": snapshot(statuses, rank),
                 }
                 self._write_watch()
         return alive
 
     def _measure(
-        self, statuses: dict[int, dict[str, Any]], alive: dict[int, bool], now: float
+        self, statuses: dict[int, RankStatus], alive: dict[int, bool], now: float
     ) -> dict[int, Activity]:
         """This node's ranks' CPU time and stacks, measured only while someone in the job waits
         or nothing moves (the leader says so for ranks on other nodes)."""
-        live = {r for r, a in alive.items() if a and not statuses[r].get("exited")}
-        waiting = any(waits_now(statuses[r], now) for r in live)
+        live = {r for r, a in alive.items() if a and not statuses[r].exited}
+        waiting = any(statuses[r].waits_now(now) for r in live)
         quiet = now - max(self._rank_change.values(), default=now)
         if not (waiting or self._measuring or quiet >= 1.0):
             self._tracker.forget()
             return {r: Activity(alive=alive[r]) for r in statuses}
-        measure = {r for r in live if (statuses[r].get("phase") or {}).get("name") not in ATOMIC}
+        measure = {r for r in live if (statuses[r].phase or {}).get("name") not in ATOMIC}
         want = measure if waiting or self._measuring else None
         return self._tracker.look(statuses, now, measure, alive, want_frame=want, since=self._rank_change)
 
@@ -254,9 +258,8 @@ class Watcher:
         statuses, activity = view.statuses, view.activity
         changed = False
         for rank, st in statuses.items():
-            events = int(st.get("events") or 0)
-            if self._last_events.get(rank) != events:
-                self._last_events[rank] = events
+            if self._last_events.get(rank) != st.events:
+                self._last_events[rank] = st.events
                 changed = True
         if changed:
             self._last_change = now
@@ -266,8 +269,8 @@ class Watcher:
                 "host": v.host,
                 "ranks": sorted(v.statuses),
                 "seen_wall": seen,
-                "steps": {str(r): st.get("step") for r, st in v.statuses.items()},
-                "running": any(not st.get("exited") and not st.get("error") for st in v.statuses.values()),
+                "steps": {str(r): st.step for r, st in v.statuses.items()},
+                "running": any(not st.exited and not st.error for st in v.statuses.values()),
             }
         self._lost = {
             n: {"host": view.nodes[n].host, "ranks": sorted(view.nodes[n].statuses), "silent_s": round(s, 3)}
@@ -277,14 +280,14 @@ class Watcher:
         quiet = now - self._last_change
         verdict = judge(statuses, activity, now, self._world(statuses))
         alive = {r: activity[r].alive for r in statuses}
-        longest = max((sync_wait_s(s, now) for r, s in statuses.items() if alive[r]), default=0.0)
+        longest = max((s.sync_wait_s(now) for r, s in statuses.items() if alive[r]), default=0.0)
         recovered = False
-        if not self._armed and changed and longest <= threshold and verdict.state != "proven":
+        if not self._armed and changed and longest <= threshold and verdict.state is not VerdictState.PROVEN:
             self._armed = True  # every rank is out of the stuck sync point and moving
             recovered = True
-        failing = any(st.get("error") for st in statuses.values())
-        started = any(int(s.get("step", -1)) >= 1 for s in statuses.values())
-        waiting = bool(verdict.waiting) or any(waits_now(s, now) for s in statuses.values())
+        failing = any(st.error for st in statuses.values())
+        started = any(s.step >= 1 for s in statuses.values())
+        waiting = bool(verdict.waiting) or any(s.waits_now(now) for s in statuses.values())
         hang = is_hang(
             verdict, threshold, hang_timeout=self.hang_timeout, longest=longest, quiet=quiet, started=started
         )
@@ -297,7 +300,7 @@ class Watcher:
                 "threshold_s": threshold,
                 "quiet_s": round(max(longest, quiet if started else 0.0), 3),
                 "verdict": verdict.to_json(),
-                "statuses": {str(r): s for r, s in statuses.items()},
+                "statuses": {str(r): s.to_json() for r, s in statuses.items()},
                 "nodes": view.layout(),
             }
             self.board.post_hang(self._hang_payload)
@@ -317,8 +320,8 @@ class Watcher:
         }
 
     @staticmethod
-    def _world(statuses: dict[int, dict[str, Any]]) -> int | None:
-        return max((int(s.get("world_size") or 0) for s in statuses.values()), default=0) or None
+    def _world(statuses: dict[int, RankStatus]) -> int | None:
+        return max((s.world_size or 0 for s in statuses.values()), default=0) or None
 
     def _on_hang(self, hang: dict[str, Any], now: float) -> dict[str, Any]:
         """Every node: dump its own ranks' stacks, share them, gather the others', and print the
@@ -326,7 +329,7 @@ class Watcher:
         n = int(hang["n"])
         hang_dir = RunDir(self.run_dir).hang(n)
         hang_dir.mkdir(exist_ok=True)
-        statuses = {int(r): s for r, s in (hang.get("statuses") or {}).items()}
+        statuses = {int(r): RankStatus.of(s) for r, s in (hang.get("statuses") or {}).items()}
         mine = {r: s for r, s in self._statuses.items() if r in statuses}
         stacks = _stacks.dump_all(mine, self.use_pyspy)
         self.board.share_stacks(n, stacks)
@@ -334,9 +337,7 @@ class Watcher:
         stacks.update(self.board.gather_stacks(n, [k for k, v in nodes.items() if not v.get("lost")]))
         verdict = Verdict.from_json(hang["verdict"]) if hang.get("verdict") else None
         threshold, quiet = float(hang["threshold_s"]), float(hang["quiet_s"])
-        proof = ""
-        if verdict is not None and verdict.state in ("proven", "busy"):
-            proof = verdict.proof if verdict.state == "proven" else f"busy: {verdict.proof}"
+        proof = verdict.proof_line if verdict is not None else ""
         diag = analyse(
             statuses,
             stacks,
@@ -358,7 +359,7 @@ class Watcher:
             "hang_dir": str(hang_dir),
             "node": self.board.node,
             "nodes": hang.get("nodes") or {},
-            "statuses": {str(r): s for r, s in statuses.items()},
+            "statuses": {str(r): s.to_json() for r, s in statuses.items()},
             "stacks": {str(r): s for r, s in stacks.items()},
             "text": text,
             "verdict": verdict.to_json() if verdict is not None else None,
@@ -379,7 +380,7 @@ class Watcher:
             self.report("ddpdoctor: --on-hang kill: stopping the job")
             summary["killed_wall"] = time.time()  # where the report draws the kill
             self._save_hang(summary)
-            self.kill_job([int(s.get("pid") or 0) for s in mine.values()])
+            self.kill_job([s.pid or 0 for s in mine.values()])
         return summary
 
     def _save_hang(self, summary: dict[str, Any]) -> None:

@@ -405,25 +405,3 @@ declare(
     EventKind(DEV_ALLREDUCE, ("bucket", "bytes", "seq"), "nii", "allreduce bucket {bucket}"),
     Phase("dev_bucket", DEV_ALLREDUCE, "bucket all-reduce (GPU)", Lane.DEVICE_COMM, "#a38a2f"),
 )
-
-
-class LivePhase(str, enum.Enum):
-    """Where a live rank is, as its status file says (``phase.name``): set by the probes around
-    each sync point and read by the supervisor's hang watch."""
-
-    FORWARD = "forward"
-    SYNC_BUFFERS = "sync_buffers"
-    BACKWARD = "backward"
-    COLLECTIVE = "collective"
-    DATA = "data"
-    # DistributedDataParallel's constructor: collectives of its group (the parameter shapes'
-    # all_gather, rank 0's state broadcast) from C++, so no collective probe sees them.
-    DDP_INIT = "ddp_init"
-
-    @property
-    def waits_for_peers(self) -> bool:
-        """A rank here can be blocked by another rank (a DataLoader wait cannot)."""
-        return self is not LivePhase.DATA
-
-
-SYNC_LIVE_PHASES = frozenset(p.value for p in LivePhase if p.waits_for_peers)

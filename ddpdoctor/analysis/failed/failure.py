@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddpdoctor.analysis.failed import endings
 from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.failed.failure_parts import StackGroup, parting_table, stack_groups
 from ddpdoctor.analysis.failed.failure_spans import Clock, OpenSpan, open_spans
@@ -55,7 +56,7 @@ class RankEnd:
     """How one rank's record ended and where it stood."""
 
     rank: int
-    how: str  # ending.Ending.how
+    how: str  # endings.Ending.how
     how_text: str  # "killed by SIGKILL", "raised RuntimeError: ...", "os._exit(7)"
     step: int  # by the module's rule
     step_text: str
@@ -100,7 +101,7 @@ def failure_view(
 ) -> FailureView | None:
     """The failure of a hung or failed run, or None for a run that went well (or still runs)."""
     hang = _live_hang(run, findings)
-    if hang is None and not any(ledgers.how_it_ended(run, r).how in _FAILED for r in run.ranks):
+    if hang is None and not any(endings.how_it_ended(run, r).how in _FAILED for r in run.ranks):
         return None  # a healthy run (the common case) pays for no ledger
     books = ledgers.build(run)
     failed = {r: lg.ending for r, lg in books.items() if lg.ending.how in _FAILED}
@@ -219,7 +220,7 @@ def _death_verdict(view: FailureView, first: int) -> str:
 
 
 def _end_of(
-    run: Run, clock: Clock, rank: int, ending: ledgers.Ending, hang: dict[str, Any] | None, killed: bool
+    run: Run, clock: Clock, rank: int, ending: endings.Ending, hang: dict[str, Any] | None, killed: bool
 ) -> tuple[float, str]:
     """When the rank's record ended (common base) and what ended it."""
     trace = run.ranks[rank]
@@ -289,14 +290,14 @@ def _rank_end(
     done = [p for p in book.points if not p.in_flight and not p.raised]
     open_point = next((s.label for s in reversed(spans) if s.kind != schema.USER_CODE), "")
     user = next((s.user_frame for s in spans if s.user_frame), "") or book.place
-    how = _how_text(ending) if not trace.header.get("attached") else _how_text(ledgers.Ending("attached"))
+    how = _how_text(ending) if not trace.header.get("attached") else _how_text(endings.Ending("attached"))
     return RankEnd(
         rank, ending.how, how, step, text, round(end_s, 6),
         done[-1].describe() if done else "", open_point, user, ending.how in _FAILED, _mark(ending),
     )  # fmt: skip
 
 
-def _mark(ending: ledgers.Ending) -> str:
+def _mark(ending: endings.Ending) -> str:
     if ending.how == "exception" and ending.error:
         return str(ending.error.get("type") or "exception")
     if ending.how == "signal":
@@ -308,7 +309,7 @@ def _mark(ending: ledgers.Ending) -> str:
     }.get(ending.how, "")
 
 
-def _how_text(ending: ledgers.Ending) -> str:
+def _how_text(ending: endings.Ending) -> str:
     if ending.how == "exception" and ending.error:
         message = str(ending.error.get("message") or "").splitlines()[:1]
         return f"raised {ending.error.get('type')}" + (f": {clip(message[0], 200)}" if message else "")

@@ -18,6 +18,7 @@ from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
 if TYPE_CHECKING:
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 
 AROUND = 3  # sequence numbers shown before the parting point
 _MARKERS = ("site-packages" + os.sep, "dist-packages" + os.sep)
+
+# An open span's op ("allreduce", "broadcast") as the ledger names DDP's own sync points.
+_DDP_LABELS = {p.op: p.label for p in (LivePhase.BACKWARD, LivePhase.SYNC_BUFFERS)}
 
 
 @dataclass
@@ -103,7 +107,7 @@ def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) 
                 by_seq.setdefault(p.seq, {})[rank] = _cell(p, False)
     for span in open_spans:  # a sync point the trace never recorded (the rank never left it)
         if span.seq is not None and span.seq >= 0 and span.op:
-            op = {"allreduce": ledgers.GRAD_ALLREDUCE, "broadcast": ledgers.BUFFERS}.get(span.op, span.op)
+            op = _DDP_LABELS.get(span.op, span.op)
             cells = by_seq.setdefault(span.seq, {})
             cells[span.rank] = _cell(
                 ledgers.Point(span.seq, op, 0, "WORLD", span.step, span.user_frame), True

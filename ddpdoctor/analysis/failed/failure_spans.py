@@ -13,22 +13,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ddpdoctor.analysis.failed import endings
 from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.hung.hang import main_thread
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
 from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
 
-_WATCHED_PHASES = {"backward": schema.BACKWARD, "collective": schema.COLLECTIVE}
-# A status phase -> the spans it stands for: (kind, lane) outermost first.
-_STATUS_SPANS = {
-    "sync_buffers": ((schema.FORWARD, schema.Lane.COMPUTE), (schema.SYNC_BUFFERS, schema.Lane.COMM)),
-    "forward": ((schema.FORWARD, schema.Lane.COMPUTE),),
-    "backward": ((schema.BACKWARD, schema.Lane.COMPUTE), (schema.ALLREDUCE, schema.Lane.COMM)),
-    "collective": ((schema.COLLECTIVE, schema.Lane.COMPUTE),),
-    "data": ((schema.DATA_WAIT, schema.Lane.COMPUTE),),
-}
+# The phases whose outermost span carries the sequence number the watcher saw.
+_WATCHED_PHASES = {p.value: p.spans[0][0] for p in (LivePhase.BACKWARD, LivePhase.COLLECTIVE)}
 
 
 @dataclass
@@ -79,7 +74,7 @@ def open_spans(
     clock: Clock,
     rank: int,
     trace: RankTrace,
-    ending: ledgers.Ending,
+    ending: endings.Ending,
     hang: dict[str, Any] | None,
     end_s: float,
     ended_by: str,
@@ -98,7 +93,7 @@ def open_spans(
         user = _user(frames)
         phase = status.get("phase") or None
         step = int(status.get("step", step)) if isinstance(status.get("step"), int) else step
-        if phase and phase.get("name") in _STATUS_SPANS:
+        if phase and LivePhase.of(phase.get("name")) is not None:
             since = float(phase.get("since_s") or 0.0)
             start = clock.wall(rank, float(status.get("heartbeat_wall") or 0) - since)
             # The status' wall clock and the trace's monotonic one differ by a little: the sync
@@ -162,14 +157,16 @@ def _from_phase(
     seq = int(seq) if isinstance(seq, int) and seq >= 0 else None
     num = f" #{seq}" if seq is not None else ""
     spans = []
-    for kind, lane in _STATUS_SPANS[str(name)]:
+    for kind, lane in LivePhase(name).spans:
         if kind == schema.FORWARD:
             label = "forward (no grad)" if "eval" in str(op) or op == "no_grad" else "forward"
             span_op, span_seq = None, None
         elif kind == schema.SYNC_BUFFERS:
-            label, span_op, span_seq = f"buffer broadcast{num}", "broadcast", seq
+            live = LivePhase.SYNC_BUFFERS
+            label, span_op, span_seq = f"{live.label}{num}", live.op, seq
         elif kind == schema.ALLREDUCE:
-            label, span_op, span_seq = f"gradient all-reduce{num}", "allreduce", seq
+            live = LivePhase.BACKWARD
+            label, span_op, span_seq = f"{live.label}{num}", live.op, seq
         elif kind == schema.COLLECTIVE:
             label, span_op, span_seq = f"{op}{num}", str(op), seq
         elif kind == schema.DATA_WAIT:
@@ -266,4 +263,4 @@ def _seen_in(run: Run, rank: int, spans: list[OpenSpan]) -> None:
                     if span.kind == kind and span.seq is None and isinstance(seq, int) and seq >= 0:
                         span.seq, span.op = seq, str(look.get("op") or "")
                         if kind == schema.BACKWARD:
-                            span.label = f"backward (gradient all-reduce #{seq})"
+                            span.label = f"backward ({LivePhase.BACKWARD.label} #{seq})"

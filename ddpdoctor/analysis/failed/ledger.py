@@ -18,18 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.failed.ending import Ending, how_it_ended, last_step_started, watch_facts
+from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_started, merged_watch
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
+from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
 from ddpdoctor.trace.stacktext import is_user_frame
 
-GRAD_ALLREDUCE = "gradient all-reduce"
-BUFFERS = "buffer broadcast"
-FORWARD = "DDP forward"
-DDP_INIT = "DDP constructor"
-# The live status' phase names, as ledger ops.
-_PHASE_OPS = {"backward": GRAD_ALLREDUCE, "sync_buffers": BUFFERS, "forward": FORWARD, "ddp_init": DDP_INIT}
+# DDP's own sync points, as ledger ops: the live phases' names in the user's words.
+GRAD_ALLREDUCE = LivePhase.BACKWARD.label
+BUFFERS = LivePhase.SYNC_BUFFERS.label
+FORWARD = LivePhase.FORWARD.label
 
 
 @dataclass(slots=True)
@@ -133,27 +133,28 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     if not run.hangs:
         return None, ""
     summary = run.hangs[-1]
-    status = (summary.get("statuses") or {}).get(str(rank)) or {}
+    status = RankStatus.of((summary.get("statuses") or {}).get(str(rank)) or {"rank": rank})
     stack = (summary.get("stacks") or {}).get(str(rank)) or {}
     place = ""
     for thread in stack.get("threads") or []:
         if thread.get("name") == "MainThread" or len(stack.get("threads") or []) == 1:
             place = user_frame(thread.get("frames") or [])
-    phase = status.get("phase") or {}
+    phase = status.phase or {}
     name, op = phase.get("name"), phase.get("op")
-    if not name or name == "data":
+    live = status.live_phase
+    if not name or live is LivePhase.DATA:
         return None, place
-    if name == "collective":
+    if live is LivePhase.COLLECTIVE:
         label = str(op)
-    elif name == "forward":
+    elif live is LivePhase.FORWARD:
         label = f"{FORWARD} ({op})"
     else:
-        label = _PHASE_OPS.get(str(name), str(name))
-        if name == "sync_buffers" and "eval" in str(op):
+        label = live.label if live is not None else str(name)
+        if live is LivePhase.SYNC_BUFFERS and "eval" in str(op):
             label += " (eval)"
     seq = phase.get("seq")
     point = Point(
-        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", int(status.get("step", -1)), place,
+        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", status.step, place,
         in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
         root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
@@ -250,7 +251,7 @@ def _expected_batches(info: dict[str, Any], world: int) -> int | None:
 
 def build(run: Run) -> dict[int, Ledger]:
     """A ledger for every rank of the run, those that left no trace included."""
-    watch = watch_facts(run)
+    watch = merged_watch(run)
     ledgers: dict[int, Ledger] = {}
     elsewhere = run.elsewhere  # on a node whose run dir was not given: nothing to judge it by
     for rank in range(run.world_size):

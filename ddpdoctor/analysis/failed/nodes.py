@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.failed.ending import is_consequence
+from ddpdoctor.analysis.failed.endings import is_consequence
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.probes import flight_recorder as _fr
+from ddpdoctor.rundir import RunDir
 
 MAX_TEXT_RANKS = 16  # the printed report names this many ranks; the details keep all
 
@@ -65,16 +66,13 @@ def read_dumps(hang_dir: str | Path) -> dict[int, dict[str, Any]]:
     hang_dir = Path(hang_dir)
     if not hang_dir.is_dir():
         return out
-    for path in hang_dir.glob("fr-rank*.json"):
-        stem = path.stem.removeprefix("fr-rank")
-        if not stem.isdigit():
-            continue
+    for rank, path in RunDir.flight_dumps(hang_dir).items():
         try:
             dump = json.loads(path.read_bytes())
         except (OSError, ValueError):
             continue
         if isinstance(dump, dict):
-            out[int(stem)] = summarise(dump)
+            out[rank] = summarise(dump)
     return out
 
 

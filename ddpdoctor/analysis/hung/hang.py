@@ -8,17 +8,17 @@ of `ddpdoctor run` and `diagnose` afterwards, and unit tests feed it synthetic d
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ddpdoctor.analysis.failed.signature import NEW_GROUP, disagreement, fix_for
-from ddpdoctor.analysis.findings import Finding, rank_list
-from ddpdoctor.trace.schema import SYNC_LIVE_PHASES, LivePhase
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.hung import patterns
+from ddpdoctor.analysis.hung.patterns import ranks_label
+from ddpdoctor.analysis.hung.proof import Verdict
+from ddpdoctor.probes.status import RankStatus
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.stacktext import is_user_frame
-
-# Phases in which a rank waits for the others (see probes: Collector.enter).
-SYNC_PHASES = SYNC_LIVE_PHASES
 
 Frame = dict[str, Any]  # {"file", "line", "function"}
 
@@ -42,14 +42,6 @@ def user_frame(frames: list[Frame]) -> Frame | None:
     return next((f for f in frames if is_user_frame(str(f.get("file", "")))), None)
 
 
-def _since(status: dict[str, Any], now: float | None) -> float:
-    phase = status.get("phase") or {}
-    since = float(phase.get("since_s", 0.0))
-    if now is not None and status.get("heartbeat_wall"):
-        since += max(0.0, now - float(status["heartbeat_wall"]))
-    return since
-
-
 def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
     """Where a rank waits, in the words a DDP user knows."""
     if not phase:
@@ -57,33 +49,10 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
         if inner is None:
             return "user code (no sync point)"
         return f"user code, not in a sync point ({inner.get('function')})"
-    name, op, seq = phase.get("name"), phase.get("op"), phase.get("seq", -1)
+    seq = phase.get("seq", -1)
     num = f"collective #{seq}" if isinstance(seq, int) and seq >= 0 else "collective"
-    if name == "sync_buffers":
-        return f"DistributedDataParallel.forward -> _sync_buffers (broadcast, {num})"
-    if name == "forward":
-        return f"DistributedDataParallel.forward ({op} mode, {num})"
-    if name == "backward":
-        return f"backward -> DDP gradient all-reduce ({num})"
-    if name == "ddp_init":
-        return f"DistributedDataParallel.__init__ (shape check and state broadcast, from {num})"
-    if name == LivePhase.DATA:
-        return "DataLoader.__next__ (waiting for a batch)"
-    if op == "barrier":
-        return f"dist.barrier() ({num})"
-    return f"dist.{op}() ({num})"
-
-
-def _op_name(phase: dict[str, Any] | None) -> str:
-    if not phase:
-        return "none"
-    if phase.get("name") in ("sync_buffers", "forward"):
-        return "broadcast" if phase.get("name") == "sync_buffers" else f"DDP forward ({phase.get('op')})"
-    if phase.get("name") == "backward":
-        return "gradient all_reduce"
-    if phase.get("name") == "ddp_init":
-        return "DDP constructor"
-    return str(phase.get("op"))
+    live = LivePhase.of(phase.get("name")) or LivePhase.COLLECTIVE
+    return live.where.format(op=phase.get("op"), num=num)
 
 
 @dataclass
@@ -98,7 +67,7 @@ class RankState:
 
     @property
     def in_sync(self) -> bool:
-        return bool(self.phase) and self.phase.get("name") in SYNC_PHASES  # type: ignore[union-attr]
+        return bool(self.phase) and self.phase.get("name") in SYNC_LIVE_PHASES  # type: ignore[union-attr]
 
     @property
     def seq(self) -> int:
@@ -143,9 +112,9 @@ class HangDiagnosis:
             lines = [
                 f"ddpdoctor: HANG - no progress for {self.quiet_s:.0f} s (threshold {self.threshold_s:g} s)"
             ]
-        width = max((len(_ranks_label(r)) for r, _ in self.groups), default=6)
+        width = max((len(ranks_label(r)) for r, _ in self.groups), default=6)
         for ranks, where in self.groups:
-            lines.append(f"  {_ranks_label(ranks):<{width}}  in {where}")
+            lines.append(f"  {ranks_label(ranks):<{width}}  in {where}")
         lines.append(f"  {self.explanation}")
         lines.append(f"  Fix: {self.fix}")
         if hang_dir:
@@ -171,10 +140,6 @@ class HangDiagnosis:
         )
 
 
-def _ranks_label(ranks: list[int]) -> str:
-    return "rank " + rank_list(ranks).replace(", ", ",")
-
-
 def _where(state_phase: dict[str, Any] | None, frames: list[Frame]) -> tuple[str, Frame | None]:
     user = user_frame(frames)
     where = describe_phase(state_phase, frames)
@@ -196,7 +161,7 @@ def group_ranks(keys: dict[int, K]) -> list[tuple[list[int], K]]:
 
 
 def analyse(
-    statuses: dict[int, dict[str, Any]],
+    statuses: Mapping[int, RankStatus | Mapping[str, Any]],
     stacks: dict[int, dict[str, Any]],
     *,
     threshold_s: float,
@@ -205,163 +170,23 @@ def analyse(
     world_size: int | None = None,
     proof: str = "",
 ) -> HangDiagnosis:
-    """Diagnose a hang from each rank's status and stack dump (``{"method", "threads"}``)."""
+    """Diagnose a hang from each rank's status (as read, or its JSON from a hang summary) and
+    stack dump (``{"method", "threads"}``)."""
     states: dict[int, RankState] = {}
-    for rank, status in sorted(statuses.items()):
+    for rank, raw in sorted(statuses.items()):
+        status = RankStatus.of(raw)
         dump = stacks.get(rank) or {}
         frames = main_thread(dump.get("threads") or [])
-        phase = status.get("phase") or None
+        phase = status.phase or None
         where, user = _where(phase, frames)
-        states[rank] = RankState(rank, phase, _since(status, now), frames, where, user, dump.get("method"))
+        states[rank] = RankState(rank, phase, status.in_phase_s(now), frames, where, user, dump.get("method"))
     groups = group_ranks({rank: st.where for rank, st in states.items()})
     if quiet_s is None:
         quiet_s = max((s.since_s for s in states.values()), default=0.0)
-    pattern, culprits, explanation, fix = _judge(states, world_size, busy=proof.startswith("busy: "))
+    pattern, culprits, explanation, fix = patterns.judge(states, world_size, busy=proof.startswith("busy: "))
     # A sequence number nobody could read (stacks taken by `attach`, no probes) is -1: no number.
     explanation = explanation.replace(" #-1", "")
     return HangDiagnosis(pattern, culprits, explanation, fix, states, groups, quiet_s, threshold_s, proof)
-
-
-def _loc(state: RankState) -> str:
-    u = state.user
-    return f" at {os.path.basename(str(u.get('file')))}:{u.get('line')} ({u.get('function')})" if u else ""
-
-
-def _judge(
-    states: dict[int, RankState], world_size: int | None, busy: bool = False
-) -> tuple[str, list[int], str, str]:
-    missing = sorted(set(range(world_size or 0)) - set(states))
-    if missing:
-        return (
-            "rank_missing",
-            missing,
-            f"Rank(s) {rank_list(missing)} never reported: they did not reach init_process_group "
-            "or run on another node; the others wait for them.",
-            "Check those ranks' own output (and other nodes' ddpdoctor runs).",
-        )
-    waiting = {r: s for r, s in states.items() if s.in_sync}
-    outside = {r: s for r, s in states.items() if not s.in_sync}
-    if outside:
-        culprits = sorted(outside)
-        first = outside[culprits[0]]
-        in_data = all((s.phase or {}).get("name") == LivePhase.DATA for s in outside.values())
-        seqs = sorted({s.seq for s in waiting.values()})
-        target = f" collective #{seqs[0]}" if len(seqs) == 1 and seqs[0] >= 0 else " the next collective"
-        what = "waits for a batch from its DataLoader" if in_data else "is stuck in user code"
-        if busy:  # its CPU time or stack moved: working, for longer than the user allowed
-            what = "is busy in user code"
-        lead = (
-            f"Rank(s) {rank_list(culprits)} never reached{target}: rank {first.rank} {what}{_loc(first)}"
-            + (f", while rank(s) {rank_list(waiting)} wait for it." if waiting else ".")
-        )
-        fix = (
-            "Find why the DataLoader blocks (a dead or slow worker, a remote file); "
-            "num_workers=0 shows the dataset's own stack."
-            if in_data
-            else "Look at the stack of that rank: an infinite loop, a lock, a blocking read or a "
-            "rank-dependent branch keeps it from the collective the others are in."
-        )
-        if busy:
-            fix = (
-                "If that work is expected (evaluation, a checkpoint), spread it over every rank or "
-                "raise --hang-timeout; if not, its stack shows the loop that never ends."
-            )
-        return ("data_loader" if in_data else "user_code"), culprits, lead, fix
-    by_seq: dict[int, list[int]] = {}
-    for r, s in waiting.items():
-        by_seq.setdefault(s.seq, []).append(r)
-    ops: dict[str, list[int]] = {}
-    for r, s in waiting.items():
-        ops.setdefault(_op_name(s.phase), []).append(r)
-    if len(by_seq) == 1 and len(ops) > 1:
-        seq = next(iter(by_seq))
-        forward_ranks = sorted(
-            r for r, s in waiting.items() if (s.phase or {}).get("name") in ("sync_buffers", "forward")
-        )
-        # Name the op of the lowest rank first: "broadcast vs barrier" when rank 0 is the odd one.
-        names = " vs ".join(sorted(ops, key=lambda op: min(ops[op])))
-        if forward_ranks and len(forward_ranks) < len(waiting):
-            training = any((waiting[r].phase or {}).get("op") == "train" for r in forward_ranks)
-            mode = "training " if training else ""
-            who = _ranks_label(forward_ranks)
-            explanation = (
-                f"Ranks disagree on collective #{seq} ({names}): {who} runs a DDP {mode}forward "
-                f"the others never run{_loc(waiting[forward_ranks[0]])}."
-            )
-            if mode:
-                fix = (
-                    "Every rank must run the same DDP forward/backward passes; for uneven inputs "
-                    "wrap the loop in model.join()."
-                )
-            else:
-                fix = (
-                    f"evaluate model.module on rank {forward_ranks[0]} (no collectives), "
-                    "or evaluate on every rank."
-                )
-            return "rank_only_forward", forward_ranks, explanation, fix
-        # Which side is the extra call is not in one look (a rank that skipped a barrier and a
-        # rank that logs alone look the same here): the ledger decides it after the run.
-        places = "; ".join(
-            f"rank(s) {rank_list(rs)} in {op}{_loc(waiting[rs[0]])}"
-            for op, rs in sorted(ops.items(), key=lambda kv: min(kv[1]))
-        )
-        explanation = (
-            f"Ranks disagree on collective #{seq} ({names}): {places}; the ranks issue "
-            "different collectives here."
-        )
-        fix = (
-            "Issue collectives in the same order on every rank: the call only some ranks make "
-            "(under `if rank == ...`, in a rank-dependent loop, or a dict or set iterated in a "
-            "per-process order) must run on every rank or on none."
-        )
-        if NEW_GROUP in ops:  # creating a group is the extra call: name it for what it is
-            differ = disagreement({r: s.phase or {} for r, s in waiting.items()}, _op_name)
-            if differ is not None:
-                explanation = f"{explanation} {differ.text[0].upper()}{differ.text[1:]}."
-                return "collective_order", sorted(ops[NEW_GROUP]), explanation, fix_for(differ, NEW_GROUP)
-        return "collective_order", sorted(waiting), explanation, fix
-    if len(by_seq) > 1:
-        low = min(by_seq)
-        behind = sorted(by_seq[low])
-        ahead = sorted(r for q, rs in by_seq.items() if q != low for r in rs)
-        explanation = (
-            f"Ranks are at different collectives: rank(s) {rank_list(behind)} wait in #{low} "
-            f"({_op_name(waiting[behind[0]].phase)}) while rank(s) {rank_list(ahead)} already "
-            f"issued it and wait in #{waiting[ahead[0]].seq} ({_op_name(waiting[ahead[0]].phase)}): "
-            "one side ran a collective the other skipped."
-        )
-        fix = (
-            "Make every rank issue the same collectives (look for one under `if rank == ...` or a "
-            "loop whose length differs between ranks)."
-        )
-        return "seq_mismatch", behind, explanation, fix
-    seq = next(iter(by_seq), -1)
-    op = next(iter(ops), "?")
-    differ = disagreement({r: s.phase or {} for r, s in waiting.items()}, _op_name, f"collective #{seq}")
-    if differ is not None:  # same op, same sequence number, another part of the signature
-        return (
-            "collective_mismatch",
-            differ.minority,
-            differ.text[0].upper() + differ.text[1:] + ": the collective can never complete.",
-            fix_for(differ, op),
-        )
-    return (
-        "backend_stuck",
-        sorted(states),
-        f"Every rank waits in the same collective #{seq} ({op}): the backend itself is stuck "
-        "(a lost peer, a network problem, an NCCL error).",
-        "Rerun with NCCL_DEBUG=INFO (and TORCH_NCCL_TRACE_BUFFER_SIZE for the flight recorder); "
-        "check the network between the hosts.",
-    )
-
-
-def _proof_of(verdict: dict[str, Any]) -> str:
-    """The proof line a live verdict printed (see HangDiagnosis.proof), from its summary."""
-    if verdict.get("state") == "proven":
-        return str(verdict.get("proof") or "")
-    if verdict.get("state") == "busy":
-        return f"busy: {verdict.get('proof')}"
-    return ""
 
 
 def hang_finding(summary: dict[str, Any]) -> Finding | None:
@@ -377,7 +202,7 @@ def hang_finding(summary: dict[str, Any]) -> Finding | None:
         quiet_s=summary.get("quiet_s"),
         now=summary.get("detected_wall"),
         world_size=summary.get("world_size"),
-        proof=_proof_of(summary.get("verdict") or {}),
+        proof=Verdict.from_json(summary.get("verdict") or {}).proof_line,
     )
     finding = diag.finding(str(summary.get("hang_dir", "")))
     finding.details["action"] = summary.get("action")

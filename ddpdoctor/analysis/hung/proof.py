@@ -20,22 +20,26 @@ while its peer has not yet returned from #n. So a rank counts as blocked only af
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.failed.signature import disagreement
 from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.probes.status import RankStatus
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 
 CONFIRM_S = 1.5  # in one sync point this long on a fresh status: blocked, not passing through
 STALE_S = 2.0  # a status older than this says nothing about now
 BUSY_S = 3.0  # CPU time or stack moved within this many seconds: the rank is progressing
 # One collective call: the rank waits in exactly this op at exactly this sequence number.
-ATOMIC = frozenset({"collective", "sync_buffers"})
+ATOMIC = frozenset(p.value for p in LivePhase if p.waits == "atomic")
 # DDP's own forward/backward and its constructor (the shape check's all_gather, the state
 # broadcast, the reducer's set-up): entered at sequence number n, they may issue #n, #n+1, ...;
 # they wait only when their CPU is idle, and compute otherwise.
-COMPOUND = frozenset({"forward", "backward", "ddp_init"})
-SYNC = ATOMIC | COMPOUND
+COMPOUND = frozenset(p.value for p in LivePhase if p.waits == "compound")
+SYNC = SYNC_LIVE_PHASES
 # Ops whose per-rank arguments legitimately differ in size (objects, splits, roots) or that are
 # not group collectives at all (point to point): never used to prove a size or order mismatch.
 _NO_PROOF_OPS = frozenset(
@@ -68,9 +72,21 @@ class Activity:
     frame: str | None = None  # its innermost user frame, "evaluate() train.py:27"
 
 
+class VerdictState(enum.StrEnum):
+    """The state of the job at one look (its value is what watch.json and the store carry)."""
+
+    RUNNING = "running"  # nothing waits, or nothing can be said yet
+    PROVEN = "proven"  # the ranks can never all return: a hang now, no threshold needed
+    STALLED = "stalled"  # ranks wait for one that makes no progress outside any sync point
+    BUSY = "busy"  # ranks wait for one that progresses: a wait, not a hang
+    BLOCKED = "blocked"  # every live rank waits at one consistent point: the threshold decides
+    QUIET = "quiet"  # no rank waits and none makes progress
+    UNMEASURED = "unmeasured"  # the ranks the others wait for were not measured: the clock decides
+
+
 @dataclass
 class Verdict:
-    state: str  # "running" | "proven" | "stalled" | "busy" | "blocked" | "quiet" | "unmeasured"
+    state: VerdictState
     proof: str = ""  # the sentence that proves or explains the state
     culprits: list[int] = field(default_factory=list)  # the ranks the others wait on
     waiting: list[int] = field(default_factory=list)  # ranks blocked in a sync point
@@ -79,6 +95,9 @@ class Verdict:
     where: dict[int, str] = field(default_factory=dict)  # rank -> "barrier #15", "evaluate() ..."
     phases: dict[int, dict[str, Any]] = field(default_factory=dict)  # the waiting ranks' phases
     rank_only: bool = False  # busy: a culprit works outside every sync point (not a slow step)
+
+    def __post_init__(self) -> None:
+        self.state = VerdictState(self.state)  # "busy" as given by a caller is VerdictState.BUSY
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,7 +116,7 @@ class Verdict:
     def from_json(cls, d: dict[str, Any]) -> Verdict:
         """The verdict as another node's watcher wrote it (supervisor/board.py)."""
         return cls(
-            str(d.get("state") or "running"),
+            _state(d.get("state")),
             str(d.get("proof") or ""),
             [int(r) for r in d.get("culprits") or []],
             [int(r) for r in d.get("waiting") or []],
@@ -107,6 +126,22 @@ class Verdict:
             {int(r): p for r, p in (d.get("phases") or {}).items()},
             bool(d.get("rank_only")),
         )
+
+    @property
+    def proof_line(self) -> str:
+        """The line a hang report prints for this verdict: the proof, or whom the ranks wait on."""
+        if self.state is VerdictState.PROVEN:
+            return self.proof
+        if self.state is VerdictState.BUSY:
+            return f"busy: {self.proof}"
+        return ""
+
+
+def _state(value: Any) -> VerdictState:
+    try:
+        return VerdictState(value or VerdictState.RUNNING)
+    except ValueError:
+        return VerdictState.RUNNING  # a state a newer ddpdoctor wrote: nothing proven here
 
 
 def is_hang(
@@ -121,36 +156,25 @@ def is_hang(
     """The one live rule (the watcher, `top`, `attach`): proven now; stalled or blocked past the
     threshold; busy only past an explicit ``--hang-timeout``; unmeasured by the clock alone."""
     state = verdict.state
-    if state == "proven":
+    if state is VerdictState.PROVEN:
         return True
-    if state in ("stalled", "quiet"):
+    if state in (VerdictState.STALLED, VerdictState.QUIET):
         return verdict.idle_s >= threshold
-    if state == "busy":
+    if state is VerdictState.BUSY:
         return hang_timeout is not None and verdict.wait_s >= hang_timeout
-    if state == "blocked":
+    if state is VerdictState.BLOCKED:
         return verdict.wait_s >= threshold
-    if state == "unmeasured":  # no /proc, no stack: the wait alone decides
+    if state is VerdictState.UNMEASURED:  # no /proc, no stack: the wait alone decides
         return longest > threshold or (started and quiet > threshold)
     return False
 
 
-def phase_since(status: dict[str, Any], now: float) -> float:
-    """Seconds in the current phase, as of ``now`` (the status was written a little earlier)."""
-    phase = status.get("phase") or {}
-    age = max(0.0, now - float(status.get("heartbeat_wall") or now))
-    return float(phase.get("since_s") or 0.0) + age
-
-
 def op_label(phase: dict[str, Any]) -> str:
-    name = phase.get("name")
-    if name == "sync_buffers":
-        return "broadcast"
-    if name == "backward":
-        return "allreduce"  # DDP's gradient buckets (and the unused-parameter map)
-    if name == "forward":
-        return "DDP forward"
-    if name == "ddp_init":
-        return "DDP constructor"
+    """The op ranks in this phase meet in: "broadcast" (DDP's buffers), "allreduce" (its
+    gradient buckets and the unused-parameter map), "DDP forward", or the collective's own."""
+    live = LivePhase.of(phase.get("name"))
+    if live is not None and live is not LivePhase.COLLECTIVE:
+        return live.op or live.label
     return str(phase.get("op"))
 
 
@@ -158,9 +182,9 @@ def point(phase: dict[str, Any]) -> str:
     """'barrier #15', 'broadcast #67 (DDP buffers)', 'allreduce #40.. (DDP backward)'."""
     seq = phase.get("seq", -1)
     name = phase.get("name")
-    if name == "sync_buffers":
-        return f"broadcast #{seq} (DDP buffers)"
-    if name == "ddp_init":
+    if name == LivePhase.SYNC_BUFFERS:
+        return f"{op_label(phase)} #{seq} (DDP buffers)"
+    if name == LivePhase.DDP_INIT:
         return f"{op_label(phase)} #{seq}.."
     if name in COMPOUND:
         return f"{op_label(phase)} #{seq}.. (DDP {name})"
@@ -173,39 +197,41 @@ def _members(phase: dict[str, Any], world: set[int]) -> set[int]:
 
 
 def judge(
-    statuses: dict[int, dict[str, Any]],
+    statuses: Mapping[int, RankStatus | Mapping[str, Any]],
     activity: dict[int, Activity],
     now: float,
     world_size: int | None = None,
 ) -> Verdict:
-    """One look at every rank -> the state of the job. Pure: no clock, no files, no processes."""
+    """One look at every rank -> the state of the job. Pure: no clock, no files, no processes.
+    The statuses as read, or as JSON (a hang summary's, a test's)."""
+    statuses = {r: RankStatus.of(s) for r, s in statuses.items()}
     world = set(range(world_size)) if world_size else set(statuses)
     acts = {r: activity.get(r, Activity()) for r in statuses}
-    gone = {r for r, st in statuses.items() if not acts[r].alive or st.get("exited")}
+    gone = {r for r, st in statuses.items() if not acts[r].alive or st.exited}
     live = {r: st for r, st in statuses.items() if r not in gone}
     if world - set(statuses):
-        return Verdict("running")  # a rank never reported: nothing can be proven about it
+        return Verdict(VerdictState.RUNNING)  # a rank never reported: nothing can be proven about it
     waits: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}
     for r, st in live.items():
-        phase = st.get("phase") or {}
+        phase = st.phase or {}
         if phase.get("name") not in SYNC:
             continue
-        fresh = now - float(st.get("heartbeat_wall") or 0.0) <= STALE_S
-        settled = phase_since(st, now) >= CONFIRM_S
+        fresh = now - (st.heartbeat_wall or 0.0) <= STALE_S
+        settled = st.in_phase_s(now) >= CONFIRM_S
         idle = acts[r].idle_s
         if fresh and settled and (phase["name"] in ATOMIC or (idle is not None and idle >= CONFIRM_S)):
             waits[r] = phase
             where[r] = point(phase)
-    wait_s = max((phase_since(live[r], now) for r in waits), default=0.0)
+    wait_s = max((live[r].in_phase_s(now) for r in waits), default=0.0)
     others = sorted(set(live) - set(waits))
     if waits and not others:
         proven = _prove(waits, gone, statuses, world)
         if proven is not None:
             text, culprits = proven
-            return Verdict("proven", text, culprits, sorted(waits), wait_s, 0.0, where, waits)
+            return Verdict(VerdictState.PROVEN, text, culprits, sorted(waits), wait_s, 0.0, where, waits)
         return Verdict(
-            "blocked",
+            VerdictState.BLOCKED,
             f"every live rank waits in {_same_point(waits)}: nothing on record says why",
             sorted(live),
             sorted(waits),
@@ -215,7 +241,7 @@ def judge(
             waits,
         )
     if not others:
-        return Verdict("running")
+        return Verdict(VerdictState.RUNNING)
     moving = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s < BUSY_S]
     stalled = [r for r in others if acts[r].idle_s is not None and acts[r].idle_s >= BUSY_S]
     for r in others:
@@ -227,31 +253,31 @@ def judge(
             f"rank {culprit} makes no progress outside any sync point ({where[culprit]}) while "
             f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)}"
         )
-        return Verdict("stalled", text, stalled, sorted(waits), wait_s, idle, where, waits)
+        return Verdict(VerdictState.STALLED, text, stalled, sorted(waits), wait_s, idle, where, waits)
     if waits and moving:
         busy = ", ".join(f"rank {r} in {where[r]}" for r in moving)
         text = f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)} for busy {busy}"
-        alone = any((live[r].get("phase") or {}).get("name") not in SYNC for r in moving)
-        return Verdict("busy", text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
+        alone = any(not live[r].in_sync for r in moving)
+        return Verdict(VerdictState.BUSY, text, moving, sorted(waits), wait_s, 0.0, where, waits, alone)
     if not waits and stalled and len(stalled) == len(others):
         idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
         text = f"no rank makes progress: rank(s) {rank_list(stalled)} idle outside any sync point"
-        return Verdict("quiet", text, stalled, [], 0.0, idle, where)
+        return Verdict(VerdictState.QUIET, text, stalled, [], 0.0, idle, where)
     unknown = [r for r in others if acts[r].idle_s is None]
     if unknown and not moving:
         # Nothing measured about the ranks that do not wait: only the clock can decide.
         text = f"rank(s) {rank_list(unknown)} not measured"
-        return Verdict("unmeasured", text, unknown, sorted(waits), wait_s, 0.0, where, waits)
-    return Verdict("running", waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
+        return Verdict(VerdictState.UNMEASURED, text, unknown, sorted(waits), wait_s, 0.0, where, waits)
+    return Verdict(VerdictState.RUNNING, waiting=sorted(waits), wait_s=wait_s, where=where, phases=waits)
 
 
-def _outside(status: dict[str, Any]) -> str:
-    phase = status.get("phase") or {}
-    if phase.get("name") == "data":
+def _outside(status: RankStatus) -> str:
+    phase = status.phase or {}
+    if phase.get("name") == LivePhase.DATA:
         return "DataLoader.__next__"
     if phase.get("name") in COMPOUND:
         return point(phase)
-    return f"user code after step {status.get('step')}"
+    return f"user code after step {status.step}"
 
 
 def _same_point(waits: dict[int, dict[str, Any]]) -> str:
@@ -262,7 +288,7 @@ def _same_point(waits: dict[int, dict[str, Any]]) -> str:
 def _prove(
     waits: dict[int, dict[str, Any]],
     gone: set[int],
-    statuses: dict[int, dict[str, Any]],
+    statuses: dict[int, RankStatus],
     world: set[int],
 ) -> tuple[str, list[int]] | None:
     """The sentence that proves every blocked rank can never return, and whom it blames."""
@@ -274,15 +300,15 @@ def _prove(
             members = members_of.setdefault(key, _members(phase, world))
             for d in sorted(members & gone):
                 final = statuses[d]
-                seq = int(final.get("seq", -1))
+                seq = final.seq
                 if key == "WORLD" and seq > int(phase.get("seq", -1)) >= 0:
                     continue  # it issued this collective before leaving: the wait may still end
-                how = "exited" if final.get("exited") else "died"
-                if final.get("lost"):  # its node stopped reporting (supervisor/board.py)
-                    how = f"was lost with {final['lost']}"
+                how = "exited" if final.exited else "died"
+                if final.lost:  # its node stopped reporting (supervisor/board.py)
+                    how = f"was lost with {final.lost}"
                 who = sorted(w for w, q in waits.items() if str(q.get("group") or "WORLD") == key)
                 return (
-                    f"rank {d} {how} (after step {final.get('step')}) while rank(s) {rank_list(who)} "
+                    f"rank {d} {how} (after step {final.step}) while rank(s) {rank_list(who)} "
                     f"wait in {point(phase)}, a collective of its group it can no longer join",
                     [d],
                 )

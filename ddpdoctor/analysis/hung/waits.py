@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.hung.hang import SYNC_PHASES, hang_finding
+from ddpdoctor.analysis.hung.hang import hang_finding
+from ddpdoctor.analysis.hung.proof import op_label
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
 from ddpdoctor.trace.reader import Run
 
 _FIXES = (
@@ -69,13 +71,13 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
     seq = phase.get("seq")
     if trace is None or not isinstance(seq, int) or seq < 0:
         return None, None
-    if phase.get("name") == "collective":
+    if phase.get("name") == LivePhase.COLLECTIVE:
         ev = trace.kind(schema.COLLECTIVE)
         hit = (ev.ints(4) == seq) & ev.equals(0, phase.get("op"))
-    elif phase.get("name") == "sync_buffers":
+    elif phase.get("name") == LivePhase.SYNC_BUFFERS:
         ev = trace.kind(schema.SYNC_BUFFERS)
         hit = ev.ints(0) == seq
-    elif phase.get("name") == "ddp_init":
+    elif phase.get("name") == LivePhase.DDP_INIT:
         ev = trace.kind(schema.DDP_INIT)
         hit = np.array([isinstance(f[0], dict) and f[0].get("seq") == seq for f in ev.fields], dtype=bool)
     else:
@@ -88,9 +90,7 @@ def _wait_of(run: Run, rank: int, phase: dict[str, Any]) -> tuple[float | None, 
 
 
 def _point(phase: dict[str, Any]) -> str:
-    named = {"sync_buffers": "broadcast", "ddp_init": "the DDP constructor"}
-    op = named.get(str(phase.get("name")), phase.get("op"))
-    return f"{op} #{phase.get('seq')}"
+    return f"{op_label(phase)} #{phase.get('seq')}"
 
 
 def _episodes(run: Run) -> Iterable[dict[str, Any]]:
@@ -121,7 +121,7 @@ def _episodes(run: Run) -> Iterable[dict[str, Any]]:
         if finding is None:
             continue
         ranks = finding.details.get("ranks") or {}
-        waiting = sorted(int(r) for r, s in ranks.items() if s.get("phase") in SYNC_PHASES)
+        waiting = sorted(int(r) for r, s in ranks.items() if s.get("phase") in SYNC_LIVE_PHASES)
         busy = sorted(int(r) for r in ranks if int(r) not in waiting)
         statuses = summary.get("statuses") or {}
         where = {}

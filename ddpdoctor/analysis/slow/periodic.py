@@ -16,7 +16,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.phases import training_forwards
-from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
+from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, lateness_from_waits
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -101,7 +101,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
     ranks, waits = found
     # A rank that is late makes the others wait for it: its lateness at a step is how much
     # longer the most-waiting rank was blocked than it was.
-    lateness = waits.max(axis=0, keepdims=True) - waits
+    lateness = lateness_from_waits(waits)
     total_us = 0.0  # the training time: first training forward to the rank's last record
     for r in ranks:
         fwd = training_forwards(run.ranks[r])

@@ -137,12 +137,46 @@ def sync_table(run: Run) -> SyncTable | None:
     for name in list(matrices):  # one at a time: a single copy's worth of memory at a time
         matrices[name] = matrices[name][:, common]
     last_dur, cpu_wait = matrices.pop("last_dur"), matrices.pop("cpu_wait")
-    lateness = last_dur.max(axis=0, keepdims=True) - last_dur
+    lateness = lateness_from_waits(last_dur)
     del last_dur
     periods = np.concatenate([np.diff(training_forwards(run.ranks[r]).ts) for r in ranks])
     step_us = float(np.median(periods)) if len(periods) else 0.0
     known = not np.isnan(cpu_wait).all()
     return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait if known else None)
+
+
+def lateness_from_waits(waits: np.ndarray) -> np.ndarray:
+    """(ranks, steps) lateness from each rank's wait in the step's last bucket all-reduce (or
+    any sync point every rank leaves together): the rank that waited longest arrived first, and
+    every other rank is late by how much less it waited. The trace analysis and `top` both."""
+    return waits.max(axis=0, keepdims=True) - waits
+
+
+def late_threshold_us(step_us: float) -> float:
+    """Lateness below this is on time: a share of the step, never below a floor."""
+    return max(LATE_FRACTION * step_us, LATE_FLOOR_US)
+
+
+def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """The straggler rule, for the trace analysis and `top` alike: (the row latest at each step,
+    per row whether it is a persistent straggler). Persistent: the latest, by more than
+    ``threshold``, on at least min(60 %, 3/world) of the steps; its typical lateness stands out
+    from the typical rank's by more than ``threshold`` (with many ranks someone is always a
+    little late); and it is the latest more often than chance makes a healthy rank (p < CHANCE)."""
+    n_ranks, n_steps = lateness.shape
+    latest = lateness.argmax(axis=0)
+    standout = _standout(np.median(lateness, axis=1))
+    needed = min(PERSISTENT, 3 / n_ranks)
+    persistent = np.zeros(n_ranks, bool)
+    for row in range(n_ranks):
+        is_latest = latest == row
+        n_late = int((is_latest & (lateness[row] > threshold)).sum())
+        persistent[row] = (
+            n_late / n_steps >= needed
+            and standout[row] > threshold
+            and by_chance(int(is_latest.sum()), n_steps, n_ranks) < CHANCE
+        )
+    return latest, persistent
 
 
 def cached_sync_table(run: Run) -> SyncTable | None:
@@ -208,12 +242,8 @@ def stragglers(run: Run) -> Iterable[Finding]:
     table = cached_sync_table(run)
     if table is None or not table.step_us:
         return
-    threshold = max(LATE_FRACTION * table.step_us, LATE_FLOOR_US)
-    latest = table.lateness.argmax(axis=0)
-    # How far each rank's typical lateness stands out from the typical rank's: with many
-    # ranks someone is always a little late, so lateness alone is not a straggler.
-    typical = np.median(table.lateness, axis=1)
-    standout = _standout(typical)
+    threshold = late_threshold_us(table.step_us)
+    latest, persistent_rows = persistent_stragglers(table.lateness, threshold)
     slow_rows: set[int] = set()
     for finding, rows in slow_nodes(run, table, threshold):
         slow_rows |= rows
@@ -223,13 +253,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
             continue  # its node is slow as a whole: said once, for the node
         late = (latest == row) & (table.lateness[row] > threshold)
         n_late = int(late.sum())
-        # A healthy rank is the latest on about 1/world of the steps; a straggler on most.
-        needed = min(PERSISTENT, 3 / len(table.ranks))
-        persistent = (
-            n_late / len(table.steps) >= needed
-            and standout[row] > threshold
-            and by_chance(int((latest == row).sum()), len(table.steps), len(table.ranks)) < CHANCE
-        )
+        persistent = bool(persistent_rows[row])
         if not persistent:
             late &= table.lateness[row] > OCCASIONAL_FACTOR * threshold
             late = costliest(table.lateness[row], late)

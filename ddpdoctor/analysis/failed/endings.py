@@ -1,11 +1,13 @@
-"""How each rank's record ended, decided in one place from every fact there is: its own trace
-(a clean close, an uncaught exception and whether it says a peer went away), the supervisor's
-exit record and ``ends.json`` (a signal by name, ``os._exit``), and whether ddpdoctor stopped
-the job on a hang. Facts recorded later about a rank's end plug in here."""
+"""How each rank's record ended, decided in one place from every fact there is: its trace
+(a clean close, an uncaught exception), the supervisor's records of its process (ends.json,
+the watcher's exit records) and whether ddpdoctor stopped the job on a hang. The ledger, the
+failure view and the failure findings all read a rank's ending from here.
+"""
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +73,7 @@ def signal_name(sig: Any) -> str | None:
         return f"signal {sig}"
 
 
-def watch_facts(run: Run) -> dict[str, Any]:
+def merged_watch(run: Run) -> dict[str, Any]:
     merged: dict[str, Any] = {"rank_exits": {}, "rank_errors": {}, "killed_on_hang": False}
     for w in run.watches:
         for key in ("rank_exits", "rank_errors"):
@@ -84,7 +86,7 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     """The one place that decides how a rank's record ended, from every fact there is: its own
     trace (clean close, uncaught exception), the supervisor's exit record (signal, step) and
     whether ddpdoctor stopped the job on a hang."""
-    watch = watch if watch is not None else watch_facts(run)
+    watch = watch if watch is not None else merged_watch(run)
     trace = run.ranks.get(rank)
     exit_info = (watch.get("rank_exits") or {}).get(str(rank)) or {}
     if trace is None:  # what the supervisor saw of its process, if it started (probes/early.py)
@@ -108,24 +110,52 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
         return Ending(
             "exception", step, error=err, consequence=is_consequence(err), wall_s=wall / 1e9 if wall else None
         )
-    sig = signal_name(exit_info.get("signal"))
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
-    end = run.ends.get(rank) or {}  # the supervisor's word after the job (supervisor/ends.py)
-    if end.get("interrupted"):  # the user's Ctrl-C of a hung job: ddpdoctor ended it
-        return Ending("interrupted", step, signal=str(end.get("signal")), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "signal" and end.get("signal"):
-        return Ending("signal", step, signal=str(end["signal"]), wall_s=end.get("at_wall") or when)
-    if end.get("how") == "os_exit" and end.get("code"):
-        return Ending("vanished", step, wall_s=end.get("at_wall") or when)
-    if trace.ended_cleanly:
-        return Ending("clean_exit", step, wall_s=_end_wall(trace))
-    if watch.get("killed_on_hang"):
-        return Ending("stopped_on_hang", step, wall_s=when)
-    if sig:
-        return Ending("signal", step, signal=sig, wall_s=when)
-    if exit_info:
-        return Ending("vanished", step, wall_s=when)
-    return Ending("running", step)
+    facts = _Facts(run.ends.get(rank) or {}, exit_info, trace, bool(watch.get("killed_on_hang")), when)
+    row = next(r for r in _ENDINGS if r.applies(facts))
+    return Ending(row.how, step, signal=row.signal(facts), wall_s=row.wall(facts))
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What is known of a rank that left a trace and raised nothing, for the rows below."""
+
+    end: dict[str, Any]  # the supervisor's word after the job (supervisor/ends.py)
+    exit_info: dict[str, Any]  # the watcher's glimpse of its process leaving
+    trace: RankTrace
+    killed_on_hang: bool  # ddpdoctor stopped the job on a hang
+    when: float | None  # its last heartbeat, or when the watcher saw it gone
+
+    @property
+    def own_wall(self) -> float | None:
+        return self.end.get("at_wall") or self.when
+
+
+@dataclass(frozen=True)
+class _EndingRow:
+    how: str
+    applies: Callable[[_Facts], bool]
+    signal: Callable[[_Facts], str | None] = lambda f: None
+    wall: Callable[[_Facts], float | None] = lambda f: f.when
+
+
+# How a rank that raised nothing ended: the first row that applies. The rank's own record
+# (ends.json) comes before its trace's clean close, which comes before the watcher's glimpse.
+_ENDINGS = (
+    # the user's Ctrl-C of a hung job: ddpdoctor ended it
+    _EndingRow("interrupted", lambda f: bool(f.end.get("interrupted")), lambda f: str(f.end.get("signal")),
+               lambda f: f.own_wall),
+    _EndingRow("signal", lambda f: f.end.get("how") == "signal" and bool(f.end.get("signal")),
+               lambda f: str(f.end["signal"]), lambda f: f.own_wall),
+    _EndingRow("vanished", lambda f: f.end.get("how") == "os_exit" and bool(f.end.get("code")),
+               wall=lambda f: f.own_wall),
+    _EndingRow("clean_exit", lambda f: f.trace.ended_cleanly, wall=lambda f: _end_wall(f.trace)),
+    _EndingRow("stopped_on_hang", lambda f: f.killed_on_hang),
+    _EndingRow("signal", lambda f: bool(signal_name(f.exit_info.get("signal"))),
+               lambda f: signal_name(f.exit_info.get("signal"))),
+    _EndingRow("vanished", lambda f: bool(f.exit_info)),
+    _EndingRow("running", lambda f: True, wall=lambda f: None),  # the trace just stops
+)  # fmt: skip
 
 
 def last_step_started(trace: RankTrace) -> int:
