@@ -118,7 +118,7 @@ def test_a_stall_on_one_node_is_a_hang_of_the_job_on_both(tmp_path: Path) -> Non
 
 
 def test_a_long_evaluation_on_one_node_is_busy_not_hung(tmp_path: Path) -> None:
-    args = ["--mode", "longeval", "--at", "4", "--eval-s", "8", "--steps", "8"]
+    args = ["--mode", "longeval", "--at", "4", "--eval-s", "12", "--steps", "8"]
     nodes = Nodes(tmp_path, 1, ["--hang-timeout", "auto"], *args)
     # `top` on node 1 sees node 0's rank too, and the leading watcher's verdict: busy, not hung.
     frames: list[dict] = []
@@ -126,6 +126,17 @@ def test_a_long_evaluation_on_one_node_is_busy_not_hung(tmp_path: Path) -> None:
     def waiting_seen() -> bool:
         return bool(frames) and any(f["kind"] == "waiting" for f in frames[-1]["findings"])
 
+    # Look once rank 0 has reached its evaluation: a look before node 1's run dir exists, or
+    # before the evaluation began, uses up the window on a loaded machine (top starts in seconds).
+    status = tmp_path / "n0" / "status-rank0.json"
+    deadline = time.time() + 120
+    while nodes.procs[1].poll() is None and time.time() < deadline:
+        try:
+            if json.loads(status.read_text()).get("step", -1) >= 4:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
     while nodes.procs[1].poll() is None and not waiting_seen():
         top = subprocess.run(
             [sys.executable, "-m", "ddpdoctor", "top", "--once", "--json", str(tmp_path / "n1")],
