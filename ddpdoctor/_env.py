@@ -6,8 +6,10 @@ pass it on unchanged.
 
 RUN_DIR = "DDPDOCTOR_RUN_DIR"  # where ranks write their traces; its presence arms the bootstrap
 BOOTSTRAP_DIR = "DDPDOCTOR_BOOTSTRAP_DIR"  # our sitecustomize directory, to find the user's own
-FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (default 0.25)
-BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before dropping (65536)
+FLUSH_INTERVAL = "DDPDOCTOR_FLUSH_S"  # seconds between trace flushes (FLUSH_INTERVAL_S)
+BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before dropping (BUFFER_EVENTS_N)
+FLUSH_INTERVAL_S = 0.25
+BUFFER_EVENTS_N = 65536  # the ring's slots (128 bytes each: 8 MiB)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
@@ -30,3 +32,10 @@ def number(name: str, default: float, *, integer: bool = False) -> float:
         kind = "a positive whole number" if integer else "a positive number of seconds"
         raise ValueError(f"{name}={raw!r}: must be {kind}")
     return value
+
+
+def writer_settings() -> tuple[float, int]:
+    """(seconds between flushes, events that may wait to be written) from the environment or
+    their defaults; a bad value is a ValueError that names it (``number``)."""
+    flush = number(FLUSH_INTERVAL, FLUSH_INTERVAL_S)
+    return flush, int(number(BUFFER_EVENTS, BUFFER_EVENTS_N, integer=True))

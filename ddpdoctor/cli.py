@@ -127,8 +127,7 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
             raise click.BadParameter("must be positive", param_hint="--hang-timeout")
     try:  # the ranks' settings too: a bad value stops here, in one line, not in every rank
         floor = _env.number(_env.HANG_FLOOR, 0.0) or None
-        _env.number(_env.FLUSH_INTERVAL, 0.25)
-        _env.number(_env.BUFFER_EVENTS, 65536, integer=True)
+        _env.writer_settings()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     return WatchOptions(timeout, on_hang, floor)

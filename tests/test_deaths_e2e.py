@@ -123,7 +123,7 @@ def test_a_ring_too_small_to_hold_the_gap_says_what_it_lost(tmp_path: Path) -> N
     """An 8-slot ring laps itself many times a flush interval: training goes on unchanged, the
     trace keeps everything flushed plus the ring's last events, and a dropped record counts
     exactly the events in between."""
-    job = run_death(tmp_path, "sigkill", 0.0, DDPDOCTOR_RING_SLOTS="8", DDPDOCTOR_FLUSH_S="30")
+    job = run_death(tmp_path, "sigkill", 0.0, DDPDOCTOR_BUFFER_EVENTS="8", DDPDOCTOR_FLUSH_S="30")
     assert printed_steps(job.stdout, 1) == list(range(DIE_AT))
     trace = read_lines(job.run_dir / "trace-rank1.jsonl")
     events = [r for r in trace[1:] if r[0] in schema.KINDS]  # metadata is written at once

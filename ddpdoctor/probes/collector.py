@@ -65,11 +65,12 @@ class Collector:
         self.events = 0  # events recorded so far: a counter the supervisor watches move
         self.last_step_ns = 0  # entry of the last training forward
         self.max_step_ns = 0  # the slowest step seen (forward entry to next forward entry)
+        flush, capacity = _env.writer_settings()
         self.writer = TraceWriter(
             RunDir(run_dir).trace(self.rank, header.get("restart", 0)),
             header,
-            capacity=int(_env.number(_env.BUFFER_EVENTS, 65536, integer=True)),
-            flush_interval=_env.number(_env.FLUSH_INTERVAL, 0.25),
+            capacity=capacity,
+            flush_interval=flush,
             on_error=self._writer_failed,
             ring=os.environ.get(_RING_ENV) != "0",
         )

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor import _env
 from ddpdoctor.trace import binfmt, schema
 
 MAGIC = b"DDPRING2"
@@ -44,8 +45,6 @@ SEQ_AT = 120
 BODY_AT = 4
 VOID = 0xFFFF
 VOID_SLOT = struct.Struct(f"<H{SEQ_AT - 2}xQ")
-DEFAULT_SLOTS = 32768  # 4 MiB: 16 s of a job recording 2000 events a second between flushes
-SLOTS_ENV = "DDPDOCTOR_RING_SLOTS"
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -64,7 +63,7 @@ class Ring:
     """The slots, mapped from ``path`` (crash-safe) or anonymous memory (``path`` None)."""
 
     def __init__(self, path: str | None, mono_anchor_ns: int, slots: int | None = None) -> None:
-        slots = int(os.environ.get(SLOTS_ENV) or slots or DEFAULT_SLOTS)
+        slots = int(slots or _env.BUFFER_EVENTS_N)
         self.path = path
         self.slots = 1 << max(2, slots.bit_length() - 1)  # a power of two: a mask, not a modulo
         self.mask = self.slots - 1

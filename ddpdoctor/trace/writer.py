@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor import _env
 from ddpdoctor.trace import binfmt, schema
 from ddpdoctor.trace.ring import (
     HEADER_BYTES,
@@ -59,7 +60,7 @@ class TraceWriter:
         path: str,
         header: dict[str, Any],
         *,
-        flush_interval: float = 0.25,
+        flush_interval: float = _env.FLUSH_INTERVAL_S,
         on_error: Callable[[BaseException], None] | None = None,
         ring: bool = False,
         capacity: int | None = None,
