@@ -355,5 +355,5 @@ def test_setup_before_the_ddp_constructor_is_a_one_time_wait_not_a_warning(
     found = diagnose_json(job.run_dir)["findings"]
     assert not [f for f in found if f["severity"] != "info"], [f["summary"] for f in found]
     [work] = [f for f in found if f["kind"] == "rank_only_work"]
-    assert work["ranks"] == [0] and "the DDP constructor #" in work["summary"], work["summary"]
+    assert work["ranks"] == [0] and "at DDP constructor #0" in work["summary"], work["summary"]
     assert work["summary"].startswith("one-time setup before step 0")

@@ -38,6 +38,20 @@ class Nodes:
             with open(tmp / f"n{node}.err", "wb") as err, open(tmp / f"n{node}.out", "wb") as out:
                 self.procs.append(subprocess.Popen(doctor, cwd=tmp, stdout=out, stderr=err, env=job_env()))
 
+    def leader_knows(self, node: int) -> bool:
+        """The leading doctor has put ``node`` in the job's node map (board.py's layout key): it
+        has read that node's report, so it can tell when the node goes silent."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        try:
+            store = TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=5))
+            key = "ddpdoctor/v1/layout"
+            return bool(store.check([key])) and str(node) in json.loads(store.get(key))
+        except Exception:  # the store not up yet, or gone
+            return False
+
     def wait(self, timeout: float = 240) -> list[int]:
         return [p.wait(timeout=timeout) for p in self.procs]
 
@@ -166,13 +180,15 @@ def test_a_lost_node_is_named_by_the_survivors(tmp_path: Path) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if json.loads(status.read_text()).get("step", -1) >= 20:
+            # Lost once the leader knew it: a node lost before its doctor ever reported (its board
+            # connects in the background, seconds on a loaded machine) leaves nothing to name.
+            if json.loads(status.read_text()).get("step", -1) >= 20 and nodes.leader_knows(1):
                 break
         except (OSError, ValueError):
             pass
         time.sleep(0.2)
     else:
-        pytest.fail("node 1 never reached step 20")
+        pytest.fail("node 1 never reached step 20 with the leader knowing it")
     nodes.kill_node(1)
     code = nodes.procs[0].wait(timeout=240)
     assert code != 0
