@@ -16,6 +16,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.phases import training_forwards
+from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
 from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, lateness_from_waits
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -123,16 +124,21 @@ def periodic_work(run: Run) -> Iterable[Finding]:
             continue
         each_ms = float(np.median(lateness[row, late])) / 1e3
         speedup = total_us / max(total_us - cost_us, 1.0)
+        reading = other_loader(run.ranks[rank], [int(s) for s in late])
+        what = "(logging, metrics, checkpoints, evaluation?)"
+        if reading:
+            what = f"reading {loader_text(reading)}"
         yield Finding(
             "periodic_rank_work",
             "warning" if share >= COST_WARNING and each_ms >= MIN_EACH_MS else "info",
             [rank],
             f"every {k} steps rank {rank} spends {each_ms:.0f} ms in its own code between sync "
-            f"points (logging, metrics, checkpoints, evaluation?) while the other ranks wait for it "
-            f"at the next sync point: {100 * share:.0f} % of the training time; the job would be "
-            f"{speedup:.2f}x faster without it",
-            fix=FIX,
+            f"points {what} while the other ranks wait for it at the next sync point: "
+            f"{100 * share:.0f} % of the training time; the job would be {speedup:.2f}x faster "
+            "without it",
+            fix=OTHER_LOADER_FIX if reading else FIX,
             details={
+                "loader": reading,
                 "root_rank": rank,
                 "period_steps": k,
                 "ms_each": round(each_ms, 3),

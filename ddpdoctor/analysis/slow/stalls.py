@@ -87,10 +87,14 @@ def other_loader(trace: RankTrace, steps: list[int]) -> dict[str, object] | None
 
 def where_time_went(phase: str, reading: dict[str, object] | None) -> str:
     """The phase a straggler loses its time in, with the other DataLoader it reads there."""
-    if not reading:
-        return phase
+    return f"data_wait of {loader_text(reading)}" if reading else phase
+
+
+def loader_text(reading: dict[str, object]) -> str:
+    """'a DataLoader its training steps do not read (SequentialSampler over 16000 samples, read
+    at eval.py:67 score <- train.py:103 main)'."""
     size = reading["dataset_len"]
     what = f"{reading['sampler'] or 'a'} over {size} samples" if size else "a"
     stack = reading["stack"]
     at = f", read at {' <- '.join(stack[:2])}" if stack else ""  # type: ignore[arg-type]
-    return f"data_wait of a DataLoader its training steps do not read ({what}{at})"
+    return f"a DataLoader its training steps do not read ({what}{at})"
