@@ -125,3 +125,18 @@ def test_the_same_accumulation_on_every_rank_is_no_divergence(tmp_path: Path) ->
         _write(tmp_path, rank, _accumulating(4, micro=3))
     assert first_divergence(build(load_run([tmp_path]))) is None
     assert "skipped_gradient_sync" not in _kinds(tmp_path)
+
+
+def test_an_except_that_leaves_the_iteration_is_the_branch(tmp_path: Path) -> None:
+    """A step skipped because its loss raised: the `except` and its `continue`."""
+    source = """
+        for x in loader:
+            try:
+                loss = model(x).sum()
+            except ValueError:
+                print("skipping")
+                continue
+            loss.backward()
+    """
+    path = str(_script(tmp_path, "robust.py", source))
+    assert exits_after(path, 4) == [5, 7]

@@ -13,6 +13,7 @@ wrong partners until something stopped it: the root is that first step, not wher
 
 from __future__ import annotations
 
+import linecache
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,12 +248,13 @@ def skipped_sync(div: Divergence, ledgers: dict[int, Ledger], evidence: dict[str
     path, line = lg.path_of(site)
     branch = exits_after(path, line) if path else []
     name = site.rpartition(":")[0]
-    left = (
-        f"; after that forward the loop can leave the iteration before its backward: the `if` at "
-        f"{name}:{branch[0]} and {name}:{branch[1]}"
-        if branch
-        else ""
-    )
+    left = ""
+    if branch:
+        word = "except" if linecache.getline(path, branch[0]).lstrip().startswith("except") else "if"
+        left = (
+            f"; after that forward the loop can leave the iteration before its backward: the `{word}` "
+            f"at {name}:{branch[0]} and {name}:{branch[1]}"
+        )
     others = "; ".join(f"rank {r} all-reduced step {s}'s gradients there" for r, s in sorted(behind.items()))
     gone = [r for r, g in ledgers.items() if g.ending.how not in ("clean_exit", "running")]
     after = (

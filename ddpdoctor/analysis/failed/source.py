@@ -1,6 +1,7 @@
-"""What the user's own code says around a line the ledger names: the branch that leaves a loop's
-iteration after a forward (where a rank skipped its backward), and the lines that decide whether
-a forward runs under ``no_sync()`` (a gradient accumulation schedule).
+"""What the user's own code says around a line the ledger names: the branch (an ``if`` or an
+``except``) that leaves a loop's iteration after a forward (where a rank skipped its backward),
+and the lines that decide whether a forward runs under ``no_sync()`` (a gradient accumulation
+schedule).
 
 The trace says which forward ran without its gradient all-reduce; it cannot say which lines the
 rank then executed. The script itself can: read (when it is still on disk) and parsed, never
@@ -62,13 +63,15 @@ def _walk_here(node: ast.AST) -> list[ast.AST]:
 
 
 def exits_after(path: str, line: int) -> list[int]:
-    """The ``if`` after ``line`` in the innermost loop holding it that can leave the iteration
-    (continue, break, return, raise), and the line that leaves: [if line, exit line], or []."""
+    """The ``if`` or ``except`` after ``line`` in the innermost loop holding it that can leave
+    the iteration (continue, break, return, raise), and the line that leaves: [its line, the
+    exit's line], or []. An ``except`` counts: a step skipped because its loss raised is a
+    branch the rank took alone."""
     loops = [n for n in _chain(path, line) if isinstance(n, _LOOPS)]
     if not loops:
         return []
     for stmt in _walk_here(loops[-1]):
-        if not isinstance(stmt, ast.If) or stmt.lineno <= line:
+        if not isinstance(stmt, (ast.If, ast.ExceptHandler)) or stmt.lineno <= line:
             continue
         exits = [n for n in _walk_here(stmt) if isinstance(n, _EXITS)]
         if exits:
