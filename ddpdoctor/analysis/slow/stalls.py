@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddpdoctor.analysis.misuse.usage import training_loaders
 from ddpdoctor.analysis.slow.phases import training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -37,10 +38,10 @@ def training_span_us(run: Run, steps: np.ndarray, fallback_us: float) -> float:
 
 
 def costliest(lateness: np.ndarray, late: np.ndarray) -> np.ndarray:
-    """The late steps that make ``COST_CORE`` of the lateness (with any at least a quarter as late as
-    the least of those), when they are at most half of them:
-    a few long stalls among jitter, where a median over every late step would describe the
-    jitter, and hide where the stalls' time went; else ``late`` as it is."""
+    """The late steps that make ``COST_CORE`` of the lateness, with any at least a quarter as
+    late as the least of those, when they are at most half of the late steps: a few long stalls
+    among jitter, which a median over every late step would describe as jitter, hiding where
+    the stalls' time went. Else ``late`` as it is."""
     steps = np.flatnonzero(late)
     if len(steps) < 4:
         return late
@@ -60,8 +61,6 @@ def other_loader(trace: RankTrace, steps: list[int]) -> dict[str, object] | None
     """The DataLoader other than the training one that the rank read on ``steps`` (its data
     waits from the previous step's end to the step's sync), when most of that data wait went
     to it: work only this rank does (an evaluation pass), not a slow training loader."""
-    from ddpdoctor.analysis.misuse.usage import training_loaders
-
     dw, fed = trace.kind(schema.DATA_WAIT), training_loaders(trace)
     if not fed or not steps:
         return None
