@@ -148,3 +148,51 @@ def test_demo_is_healthy_and_says_where_its_run_is(tmp_path: Path) -> None:
     assert "No problems found." in proc.stderr
     assert "batch size 32 per process, 64 global" in proc.stderr
     assert serious(diagnose_json(tmp_path / "d")["findings"]) == []
+
+
+def test_a_loader_read_between_steps_on_one_rank_is_not_the_training_loader(
+    tmp_path: Path, write_script
+) -> None:
+    """Rank 1 evaluates on a held-out loader (a SequentialSampler) between steps: the training
+    loader is the one read last before each training forward, so the evaluation loader is not
+    called the training DataLoader without a DistributedSampler, and its record names the
+    evaluation's loop and the line that called it (two user frames)."""
+    script = write_script(
+        "evaluate.py",
+        """
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+        def score(model, loader):
+            with torch.no_grad():
+                return sum(float(model(x).sum()) for (x,) in loader)
+
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+        train = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, seed=0))
+        heldout = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
+        model = DDP(nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step, (x, y) in enumerate(train):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if rank == 1 and step % 2 == 1:
+                score(model.module, heldout)
+        dist.destroy_process_group()
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert job.returncode == 0, job.stderr[-3000:]
+    found = diagnose_json(job.run_dir)["findings"]
+    assert not [f for f in found if f["kind"] == "missing_distributed_sampler"], found
+    loaders = [r[4] for r in read_lines(job.run_dir / "trace-rank1.jsonl") if r[0] == "loader"]
+    evaluation = [info for info in loaders if info.get("sampler") == "SequentialSampler"]
+    assert evaluation, loaders
+    assert evaluation[0]["stack"][:2] == ["evaluate.py:11 score", "evaluate.py:26 <module>"], evaluation
