@@ -139,3 +139,25 @@ def test_summary_counts_the_buckets_ddp_trained_with() -> None:
     assert terminal._buckets(ddp, rebuilt) == "6 bucket(s) (1 at construction, rebuilt after the first step)"
     assert terminal._buckets(ddp, {0: {"bytes": 402_751_488}}) == "1 bucket(s)"
     assert terminal._buckets(ddp, {}) == "1 bucket(s)"  # no bucket record (several models, old traces)
+
+
+@pytest.mark.e2e
+def test_summary_names_the_buckets_after_ddps_rebuild(tmp_path: Path, write_script) -> None:
+    """Six 4 MB layers under bucket_cap_mb=8: DDP builds one bucket, then rebuilds three in
+    gradient order after the first step; the summary counts the ones the all-reduces used."""
+    script = write_script(
+        "buckets.py",
+        """
+        import torch, torch.distributed as dist, torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]), bucket_cap_mb=8)
+        for _ in range(3):
+            model(torch.randn(4, 1024)).sum().backward()
+        dist.destroy_process_group()
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "3 bucket(s) (1 at construction, rebuilt after the first step)" in job.stderr, job.stderr[-3000:]

@@ -24,9 +24,9 @@ OTHER_LOADER_FIX = (
 )
 
 
-def training_span_us(run: Run, steps: np.ndarray, fallback_us: float) -> float:
+def training_span_us(run: Run, steps: np.ndarray) -> float:
     """The job's training time over ``steps``: from the first of them to the start of the one
-    after the last, by the slowest rank; ``fallback_us`` where no rank has two such starts."""
+    after the last, by the slowest rank; 0 where no rank has two such starts."""
     lo, hi = int(steps[0]), int(steps[-1]) + 1
     span = 0.0
     for trace in run.ranks.values():
@@ -34,7 +34,7 @@ def training_span_us(run: Run, steps: np.ndarray, fallback_us: float) -> float:
         starts = fwd.ts[(fwd.step >= lo) & (fwd.step <= hi)]
         if len(starts) >= 2:
             span = max(span, float(starts.max() - starts.min()))
-    return span or max(fallback_us, 1.0)
+    return span
 
 
 def costliest(lateness: np.ndarray, late: np.ndarray) -> np.ndarray:

@@ -245,6 +245,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
     threshold = late_threshold_us(table.step_us)
     latest, persistent_rows = persistent_stragglers(table.lateness, threshold)
     slow_rows: set[int] = set()
+    span_us: float | None = None
     for finding, rows in slow_nodes(run, table, threshold):
         slow_rows |= rows
         yield finding
@@ -309,9 +310,9 @@ def stragglers(run: Run) -> Iterable[Finding]:
             shown = ", ".join(str(s) for s in steps_list[:8])
             # Severity by cost, not by how few steps it hits: the others wait every time.
             lost_us = excess_ms * n_late * 1e3
-            cost = min(
-                1.0, lost_us / training_span_us(run, table.steps, table.step_us * len(table.steps) + lost_us)
-            )
+            if span_us is None:  # once per run: it reads every rank's forwards
+                span_us = training_span_us(run, table.steps)
+            cost = min(1.0, lost_us / (span_us or table.step_us * len(table.steps) + lost_us))
             details["cost_share"] = round(cost, 4)
             # A stall (half a step or more each time), not jitter, that costs the job 5 %.
             # Not when it waited for a CPU: now and then one rank of an oversubscribed host.
