@@ -32,9 +32,13 @@ _FRAMEWORKS = (
 _MAX_DEPTH = 64
 
 _skip: tuple[str, ...] = ()
+# Code objects are keyed by id (hashing one hashes its bytecode and constants: a fraction of a
+# microsecond, more than the rest of a lookup) and kept alive in the values or in _codes, so
+# that an id is never reused while it is a key.
 _sites: dict[tuple[Any, int], int] = {}  # (code, line) -> id
-_calls: dict[tuple[Any, int], int] = {}  # (code, instruction) of a user frame that called -> id
-_is_user: dict[Any, bool] = {}  # code object -> is it the user's (a path check, once)
+_calls: dict[tuple[int, int], int] = {}  # (id(code), instruction) of a user frame that called -> id
+_codes: list[Any] = []  # the code objects of _calls' keys
+_is_user: dict[int, tuple[bool, Any]] = {}  # id(code) -> (is it the user's (a path check, once), code)
 _owner: list[Any] = [None]  # the collector the interned ids were declared to
 
 
@@ -53,6 +57,16 @@ def _prefixes() -> tuple[str, ...]:
 
 def site(collector: Any, depth: int = 2) -> int:
     """The interned id of the caller's first user frame, or NO_SITE (never raises)."""
+    try:
+        return of_frame(collector, sys._getframe(depth))[0]
+    except Exception:
+        return NO_SITE
+
+
+def of_frame(collector: Any, frame: Any) -> tuple[int, bool]:
+    """(interned id of the first user frame from ``frame`` up, or NO_SITE; whether ``frame``
+    is that user frame: then every call from its current instruction has this id, and a caller
+    may keep it). Never raises."""
     global _skip
     try:
         if not _skip:
@@ -60,20 +74,21 @@ def site(collector: Any, depth: int = 2) -> int:
         if _owner[0] is not collector:
             _sites.clear()
             _calls.clear()
+            _codes.clear()
             _owner[0] = collector
-        frame = sys._getframe(depth)
-        call = (frame.f_code, frame.f_lasti)
+        call = (id(frame.f_code), frame.f_lasti)
         sid = _calls.get(call)  # a call the user's own code made here before: no walk
         if sid is not None:
-            return sid
+            return sid, True
         for hop in range(_MAX_DEPTH):
             if frame is None:
-                return NO_SITE
+                return NO_SITE, False
             code = frame.f_code
-            mine = _is_user.get(code)
-            if mine is None:
+            known = _is_user.get(id(code))
+            if known is None:
                 name = code.co_filename
-                mine = _is_user[code] = not name.startswith(_skip) and not name.startswith("<")
+                known = _is_user[id(code)] = (not name.startswith(_skip) and not name.startswith("<"), code)
+            mine = known[0]
             if mine:
                 key = (code, frame.f_lineno)
                 sid = _sites.get(key)
@@ -84,8 +99,9 @@ def site(collector: Any, depth: int = 2) -> int:
                     )
                 if hop == 0:
                     _calls[call] = sid
-                return sid
+                    _codes.append(code)
+                return sid, hop == 0
             frame = frame.f_back
     except Exception:
-        return NO_SITE
-    return NO_SITE
+        return NO_SITE, False
+    return NO_SITE, False

@@ -236,8 +236,17 @@ def members(pg: Any, name: str) -> str:
     return text
 
 
+_CALLS_MAX = 4096  # call sites x shapes remembered per rank (a loop of ever-new sizes stops here)
+
+
 def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    import sys
+
+    from torch import Tensor
+
     always_async = op in ("isend", "irecv")
+    has_root = op in _ROOT_ARG
+    getframe = sys._getframe
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -251,14 +260,20 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 group = kwargs.get("group") if kwargs else None
                 if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
-                pg, gname, gsize, seq = group_info(group, c)
-                nbytes = tensor_bytes(args[0]) if args else 0
-                if not nbytes and kwargs:
-                    nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
                 is_async = 1 if always_async or (kwargs and kwargs.get("async_op")) else 0
-                where = callsite.site(c)
-                sig = (*signature(op, args, kwargs), "" if gname == "WORLD" else members(pg, gname))
-                sid = sig_id(c, sig)
+                root = _root(op, args, kwargs) if has_root else -1
+                frame = getframe(1)
+                head = args[0] if args else None
+                # What a record shares with every call from this instruction on a tensor of
+                # this dtype and size: all but the times and the sequence number.
+                key = None
+                if isinstance(head, Tensor):
+                    key = (id(frame.f_code), frame.f_lasti, group, is_async, root, head.dtype, head.nbytes)
+                known = c.calls.get(key) if key is not None else None
+                if known is None:
+                    known = _describe(c, op, args, kwargs, group, is_async, root, frame, key)
+                pg, gname, gsize, nbytes, sig, prefix, suffix, seq_of, _ = known
+                seq = seq_of()
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
@@ -268,17 +283,54 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
-                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, where, sid)
+                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, suffix[1], suffix[2])
                 raise
             t1 = _now()
             c.progress = prev
             c.events += 1
-            c.record(_KIND, t0, t1, c.step, (op, nbytes, gname, gsize, seq, is_async, where, sid))
+            c.pack(c.collective_kind, t0, t1, c.step, (*prefix, seq, *suffix))
             return result
 
         return collective
 
     return make
+
+
+def _describe(
+    c: _c.Collector,
+    op: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    group: Any,
+    is_async: int,
+    root: int,
+    frame: Any,
+    key: tuple | None,
+) -> tuple:
+    """A collective call's fixed part: (process group, its name, its size, bytes, signature,
+    the record's interned fields before the sequence number, and after it, and how to read the
+    group's sequence number). Kept for ``key``
+    when the call came straight from the user's line (a call from inside a library has the
+    site of whoever called that library, which differs from call to call)."""
+    pg, gname, gsize, seq = group_info(group, c)
+    seq_of = pg._get_sequence_number_for_group if seq >= 0 else _no_seq
+    nbytes = tensor_bytes(args[0]) if args else 0
+    if not nbytes and kwargs:
+        nbytes = sum(tensor_bytes(v) for k, v in kwargs.items() if k != "group")
+    where, direct = callsite.of_frame(c, frame)
+    dtype, numel, _ = signature(op, args, kwargs)
+    sig = (dtype, numel, root, "" if gname == "WORLD" else members(pg, gname))
+    sid = sig_id(c, sig)
+    intern = c.writer.intern
+    fixed = (intern(op), nbytes, intern(gname), gsize), (is_async, where, sid)
+    known = (pg, gname, gsize, nbytes, sig, *fixed, seq_of, frame.f_code)  # the code: its id is in key
+    if key is not None and direct and len(c.calls) < _CALLS_MAX:
+        c.calls[key] = known
+    return known
+
+
+def _no_seq() -> int:
+    return -1
 
 
 def _is_group(obj: Any) -> bool:

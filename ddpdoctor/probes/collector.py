@@ -79,6 +79,11 @@ class Collector:
             _log_error(run_dir, f"rank {self.rank}: no crash-safe ring, recording as before: {why}")
         self.put = self.writer.put
         self.record = self.writer.record
+        self.pack = self.writer.pack  # a record whose fields are interned already
+        # The hottest probe's: its kind, and per call site and tensor shape what its records
+        # share (probes/collectives.py), so that a call in a loop costs no lookups.
+        self.collective_kind = self.writer.kind(schema.COLLECTIVE)
+        self.calls: dict[tuple, tuple] = {}
 
     @property
     def live(self) -> bool:

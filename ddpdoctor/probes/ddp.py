@@ -28,6 +28,7 @@ PROBE = "ddp"
 _now = time.monotonic_ns
 _STATE = "_ddpdoctor_state"  # attribute on each DDP instance
 _BROADCAST, _ALLREDUCE = LivePhase.SYNC_BUFFERS.op, LivePhase.BACKWARD.op  # looked up once
+_BUCKET = schema.ALLREDUCE
 
 
 class _ModelState:
@@ -40,6 +41,7 @@ class _ModelState:
         self.find_unused = bool(ddp.find_unused_parameters)
         self.world = ddp.process_group.size()
         self.group = ddp.process_group
+        self.seq_of = _seq_reader(self.group)  # the group's collective sequence number now
         self.user_hook = False
         self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
         self.hook_state: Any = None
@@ -47,6 +49,14 @@ class _ModelState:
         self.builtin_hook = False  # a C++ builtin hook: cannot be timed from Python
         self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
         self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
+
+
+def _seq_reader(group: Any) -> Callable[[], int]:
+    try:
+        group._get_sequence_number_for_group()
+        return group._get_sequence_number_for_group  # type: ignore[no-any-return]
+    except Exception:
+        return lambda: -1
 
 
 def install() -> None:
@@ -372,20 +382,32 @@ def _register_timer(ddp: Any, model: _ModelState, hook: Any, state: Any) -> None
 
 def _default_hook(ddp: Any, bucket: Any) -> Any:
     """DDP's built-in reduction, bit for bit: scale by 1/world size, then all-reduce SUM."""
-    return _default_allreduce(ddp, bucket).get_future().then(_first_value)
+    return _default_allreduce(ddp, bucket.buffer()).get_future().then(_first_value)
 
 
-def _default_allreduce(ddp: Any, bucket: Any) -> Any:
-    """The default hook's work handle, for the timing hook to finish in its own callback."""
-    import torch.distributed.distributed_c10d as c10d
+_SUM_ASYNC: list[Any] = []  # the AllreduceOptions of DDP's reduction, made once
 
-    from ddpdoctor.probes.patching import original
 
+def _default_allreduce(ddp: Any, tensor: Any) -> Any:
+    """The default hook's work handle, for the timing hook to finish in its own callback.
+
+    The process group's own ``allreduce`` with c10d's options for ``all_reduce(tensor,
+    async_op=True)``: what ``dist.all_reduce`` would call after its checks, none of which a
+    gradient bucket can fail, and which cost a few microseconds per bucket."""
     group = ddp.process_group
-    tensor = bucket.buffer()
     tensor.mul_(1.0 / group.size())  # exactly what the Reducer does (mul by 1/world, not div)
-    all_reduce = original(c10d.all_reduce)  # not our wrapper: the bucket event already times it
-    return all_reduce(tensor, group=group, async_op=True)
+    if tensor.is_complex():
+        import torch
+
+        tensor = torch.view_as_real(tensor)
+    if not _SUM_ASYNC:
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        opts.asyncOp = True
+        _SUM_ASYNC.append(opts)
+    return group.allreduce([tensor], _SUM_ASYNC[0])
 
 
 def _first_value(fut: Any) -> Any:
@@ -402,8 +424,9 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
     try:
         t0 = _now()
         index = bucket.index()
-        nbytes = bucket.buffer().nbytes
-        seq = group_info(model.group, c)[3]
+        buffer = bucket.buffer()
+        nbytes = buffer.nbytes
+        seq = model.seq_of()
         timer = _ct.ACTIVE  # gradients are ready on the compute stream now
         span = timer.begin(_ct.DEV_ALLREDUCE, c.step, (index, nbytes, seq)) if timer else None
         if model.layout.get(index) != nbytes:
@@ -416,7 +439,7 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
     c.in_bucket_hook = True  # a user hook's own dist.all_reduce is part of this bucket event
     try:
         if inner is _default_hook:  # one Python callback per bucket, not two: each costs a GIL trip
-            fut = _default_allreduce(inner_state, bucket).get_future()
+            fut = _default_allreduce(inner_state, buffer).get_future()
         else:
             fut = inner(inner_state, bucket)
     finally:
@@ -428,7 +451,7 @@ def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects 
         if span is not None:  # the current stream here waits for the collective
             timer.finish(span)  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
-            c.emit(schema.ALLREDUCE, t0, _now(), index, nbytes, seq)
+            c.emit(_BUCKET, t0, _now(), index, nbytes, seq)
         return value[0] if unwrap else value
 
     try:

@@ -116,12 +116,22 @@ class TraceWriter:
 
     def record(self, kind: str, t0: int, t1: int, step: int, fields: tuple) -> None:
         """Hot path: pack one event into the ring. Never blocks, never raises."""
-        ring = self._ring
         k = self._kinds.get(kind)
-        if ring is None or k is None:
+        if k is not None:
+            if k.interned or len(fields) != k.n:
+                fields = self._prepare(k, fields)
+            self.pack(k, t0, t1, step, fields)
+
+    def kind(self, name: str) -> _Kind:
+        """How ``name``'s events are packed, for a probe that interns its fields once (with
+        ``intern``) and records with ``pack``."""
+        return self._kinds[name]
+
+    def pack(self, k: _Kind, t0: int, t1: int, step: int, fields: tuple) -> None:
+        """Pack one event whose fields are complete and interned (ids, not strings)."""
+        ring = self._ring
+        if ring is None:
             return
-        if k.interned or len(fields) != k.n:
-            fields = self._prepare(k, fields)
         seq = ring.next()
         off = HEADER_BYTES + (seq & ring.mask) * SLOT
         try:
