@@ -7,8 +7,10 @@ per rank per step, and the per-event cost of a recorded collective measured in-p
 
     python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400] [--json]
 
-``--json`` prints one line: per_event_us (median, with quartiles), emit_us per kind, tiny_ratio
-and big_ratio (doctor / plain median step), each trial's ratio and the trace size.
+``--json`` prints one line: per_event_us (median, with quartiles), probe_us, emit_us per kind,
+bucket_us and python_hook_bucket_us (see ``per_event_cost_us``), tiny_ratio and big_ratio
+(doctor / plain median step), each trial's ratio, the trace size and the writer thread's duty
+cycle (``*_writer_duty``: its CPU seconds per second recorded, in rank 0).
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import read_trace
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "overhead_job.py"
 
 
-def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, int]:
-    """(median step seconds, trace bytes per rank per step or 0)."""
+def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, int, float]:
+    """(median step seconds, trace bytes per rank per step or 0, the writer thread's duty
+    cycle in rank 0: its CPU seconds per second recorded, or 0)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     job = [
         sys.executable,
@@ -53,29 +60,42 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, in
         raise SystemExit(f"{mode}/{kind} failed:\n{proc.stderr[-2000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("{"))
     median = json.loads(line)["median_s"]
-    trace_bytes = 0
+    trace_bytes, duty = 0, 0.0
     if mode == "doctor":
         trace = next(run_dir.glob("trace-rank0.*"))
         trace_bytes = trace.stat().st_size // (steps + 5)
-    return median, trace_bytes
+        end = read_trace(trace).meta.get(schema.END, [(0, 0, {})])[0][2]
+        duty = end.get("writer_cpu_s", 0.0) / max(end.get("wall_s", 0.0), 1e-9)
+    return median, trace_bytes, duty
 
 
-def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, float]:
-    """The training thread's cost per event, in-process: a 1-element gloo ``all_reduce``
-    recorded vs the original, alternated ``pairs`` times (median and quartiles of the
-    differences in wall time; and the median difference in the training thread's own CPU time,
-    which other processes on a shared machine disturb far less); and the recording call every
-    probe ends in (``Collector.emit``) for the kinds a DDP step records (forward, backward, the
-    comm hook's bucket all-reduce)."""
+def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
+    """The training thread's cost per event, in-process, each a median of alternated pairs:
+
+    - ``per_event_us``: a 1-element gloo ``all_reduce`` recorded minus the original (with
+      quartiles; and ``per_event_cpu_us`` in the thread's own CPU time, which other processes
+      on a shared machine disturb less). The gloo call itself varies by several microseconds
+      from run to run, so this figure carries that noise;
+    - ``probe_us``: the same probe around a collective that does nothing: the probe's own cost,
+      without gloo's noise;
+    - ``emit_us``: the recording call every other probe ends in (``Collector.emit``) for the
+      kinds a DDP step records (forward, backward, the comm hook's bucket all-reduce);
+    - ``bucket_us``: a backward of 48 one-bucket layers, per bucket, under the doctor's timing
+      comm hook minus DDP's built-in C++ reduction, next to ``python_hook_bucket_us``, the
+      same for torch's own Python ``allreduce_hook``: what any comm hook written in Python
+      costs (a GIL trip per bucket and one for its completion)."""
     code = f"""
 import os, time, json, tempfile, statistics
 os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
 os.environ["DDPDOCTOR_RUN_DIR"] = tempfile.mkdtemp()
 import ddpdoctor.probes as probes; probes.install()
 import torch, torch.distributed as dist
-from ddpdoctor.probes import collector
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from ddpdoctor.probes import collector, collectives
 from ddpdoctor.probes.patching import original
 dist.init_process_group("gloo", rank=0, world_size=1)
+torch.set_num_threads(1)
 t = torch.ones(1)
 def bench(f, *a, clock=time.perf_counter):
     t0 = clock()
@@ -86,12 +106,37 @@ rec, plain = dist.all_reduce, original(dist.all_reduce)
 diffs = [bench(rec, t) - bench(plain, t) for _ in range({pairs})]
 cpu = statistics.median(bench(rec, t, clock=time.thread_time) - bench(plain, t, clock=time.thread_time)
                         for _ in range({pairs}))
+def nothing(tensor, op=None, group=None, async_op=False):
+    return None
+probed = collectives._collective_wrapper("all_reduce")(nothing)
+probe = statistics.median(bench(probed, t) - bench(nothing, t) for _ in range({pairs}))
 c = collector.ACTIVE
 emit = {{k: statistics.median(bench(c.emit, k, 1, 2, *f) for _ in range(5))
         for k, f in (("forward", (1, 1, 5, 0)), ("backward", (100,)), ("allreduce", (0, 4096, 7)))}}
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(48)])
+doctor = DDP(model(), bucket_cap_mb=0.004)
+collector.ACTIVE = None
+builtin = DDP(model(), bucket_cap_mb=0.004)
+python_hook = DDP(model(), bucket_cap_mb=0.004)
+python_hook.register_comm_hook(None, allreduce_hook)
+x = torch.randn(4, 32)
+def backward(m, steps=40):
+    collector.ACTIVE = c if m is doctor else None
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        m(x).sum().backward()
+    return (time.perf_counter() - t0) / steps * 1e6 / 48
+for m in (doctor, builtin, python_hook) * 3:
+    backward(m)
+bucket = statistics.median(backward(doctor) - backward(builtin) for _ in range(9))
+python = statistics.median(backward(python_hook) - backward(builtin) for _ in range(9))
+collector.ACTIVE = c
 q = statistics.quantiles(diffs, n=4)
 print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": q[0], "per_event_q3_us": q[2],
-                  "per_event_cpu_us": cpu, "emit_us": emit}}))
+                  "per_event_cpu_us": cpu, "probe_us": probe, "emit_us": emit,
+                  "bucket_us": bucket, "python_hook_bucket_us": python}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -115,15 +160,17 @@ def main() -> None:
     for kind, steps in (("big", args.steps_big), ("tiny", args.steps_tiny)):
         results: dict[str, list[float]] = {m: [] for m in modes}
         sizes: list[int] = []
+        duties: list[float] = []
         t0 = time.time()
         for trial in range(args.trials):
             order = modes[:]
             random.Random(trial).shuffle(order)
             for mode in order:
-                median, size = run_once(mode, kind, steps, workdir)
+                median, size, duty = run_once(mode, kind, steps, workdir)
                 results[mode].append(median)
                 if size:
                     sizes.append(size)
+                    duties.append(duty)
         base = statistics.median(results["plain"])
         say(f"\n{kind} model, {steps} steps x {args.trials} interleaved trials ({time.time() - t0:.0f} s):")
         for mode in modes:
@@ -133,10 +180,12 @@ def main() -> None:
                 f"   trials: {', '.join(f'{v * 1e3:.2f}' for v in results[mode])}"
             )
         say(f"  trace: {statistics.median(sizes)} bytes per rank per step")
+        say(f"  writer thread: {statistics.median(duties):.2%} of one core (rank 0, median)")
         ratios = sorted(d / p for d, p in zip(results["doctor"], results["plain"], strict=True))
         result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
         result[f"{kind}_trial_ratios"] = [round(r, 3) for r in ratios]
         result[f"{kind}_trace_bytes_per_rank_step"] = statistics.median(sizes)
+        result[f"{kind}_writer_duty"] = round(statistics.median(duties), 5)
     if args.json:
         print(json.dumps(result))
 

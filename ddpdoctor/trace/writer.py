@@ -78,6 +78,10 @@ class TraceWriter:
         self._lock = threading.Lock()  # serialises drains (writer thread vs close)
         self._stop = threading.Event()
         self.on_tick: Callable[[], None] | None = None  # called after each periodic flush
+        # The writer thread's CPU seconds so far (it also publishes the status file): what the
+        # recording takes from the training process besides the training thread's own pack.
+        self.cpu_s = 0.0
+        self._opened_ns = time.monotonic_ns()
         # kind -> callback that sees the newest events of that kind as they are written (on
         # this thread, never the training thread): liveness keeps its recent-step summary so.
         self.taps: dict[str, Callable[[tuple], None]] = {}
@@ -196,7 +200,10 @@ class TraceWriter:
                 return
             self._drain()
             if not self._failed:
-                end = [schema.END, time.monotonic_ns(), 0, -1, {"reason": reason}]
+                now = time.monotonic_ns()
+                wall_s = round((now - self._opened_ns) / 1e9, 3)
+                info = {"reason": reason, "writer_cpu_s": round(self.cpu_s, 4), "wall_s": wall_s}
+                end = [schema.END, now, 0, -1, info]
                 self._write(binfmt.json_block(binfmt.META, end))
             self._closed = True
             with contextlib.suppress(OSError):
@@ -217,6 +224,7 @@ class TraceWriter:
             tick = self.on_tick
             if tick is not None:
                 tick()
+            self.cpu_s = time.thread_time()
 
     def _drain(self) -> None:
         ring = self._ring

@@ -1,0 +1,76 @@
+"""What the cheap recording path keeps per call site must never change what is recorded: a
+collective's bytes and signature follow its tensor from call to call on one line, and a call
+made from inside a library is placed at each of its own callers. A real one-rank gloo process
+group in a subprocess (the probes patch torch, so never in the test process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import job_env, read_lines
+
+JOB = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DDPDOCTOR_RUN_DIR=sys.argv[2])
+import ddpdoctor.probes as probes
+probes.install()
+import torch, torch.distributed as dist
+from ddpdoctor.probes import callsite
+dist.init_process_group("gloo", rank=0, world_size=1)
+lib_dir = sys.argv[3]
+callsite._skip = callsite._prefixes() + (lib_dir + os.sep,)  # frames there are not the user's
+sys.path.insert(0, lib_dir)
+import fakelib
+for n in (1, 4, 1, 4, 16):
+    dist.all_reduce(torch.ones(n))  # LOOP_LINE
+for k in range(3):
+    fakelib.sync(torch.ones(2))  # FIRST_CALLER
+    fakelib.sync(torch.ones(2))  # SECOND_CALLER
+    fakelib.sync(torch.ones(2, dtype=torch.float64))  # THIRD_CALLER
+dist.barrier()
+dist.destroy_process_group()
+"""
+LIB = """
+import torch.distributed as dist
+
+def sync(t):
+    dist.all_reduce(t)
+"""
+
+
+def _line(source: str, marker: str) -> int:
+    return next(i for i, text in enumerate(source.splitlines(), 1) if marker in text)
+
+
+def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "fakelib.py").write_text(LIB)
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(script), str(free_port()), str(run_dir), str(lib)]
+    proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    records = read_lines(run_dir / "trace-rank0.jsonl")
+    sites = {r[4]["id"]: r[4]["line"] for r in records if r[0] == "site"}
+    sigs = {r[4]["id"]: r[4] for r in records if r[0] == "signature"}
+    calls = [r for r in records if r[0] == "collective" and r[4] == "all_reduce"]
+    # fields: op, bytes, group, group_size, seq, async, site, sig
+    loop = [r for r in calls if sites[r[10]] == _line(JOB, "LOOP_LINE")]
+    assert [r[5] for r in loop] == [4, 16, 4, 16, 64]
+    assert [sigs[r[11]]["numel"] for r in loop] == [1, 4, 1, 4, 16]
+    assert [r[8] for r in loop] == sorted(r[8] for r in loop)  # the group's own sequence numbers
+
+    helper = [(sites[r[10]], sigs[r[11]]["dtype"]) for r in calls if r not in loop]
+    first, second, third = (_line(JOB, f"{n}_CALLER") for n in ("FIRST", "SECOND", "THIRD"))
+    assert helper == [(first, "float32"), (second, "float32"), (third, "float64")] * 3
+
+    end = next(r for r in records if r[0] == "end")[4]
+    assert end["reason"] == "exit"
+    assert 0 <= end["writer_cpu_s"] <= end["wall_s"] * 2  # the writer thread's own CPU time
