@@ -1,8 +1,10 @@
 """How much slower is a DDP job under ddpdoctor? Interleaved A/B runs, ratios of step times.
 
 For a compute-bound model (~10M parameters) and a tiny one, run the same 2-rank gloo job
-plain, under `ddpdoctor run`, and with torch.profiler (CPU activities), in interleaved order,
-and report the median step time of each mode relative to plain. Also reports the trace size
+plain, under `ddpdoctor run`, with torch.profiler (CPU activities) and, with ``--python-hook``,
+with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs: the
+doctor times each bucket with one), in interleaved order, and report the median step time of
+each mode relative to plain. Also reports the trace size
 per rank per step, and the per-event cost of a recorded collective measured in-process.
 
     python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400] [--json]
@@ -51,8 +53,8 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, in
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     if mode == "doctor":
         cmd = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *job]
-    elif mode == "profiler":
-        cmd = job + ["--profiler"]
+    elif mode in ("profiler", "python_hook"):
+        cmd = job + ["--" + mode.replace("_", "-")]
     else:
         cmd = job
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir, timeout=600)
@@ -150,10 +152,14 @@ def main() -> None:
     parser.add_argument("--steps-big", type=int, default=30)
     parser.add_argument("--steps-tiny", type=int, default=400)
     parser.add_argument("--json", action="store_true", help="print only the one-line JSON result")
-    parser.add_argument("--no-profiler", action="store_true", help="compare plain and doctor only")
+    parser.add_argument("--no-profiler", action="store_true", help="leave out the torch.profiler mode")
+    parser.add_argument(
+        "--python-hook", action="store_true", help="add a mode with torch's own Python allreduce_hook"
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
     modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
+    modes += ["python_hook"] if args.python_hook else []
     say = (lambda *a, **k: None) if args.json else print
     result: dict[str, object] = dict(per_event_cost_us())
     say(f"per-event cost: {json.dumps(result)}")
@@ -183,6 +189,8 @@ def main() -> None:
         say(f"  writer thread: {statistics.median(duties):.2%} of one core (rank 0, median)")
         ratios = sorted(d / p for d, p in zip(results["doctor"], results["plain"], strict=True))
         result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
+        for mode in modes[2:]:
+            result[f"{kind}_{mode}_ratio"] = round(statistics.median(results[mode]) / base, 4)
         result[f"{kind}_trial_ratios"] = [round(r, 3) for r in ratios]
         result[f"{kind}_trace_bytes_per_rank_step"] = statistics.median(sizes)
         result[f"{kind}_writer_duty"] = round(statistics.median(duties), 5)

@@ -1,6 +1,9 @@
 """The patient for benchmarks/overhead.py: times its own steps and prints one JSON line.
 
-Usage: overhead_job.py {big|tiny} STEPS [--profiler]
+Usage: overhead_job.py {big|tiny} STEPS [--profiler] [--python-hook]
+
+``--python-hook`` registers torch's own Python ``allreduce_hook``: the reference for what any
+comm hook written in Python costs (the doctor times buckets with one).
 """
 
 import json
@@ -40,6 +43,10 @@ def main() -> None:
     torch.manual_seed(0)
     model, width, batch = build(kind)
     ddp = DDP(model, bucket_cap_mb=4)
+    if "--python-hook" in sys.argv:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)
     data = TensorDataset(
         torch.randn(batch * (steps + WARMUP) * dist.get_world_size(), width),
         torch.randint(0, 10, (batch * (steps + WARMUP) * dist.get_world_size(),)),
