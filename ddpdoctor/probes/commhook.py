@@ -1,0 +1,170 @@
+"""DDP's comm hook slot: the one place that sees each gradient bucket's all-reduce (they run
+from C++). At a model's first forward (``ddp.py``) a timing hook is registered whose numerics
+equal DDP's default (gradients pre-divided by the world size, then summed); a hook the user
+registers, before or after, is timed instead of replaced.
+
+Any hook written in Python costs a GIL trip per bucket and one for its completion: about what
+torch's own Python ``allreduce_hook`` costs (``benchmarks/overhead.py``: ``bucket_us`` next to
+``python_hook_bucket_us``). The timing hook adds one record to that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes.ddp_model import ModelState, state_of
+from ddpdoctor.trace import schema
+
+PROBE = "comm_hook"
+_now = time.monotonic_ns
+_BUCKET = schema.ALLREDUCE
+
+
+def install() -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpdoctor.probes.patching import patch
+
+    patch(DDP, "register_comm_hook", _wrap_register_comm_hook)
+    patch(DDP, "_register_builtin_comm_hook", _wrap_builtin_hook)
+
+
+def _wrap_register_comm_hook(register: Callable[..., Any]) -> Callable[..., Any]:
+    def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> None:
+        c = _c.ACTIVE
+        model = state_of(self)
+        if c is None or model is None or PROBE in c.disabled:
+            return register(self, state, hook)
+        if model.user_hook:  # a second registration: let DDP raise its own error
+            return register(self, state, hook)
+        self._check_comm_hook(hook)  # DDP's own validation of the user's hook
+        model.user_hook = True
+        if model.timer_registered:
+            # Our timer already sits in DDP's single hook slot: time the user's hook inside it.
+            model.hook, model.hook_state = hook, state
+            c.meta(schema.COMM_HOOK, {"name": _hook_name(hook), "user": True})
+            return None
+        register_timer(self, model, hook, state)
+        return None
+
+    return register_comm_hook
+
+
+def _wrap_builtin_hook(register: Callable[..., Any]) -> Callable[..., Any]:
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        model = state_of(self)
+        if model is not None:
+            model.builtin_hook = True
+        return register(self, comm_hook_type)
+
+    return _register_builtin_comm_hook
+
+
+def _hook_name(hook: Any) -> str:
+    return f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
+
+
+def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any) -> None:
+    """Put our timing hook in DDP's comm hook slot, around ``hook`` (DDP's default if None)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpdoctor.probes.patching import original
+
+    c = _c.ACTIVE
+    if getattr(ddp, "_comm_hooks", None):  # registered before we were watching: leave it be
+        model.builtin_hook = True
+        if c is not None:
+            c.meta(schema.COMM_HOOK, {"name": "unknown (registered before ddpdoctor)", "timed": False})
+        return
+    model.hook, model.hook_state = (hook, state) if hook is not None else (_default_hook, ddp)
+    model.timer_registered = True
+    original(DDP.register_comm_hook)(ddp, model, _timing_hook)
+    if c is not None:
+        name = _hook_name(hook) if hook is not None else "ddp default (allreduce average)"
+        c.meta(schema.COMM_HOOK, {"name": name, "user": hook is not None})
+
+
+def _default_hook(ddp: Any, bucket: Any) -> Any:
+    """DDP's built-in reduction, bit for bit: scale by 1/world size, then all-reduce SUM."""
+    return _default_allreduce(ddp, bucket.buffer()).get_future().then(_first_value)
+
+
+_SUM_ASYNC: list[Any] = []  # the AllreduceOptions of DDP's reduction, made once
+
+
+def _default_allreduce(ddp: Any, tensor: Any) -> Any:
+    """The default hook's work handle, for the timing hook to finish in its own callback.
+
+    The process group's own ``allreduce`` with c10d's options for ``all_reduce(tensor,
+    async_op=True)``: what ``dist.all_reduce`` would call after its checks, none of which a
+    gradient bucket can fail, and which cost a few microseconds per bucket."""
+    group = ddp.process_group
+    tensor.mul_(1.0 / group.size())  # exactly what the Reducer does (mul by 1/world, not div)
+    if tensor.is_complex():
+        import torch
+
+        tensor = torch.view_as_real(tensor)
+    if not _SUM_ASYNC:
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        opts.asyncOp = True
+        _SUM_ASYNC.append(opts)
+    return group.allreduce([tensor], _SUM_ASYNC[0])
+
+
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+def _timing_hook(model, bucket):  # type: ignore[no-untyped-def]  # DDP rejects foreign annotations
+    """The hook DDP calls per bucket: time the wrapped hook from bucket-ready to reduced."""
+    c = _c.ACTIVE
+    inner, inner_state = model.hook, model.hook_state
+    assert inner is not None
+    if c is None or PROBE in c.disabled:
+        return inner(inner_state, bucket)
+    try:
+        t0 = _now()
+        index = bucket.index()
+        buffer = bucket.buffer()
+        nbytes = buffer.nbytes
+        seq = model.seq_of()
+        timer = _ct.ACTIVE  # gradients are ready on the compute stream now
+        span = timer.begin(_ct.DEV_ALLREDUCE, c.step, (index, nbytes, seq)) if timer else None
+        if model.layout.get(index) != nbytes:
+            model.layout[index] = nbytes
+            names = [model.names.get(p.data_ptr(), "?") for p in bucket.parameters()]
+            c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": names})
+    except Exception as exc:
+        c.fail(PROBE, exc)
+        return inner(inner_state, bucket)
+    c.in_bucket_hook = True  # a user hook's own dist.all_reduce is part of this bucket event
+    try:
+        if inner is _default_hook:  # one Python callback per bucket, not two: each costs a GIL trip
+            fut = _default_allreduce(inner_state, buffer).get_future()
+        else:
+            fut = inner(inner_state, bucket)
+    finally:
+        c.in_bucket_hook = False
+    unwrap = inner is _default_hook
+
+    def reduced(done: Any) -> Any:
+        value = done.value()
+        if span is not None:  # the current stream here waits for the collective
+            timer.finish(span)  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            c.emit(_BUCKET, t0, _now(), index, nbytes, seq)
+        return value[0] if unwrap else value
+
+    try:
+        return fut.then(reduced)
+    except Exception as exc:
+        c.fail(PROBE, exc)
+        return fut

@@ -1,0 +1,57 @@
+"""What ddpdoctor keeps per DistributedDataParallel instance, shared by the DDP probe
+(``ddp.py``: constructor, forward, backward) and the comm hook that times buckets
+(``commhook.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+STATE = "_ddpdoctor_state"  # attribute on each DDP instance
+
+
+def state_of(ddp: Any) -> ModelState | None:
+    return getattr(ddp, STATE, None)
+
+
+class ModelState:
+    """What we keep per DDP instance: parameter names, the hook being timed, unused checks."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.names = {p.data_ptr(): n for n, p in ddp.module.named_parameters()}
+        self.param_names, self.params = reducer_parameters(ddp)
+        self.reducer = ddp.reducer
+        self.find_unused = bool(ddp.find_unused_parameters)
+        self.world = ddp.process_group.size()
+        self.group = ddp.process_group
+        self.seq_of = seq_reader(self.group)  # the group's collective sequence number now
+        self.user_hook = False
+        self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
+        self.hook_state: Any = None
+        self.timer_registered = False
+        self.builtin_hook = False  # a C++ builtin hook: cannot be timed from Python
+        self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
+        self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
+
+
+def seq_reader(group: Any) -> Callable[[], int]:
+    try:
+        group._get_sequence_number_for_group()
+        return group._get_sequence_number_for_group  # type: ignore[no-any-return]
+    except Exception:
+        return lambda: -1
+
+
+def reducer_parameters(ddp: Any) -> tuple[list[str], list[Any]]:
+    """Names and tensors in the Reducer's own order (its error messages index into it)."""
+    seen: set[int] = set()
+    names, params = [], []
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not param.requires_grad or name in ddp.parameters_to_ignore or id(param) in seen:
+                continue
+            seen.add(id(param))
+            names.append(name)
+            params.append(param)
+    return names, params
