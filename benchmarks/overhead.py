@@ -11,8 +11,10 @@ per rank per step, and the per-event cost of a recorded collective measured in-p
 
 ``--json`` prints one line: per_event_us (median, with quartiles), probe_us, emit_us per kind,
 bucket_us and python_hook_bucket_us (see ``per_event_cost_us``), tiny_ratio and big_ratio
-(doctor / plain median step), each trial's ratio, the trace size and the writer thread's duty
-cycle (``*_writer_duty``: its CPU seconds per second recorded, in rank 0).
+(doctor / plain median step), each trial's ratio, ``*_doctor_cpu_ratio`` (rank 0's CPU per
+step, all its threads, doctor / plain: the recording's CPU, which other jobs on a shared machine
+disturb less than wall time), the trace size and the writer thread's duty cycle
+(``*_writer_duty``: its CPU seconds per second recorded, in rank 0).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "overhead_job.py"
 
 
-def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, int, float]:
-    """(median step seconds, trace bytes per rank per step or 0, the writer thread's duty
-    cycle in rank 0: its CPU seconds per second recorded, or 0)."""
+def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, float, int, float]:
+    """(median step seconds, rank 0's CPU seconds per step (all its threads), trace bytes per
+    rank per step or 0, the writer thread's duty cycle in rank 0: its CPU seconds per second
+    recorded, or 0)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     job = [
         sys.executable,
@@ -61,14 +64,15 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, in
     if proc.returncode != 0:
         raise SystemExit(f"{mode}/{kind} failed:\n{proc.stderr[-2000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("{"))
-    median = json.loads(line)["median_s"]
+    job_result = json.loads(line)
+    median, cpu = job_result["median_s"], job_result["cpu_per_step_s"]
     trace_bytes, duty = 0, 0.0
     if mode == "doctor":
         trace = next(run_dir.glob("trace-rank0.*"))
         trace_bytes = trace.stat().st_size // (steps + 5)
         end = read_trace(trace).meta.get(schema.END, [(0, 0, {})])[0][2]
         duty = end.get("writer_cpu_s", 0.0) / max(end.get("wall_s", 0.0), 1e-9)
-    return median, trace_bytes, duty
+    return median, cpu, trace_bytes, duty
 
 
 def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
@@ -165,6 +169,7 @@ def main() -> None:
     say(f"per-event cost: {json.dumps(result)}")
     for kind, steps in (("big", args.steps_big), ("tiny", args.steps_tiny)):
         results: dict[str, list[float]] = {m: [] for m in modes}
+        cpus: dict[str, list[float]] = {m: [] for m in modes}
         sizes: list[int] = []
         duties: list[float] = []
         t0 = time.time()
@@ -172,8 +177,9 @@ def main() -> None:
             order = modes[:]
             random.Random(trial).shuffle(order)
             for mode in order:
-                median, size, duty = run_once(mode, kind, steps, workdir)
+                median, cpu, size, duty = run_once(mode, kind, steps, workdir)
                 results[mode].append(median)
+                cpus[mode].append(cpu)
                 if size:
                     sizes.append(size)
                     duties.append(duty)
@@ -185,12 +191,18 @@ def main() -> None:
                 f"  {mode:9s} median step {med * 1e3:8.2f} ms   ratio to plain {med / base:6.3f}"
                 f"   trials: {', '.join(f'{v * 1e3:.2f}' for v in results[mode])}"
             )
+        cpu_base = statistics.median(cpus["plain"])
+        cpu_ratios = {m: statistics.median(cpus[m]) / cpu_base for m in modes}
+        shown = ", ".join(f"{m} {r:.3f}" for m, r in cpu_ratios.items())
+        say(f"  rank 0 CPU per step, ratio to plain: {shown}")
         say(f"  trace: {statistics.median(sizes)} bytes per rank per step")
         say(f"  writer thread: {statistics.median(duties):.2%} of one core (rank 0, median)")
         ratios = sorted(d / p for d, p in zip(results["doctor"], results["plain"], strict=True))
         result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
         for mode in modes[2:]:
             result[f"{kind}_{mode}_ratio"] = round(statistics.median(results[mode]) / base, 4)
+        for mode in modes[1:]:
+            result[f"{kind}_{mode}_cpu_ratio"] = round(cpu_ratios[mode], 4)
         result[f"{kind}_trial_ratios"] = [round(r, 3) for r in ratios]
         result[f"{kind}_trace_bytes_per_rank_step"] = statistics.median(sizes)
         result[f"{kind}_writer_duty"] = round(statistics.median(duties), 5)
