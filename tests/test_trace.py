@@ -69,6 +69,19 @@ def test_bounded_ring_keeps_the_newest_and_counts_the_rest(tmp_path: Path) -> No
     assert t.meta[schema.DROPPED][0][2] == {"count": 8}
 
 
+def test_flushes_that_wrap_around_the_ring_keep_every_event_in_order(tmp_path: Path) -> None:
+    """Each flush takes the slots written since the last one, across the ring's end too."""
+    w = TraceWriter(str(tmp_path / "t.bin"), header(), capacity=8, flush_interval=60)
+    for i in range(30):
+        w.put((schema.FORWARD, 5_000_000_000 + i, 5_000_000_001 + i, i, 1, 1, 0))
+        if i % 5 == 4:
+            w.flush()
+    w.close()
+    t = read_trace(tmp_path / "t.bin")
+    assert t.kind(schema.FORWARD).step.tolist() == list(range(30))
+    assert schema.DROPPED not in t.meta
+
+
 def test_json_lines_of_earlier_versions_skip_truncated_and_corrupt_lines(tmp_path: Path) -> None:
     path = tmp_path / "trace-rank1.jsonl"
     lines = [

@@ -227,6 +227,7 @@ def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
 def install(c: Collector) -> None:
     live = _Liveness(c)
     c.writer.taps.update(guarded_taps(c, {**live.recent.taps(), **live.fingerprints.taps()}))
+    c.writer.tap_tail.update(live.recent.NEWEST)
     c.writer.on_tick = live.publish
     live.publish()
     atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)

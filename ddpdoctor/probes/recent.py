@@ -40,6 +40,11 @@ class RecentSteps:
         self._open: tuple[int, int, int] | None = None  # (step, ready ns, wait µs) of the newest step
         self.last_collective: tuple[str, int, int] | None = None  # (op, seq, end ns)
 
+    # The newest events of each kind a flush must hand over: a collective and a buffer
+    # broadcast only say which was last; forwards, enough to hold KEEP_STEPS training ones
+    # between evaluation forwards; bucket all-reduces, the writer's default (many per step).
+    NEWEST = {schema.COLLECTIVE: 1, schema.SYNC_BUFFERS: 1, schema.FORWARD: 8 * KEEP_STEPS}
+
     def taps(self) -> dict[str, Any]:
         return {
             schema.FORWARD: self.forward,

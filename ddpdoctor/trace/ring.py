@@ -97,9 +97,12 @@ class Ring:
         lapped = max(0, hi - lo + 1 - self.slots)  # overwritten before this take
         lo += lapped
         seqs_want = np.arange(lo, hi + 1, dtype=np.uint64)
-        index = (seqs_want & np.uint64(self.mask)).astype(np.intp)
         buf = np.frombuffer(self.mm, np.uint8, self.slots * SLOT, HEADER_BYTES).reshape(self.slots, SLOT)
-        rows = buf[index]  # a copy
+        first, count = lo & self.mask, hi + 1 - lo
+        if first + count <= self.slots:
+            rows = buf[first : first + count].copy()
+        else:  # the slots wrap around the end of the ring: two slices
+            rows = np.concatenate([buf[first:], buf[: first + count - self.slots]])
         del buf
         seqs = rows[:, SEQ_AT:].copy().view("<u8")[:, 0]
         pending = np.flatnonzero(seqs < seqs_want)

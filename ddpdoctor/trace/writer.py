@@ -85,6 +85,7 @@ class TraceWriter:
         # kind -> callback that sees the newest events of that kind as they are written (on
         # this thread, never the training thread): liveness keeps its recent-step summary so.
         self.taps: dict[str, Callable[[tuple], None]] = {}
+        self.tap_tail: dict[str, int] = {}  # kind -> the newest events its tap needs (else TAP_TAIL)
         self._meta_taps: deque[tuple] = deque(maxlen=TAP_TAIL)  # tapped metadata, for that thread
         layout = binfmt.layout()
         self._kinds = {name: _Kind(i + 1, spec) for i, (name, spec, _) in enumerate(layout)}
@@ -256,7 +257,7 @@ class TraceWriter:
             if tap is None:
                 continue
             k = self._kinds[name]
-            rec = np.frombuffer(data, k.dtype, count)[-TAP_TAIL:]
+            rec = np.frombuffer(data, k.dtype, count)[-self.tap_tail.get(name, TAP_TAIL) :]
             for row in rec.tolist():
                 step, t0, t1, *fields = row
                 for i in k.interned:
