@@ -13,7 +13,7 @@ import json
 import multiprocessing
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,6 +252,13 @@ class Run:
     ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
     # Views computed once from the run and shared by the analyses and the reports (the GPU view).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def once(self, key: str, compute: Callable[[Run], Any]) -> Any:
+        """``compute(self)``, computed once per run: the views several analyses and the reports
+        share (the ledgers, the straggler table) are built once, not once per reader."""
+        if key not in self.derived:
+            self.derived[key] = compute(self)
+        return self.derived[key]
 
     @property
     def world_size(self) -> int:

@@ -109,10 +109,10 @@ def _steps_apart(have: dict[int, Point]) -> Divergence | None:
 def micro_batches(ledger: Ledger, step: int) -> int | None:
     """Grad-mode forwards the rank ran in a step (micro-batches under no_sync() share one), or
     None when the ledger's window of forwards may have cut that step short."""
-    steps = [s for s, grad, _, _ in ledger.forwards if grad]
-    if not steps or (len(ledger.forwards) >= TAIL and step <= min(steps)):
+    steps = ledger.grad_forwards
+    if not steps or (len(ledger.forwards) >= TAIL and step <= ledger.first_grad_step):
         return None
-    return steps.count(step) or None
+    return steps.get(step) or None
 
 
 def _accumulation_apart(have: dict[int, Point], ledgers: dict[int, Ledger]) -> Divergence | None:

@@ -181,9 +181,7 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
 
 def cached_sync_table(run: Run) -> SyncTable | None:
     """``sync_table(run)``, computed once per run: the finding and the report's heatmap share it."""
-    if "sync_table" not in run.derived:
-        run.derived["sync_table"] = sync_table(run)
-    return run.derived["sync_table"]
+    return run.once("sync_table", sync_table)
 
 
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
