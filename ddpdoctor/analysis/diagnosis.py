@@ -17,6 +17,7 @@ from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
 from ddpdoctor.analysis.slow.phases import rank_phases, step_times
 from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run
 
@@ -145,7 +146,7 @@ def training_loader(trace: Any) -> dict[str, Any] | None:
     loaders = trace.meta.get(schema.LOADER, [])
     if not loaders:
         return None
-    ids, n = np.unique(waits.ints(0), return_counts=True)
+    ids, n = distinct(waits.ints(0), counts=True)
     counts = dict(zip(ids.tolist(), n.tolist(), strict=True))
     busiest = max(loaders, key=lambda rec: counts.get(rec[2].get("id"), 0))
     return busiest[2]

@@ -24,6 +24,7 @@ from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_st
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
 from ddpdoctor.trace.stacktext import is_user_frame
@@ -343,7 +344,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             continue
         points.append(Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
-    ledger.steps = len(np.unique(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
+    ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))

@@ -13,6 +13,7 @@ from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import reads
 from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.reader import RankTrace, Run
 
 
@@ -24,9 +25,9 @@ def training_loaders(trace: RankTrace) -> dict[int, int]:
     if not len(waits) or not len(fwd):
         return {}
     order = np.argsort(waits.ts, kind="stable")
-    prev = np.unique(np.searchsorted(waits.ts[order], fwd.ts[fwd.ints(0) == 1]) - 1)
+    prev = distinct(np.searchsorted(waits.ts[order], fwd.ts[fwd.ints(0) == 1]) - 1)
     prev = prev[prev >= 0]
-    ids, counts = np.unique(waits.ints(0)[order][prev], return_counts=True)
+    ids, counts = distinct(waits.ints(0)[order][prev], counts=True)
     return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
