@@ -21,6 +21,7 @@ from ddpdoctor.trace.reader import Run
 
 EXPOSED_SHARE = 0.25  # of the step time: exposed communication worth a finding
 BIG_BUCKET = 8 * 2**20  # one bucket this large could have been several overlapping ones
+_MAX_BUCKETS = 1 << 16
 
 
 def bucket_layout(run: Run) -> dict[int, dict[str, Any]]:
@@ -39,20 +40,25 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     traces = [t for _, t in sorted(device_timed(run).ranks.items())]
     if len(traces) < 2:
         return None
-    buckets = [t.kind(schema.ALLREDUCE).ints(0, default=0) for t in traces]
-    if not all(len(b) for b in buckets) or min(int(b.min()) for b in buckets) < 0:
-        return None  # a rank without bucket timings, or not a bucket index DDP writes
+    buckets = []
+    for t in traces:
+        b = t.kind(schema.ALLREDUCE).ints(0, default=0)
+        if not len(b) or int(b.min()) < 0 or int(b.max()) >= _MAX_BUCKETS:
+            return None  # a rank without bucket timings, or not a bucket index DDP writes
+        buckets.append(b.astype(np.uint16))  # below _MAX_BUCKETS: 2 bytes an event, not 8
     nb = max(int(b.max()) for b in buckets) + 1
-    if nb > _MAX_BUCKETS:
-        return None
     grid = StepGrid.spanning(t.kind(schema.ALLREDUCE).step for t in traces)
     waits = np.full((len(traces), grid.n, nb), np.nan, dtype=np.float32)
+    common = np.ones(grid.n * nb, bool)  # (step, bucket) that every rank has, rank by rank
     for i, (trace, bucket) in enumerate(zip(traces, buckets)):
         ar = trace.kind(schema.ALLREDUCE)
         key, durs = last_per_step((ar.step - grid.lo) * nb + bucket, ar.dur)  # the last of duplicates
         inside = (key >= 0) & (key < grid.n * nb)
         waits[i].reshape(-1)[key[inside]] = durs[inside]
-    common = ~np.isnan(waits).any(axis=0)  # (step, bucket) that every rank has
+        has = np.zeros(grid.n * nb, bool)
+        has[key[inside]] = True
+        common &= has
+    common = common.reshape(grid.n, nb)
     steps, cols = np.flatnonzero(common.any(axis=1)), np.flatnonzero(common.any(axis=0))
     if not len(steps):
         return None
@@ -62,9 +68,6 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     if len(cols) < nb:
         waits = waits[:, :, cols]
     return waits, (steps + grid.lo).tolist(), cols.tolist()
-
-
-_MAX_BUCKETS = 1 << 16
 
 
 def exposed_comm_us(run: Run) -> tuple[float, float]:

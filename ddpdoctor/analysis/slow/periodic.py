@@ -60,8 +60,9 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     """(ranks, (ranks, steps) µs each rank spent blocked in sync points per training step: the
     gradient all-reduce's last bucket and every Python collective), over the steps all share."""
     ranks = sorted(run.ranks)
-    rows = []
-    for r in ranks:
+    waits: np.ndarray | None = None  # as long as the first rank's row; cut to the shortest
+    n = 0
+    for i, r in enumerate(ranks):
         trace = run.ranks[r]
         coll = trace.kind(schema.COLLECTIVE)
         parts = [(coll.step, coll.dur), _last_buckets(trace)]
@@ -70,11 +71,14 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
         keep = steps >= 0
         if not keep.any():
             return None
-        rows.append(np.bincount(steps[keep], weights=durs[keep]))
-    n = min(len(row) for row in rows)
-    if n < MIN_STEPS:
+        row = np.bincount(steps[keep], weights=durs[keep])
+        if waits is None:  # written in place, row by row: one matrix, not a list and its stack
+            waits, n = np.empty((len(ranks), len(row))), len(row)
+        n = min(n, len(row))
+        waits[i, :n] = row[:n]
+    if waits is None or n < MIN_STEPS:
         return None
-    return ranks, np.vstack([row[:n] for row in rows])
+    return ranks, waits[:, :n]
 
 
 def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +106,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
     ranks, waits = found
     # A rank that is late makes the others wait for it: its lateness at a step is how much
     # longer the most-waiting rank was blocked than it was.
-    lateness = lateness_from_waits(waits)
+    lateness = lateness_from_waits(waits, out=waits)
     total_us = 0.0  # the training time: first training forward to the rank's last record
     for r in ranks:
         fwd = training_forwards(run.ranks[r])
