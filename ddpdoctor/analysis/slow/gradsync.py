@@ -15,7 +15,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.device import clock, device_timed
-from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step
+from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -93,7 +93,7 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
     everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
     if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0
-    return float(np.median(exposed[everywhere])), float(np.median(np.concatenate(periods)))
+    return float(np.median(exposed[everywhere])), median_period(periods)
 
 
 def accumulates(run: Run) -> bool:

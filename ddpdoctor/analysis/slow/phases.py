@@ -192,6 +192,16 @@ class StepGrid:
         return out, present
 
 
+def median_period(diffs: Iterable[np.ndarray]) -> float:
+    """The median of every rank's step periods (int µs), 0.0 without any: the periods narrowed
+    to int32 where they fit and the median taken in place (at 1,024 ranks x 10,000 steps, 40
+    MB at a time instead of three 80 MB copies)."""
+    parts = [d.astype(np.int32) if len(d) and d.min() >= -(2**31) and d.max() < 2**31 else d for d in diffs]
+    periods = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    del parts
+    return float(np.median(periods, overwrite_input=True)) if len(periods) else 0.0
+
+
 def step_times(trace: RankTrace) -> np.ndarray:
     """Seconds from one training step's forward to the next's."""
     starts = training_forwards(trace).ts

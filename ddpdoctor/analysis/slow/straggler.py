@@ -17,7 +17,13 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.slow.device import clock, device_timed
-from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.slow.phases import (
+    StepGrid,
+    exclusive_durations,
+    first_per_step,
+    median_period,
+    training_forwards,
+)
 from ddpdoctor.analysis.slow.stalls import (
     OTHER_LOADER_FIX,
     costliest,
@@ -148,20 +154,15 @@ def sync_table(run: Run) -> SyncTable | None:
 
 def _steps_and_period(run: Run, ranks: list[int]) -> tuple[StepGrid, float]:
     """The training steps' grid and the median step period (µs, forward to forward), in one
-    pass over the ranks' training forwards, before the tables are allocated; the periods are
-    int32 where they fit (40 MB at 1,024 ranks x 10,000 steps, not 80)."""
+    pass over the ranks' training forwards, before the tables are allocated."""
     bounds, diffs = [], []
     for r in ranks:
         fwd = training_forwards(run.ranks[r])
         step = fwd.step
         step = step[step >= 0]
         bounds.append(np.array([step.min(), step.max()]) if len(step) else step)
-        d = np.diff(fwd.ts)
-        diffs.append(d.astype(np.int32) if len(d) and d.min() >= -(2**31) and d.max() < 2**31 else d)
-    periods = np.concatenate(diffs)
-    del diffs
-    step_us = float(np.median(periods, overwrite_input=True)) if len(periods) else 0.0
-    return StepGrid.spanning(bounds), step_us
+        diffs.append(np.diff(fwd.ts))
+    return StepGrid.spanning(bounds), median_period(diffs)
 
 
 def lateness_from_waits(waits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
