@@ -13,18 +13,24 @@ from typing import Any
 import numpy as np
 
 
-def distinct(values: np.ndarray, counts: bool = False) -> Any:
-    """``np.unique(values, return_counts=counts)`` of an integer column, by counting when its
-    values span little more than its length (steps, loader ids, indices): the same arrays
-    without a sort or a hash table (thousands of calls at 1,024 ranks)."""
+def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) -> Any:
+    """``np.unique(values, return_counts=counts)`` (or ``return_inverse=inverse``) of an integer
+    column, by counting when its values span little more than its length (steps, loader ids,
+    interned string ids): the same arrays without a sort or a hash table (thousands of calls
+    at 1,024 ranks)."""
     if len(values) and values.dtype.kind in "iu":
         lo = int(values.min())
         span = int(values.max()) - lo
         if span <= 4 * len(values) + 1024:
-            n = np.bincount((values - lo).astype(np.intp), minlength=span + 1)
+            offset = values.astype(np.intp) - lo
+            n = np.bincount(offset, minlength=span + 1)
             at = np.flatnonzero(n)
             found = (at + lo).astype(values.dtype)
+            if inverse:
+                return found, (np.cumsum(n > 0) - 1)[offset]
             return (found, n[at]) if counts else found
+    if inverse:
+        return np.unique(values, return_inverse=True)
     return np.unique(values, return_counts=counts)
 
 

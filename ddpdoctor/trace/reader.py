@@ -113,7 +113,7 @@ def _read_binary(path: Path, data: bytes, rank: int | None) -> RankTrace:
         for i, code in enumerate(dec.specs[kind]):
             col = rec[f"f{i}"]
             if code in schema.INTERNED:
-                ids, codes = np.unique(col, return_inverse=True)
+                ids, codes = distinct(col, inverse=True)
                 table = [binfmt.value(dec.strings, int(j)) for j in ids.tolist()]
                 cols.append(Strings(codes.astype(np.min_scalar_type(max(len(ids) - 1, 0))), table))
             else:
