@@ -114,7 +114,8 @@ def training_forwards(trace: RankTrace) -> Events:
     step = fwd.step[grad]
     opens = np.ones(len(grad), bool)
     opens[1:] = step[1:] != step[:-1]
-    return fwd.select(grad if opens.all() else grad[opens])
+    keep = grad if opens.all() else grad[opens]
+    return fwd if len(keep) == len(fwd) else fwd.select(keep)  # usually every forward: no copy
 
 
 def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
