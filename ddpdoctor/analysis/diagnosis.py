@@ -48,6 +48,9 @@ class Diagnosis:
 
 def diagnose(run: Run) -> Diagnosis:
     """Statistics and findings for a run (pure: reads only the Run)."""
+    # First: its (ranks, steps, buckets) cube is the largest transient, best built before the
+    # straggler table (kept for the report's heatmap) exists.
+    buckets = bucket_stats(run)
     phases = {rank: rank_phases(t) for rank, t in sorted(run.ranks.items())}
     steps = {rank: t.steps for rank, t in sorted(run.ranks.items())}
     tb = time_base(run)
@@ -76,7 +79,7 @@ def diagnose(run: Run) -> Diagnosis:
         step_spans=spans,
         lateness=views.lateness(run, tb),
         bucket_layout=bucket_layout(run),
-        buckets=bucket_stats(run),
+        buckets=buckets,
         findings=findings,
         gpus=gpu.gpu_view(run),
         framework=framework,

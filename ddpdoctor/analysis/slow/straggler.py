@@ -208,10 +208,12 @@ def cached_sync_table(run: Run) -> SyncTable | None:
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
     """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
     excess = {}
+    rest = np.delete(np.arange(len(table.ranks)), row)
     for phase, values in table.phases.items():
-        # Steps as rows of one contiguous copy: the median partitions contiguous memory.
-        others = np.ascontiguousarray(np.delete(values[:, late_steps], row, axis=0).T)
-        diff = values[row, late_steps] - np.median(others, axis=1)
+        # Steps as rows of one contiguous copy, partitioned in place: the median partitions
+        # contiguous memory, and one copy is 40 MB at 1,024 ranks x 10,000 steps.
+        others = values.T[np.ix_(late_steps, rest)]
+        diff = values[row, late_steps] - np.median(others, axis=1, overwrite_input=True)
         excess[phase] = float(np.median(diff))
     return excess
 
