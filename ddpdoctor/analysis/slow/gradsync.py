@@ -52,12 +52,14 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     common = np.ones(grid.n * nb, bool)  # (step, bucket) that every rank has, rank by rank
     for i, (trace, bucket) in enumerate(zip(traces, buckets)):
         ar = trace.kind(schema.ALLREDUCE)
-        key, durs = last_per_step((ar.step - grid.lo) * nb + bucket, ar.dur)  # the last of duplicates
+        key, durs = (ar.step - grid.lo) * nb + bucket, ar.dur
         inside = (key >= 0) & (key < grid.n * nb)
-        waits[i].reshape(-1)[key[inside]] = durs[inside]
-        has = np.zeros(grid.n * nb, bool)
-        has[key[inside]] = True
-        common &= has
+        key, durs = key[inside], durs[inside]
+        seen = np.bincount(key, minlength=grid.n * nb)
+        if len(key) and seen.max() > 1:  # a repeated (step, bucket): its last (a sort; rare)
+            key, durs = last_per_step(key, durs)
+        waits[i].reshape(-1)[key] = durs
+        common &= seen > 0
     common = common.reshape(grid.n, nb)
     steps, cols = np.flatnonzero(common.any(axis=1)), np.flatnonzero(common.any(axis=0))
     if not len(steps):
