@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -143,13 +143,21 @@ def sync_table(run: Run) -> SyncTable | None:
             cpu_wait[i] = values["cpu_wait"]
     if common.sum() < MIN_STEPS:
         return None
+    shared = _columns(common)
     for name in list(matrices):  # one at a time: a single copy's worth of memory at a time
-        matrices[name] = matrices[name][:, common]
+        matrices[name] = matrices[name][:, shared]
     last_dur = matrices.pop("last_dur")
     lateness = lateness_from_waits(last_dur, out=last_dur)
-    cpu_wait = cpu_wait[:, common] if cpu_wait is not None else None
+    cpu_wait = cpu_wait[:, shared] if cpu_wait is not None else None
     known = cpu_wait is not None and not np.isnan(cpu_wait).all()
     return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait if known else None)
+
+
+def _columns(common: np.ndarray) -> slice | np.ndarray:
+    """The shared steps as a slice where they are one run (the usual case: every step but the
+    grid's first), so the tables are views, not 40 MB copies; else the mask."""
+    at = np.flatnonzero(common)
+    return slice(int(at[0]), int(at[-1]) + 1) if len(at) and at[-1] - at[0] + 1 == len(at) else common
 
 
 def _steps_and_period(run: Run, ranks: list[int]) -> tuple[StepGrid, float]:
@@ -200,9 +208,18 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
     return latest, persistent
 
 
-def cached_sync_table(run: Run) -> SyncTable | None:
-    """``sync_table(run)``, computed once per run: the finding and the report's heatmap share it."""
-    return run.once("sync_table", sync_table)
+def sync_lateness(run: Run) -> SyncTable | None:
+    """The straggler table without its phase split, kept for the run: the report's heatmap
+    shows its lateness. The phases (five of the six matrices, 200 MB at 1,024 ranks x 10,000
+    steps) are read by the straggler finding alone and freed once it is judged."""
+    return run.once(_LATENESS, lambda r: _lateness_only(sync_table(r)))
+
+
+_LATENESS = "sync_lateness"
+
+
+def _lateness_only(table: SyncTable | None) -> SyncTable | None:
+    return None if table is None else replace(table, phases={}, cpu_wait=None)
 
 
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
@@ -260,7 +277,8 @@ def _standout(typical: np.ndarray) -> np.ndarray:
 
 @detector
 def stragglers(run: Run) -> Iterable[Finding]:
-    table = cached_sync_table(run)
+    table = sync_table(run)
+    run.once(_LATENESS, lambda _: _lateness_only(table))  # the heatmap's share, built once
     if table is None or not table.step_us:
         return
     threshold = late_threshold_us(table.step_us)

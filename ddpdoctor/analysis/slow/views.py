@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.slow.phases import StepGrid, training_forwards
-from ddpdoctor.analysis.slow.straggler import cached_sync_table
+from ddpdoctor.analysis.slow.straggler import sync_lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import Run
@@ -47,7 +47,7 @@ def lateness(run: Run, tb: TimeBase) -> Lateness:
     common clock) where it is defined; else the start of backward on the aligned clocks,
     under its own name."""
     ranks = sorted(run.ranks)
-    table = cached_sync_table(run)
+    table = sync_lateness(run)
     if table is not None:
         return Lateness(table.ranks, table.steps.tolist(), table.lateness / 1e3, LATENESS_AT_LAST_BUCKET)
     grid = StepGrid.spanning(run.ranks[r].kind(schema.BACKWARD).step for r in ranks)
