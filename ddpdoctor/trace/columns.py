@@ -54,7 +54,11 @@ class Packed:
         for dtype in (np.uint8, np.uint16):
             if span <= np.iinfo(dtype).max:
                 return cls(lo, (values - lo).astype(dtype))
-        if len(values) > 256 and len(np.unique(values[:256])) <= 16:
+        head = np.unique(values[:256]) if len(values) > 256 else None
+        if head is not None and len(head) <= 16:
+            codes = np.searchsorted(head, values)  # the usual case: the first 256 hold every value
+            if (head[np.minimum(codes, len(head) - 1)] == values).all():
+                return cls(0, codes.astype(np.uint8), head)
             table, codes = np.unique(values, return_inverse=True)
             if len(table) <= 256:
                 return cls(0, codes.astype(np.uint8), table)
