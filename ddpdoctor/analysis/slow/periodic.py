@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.slow.phases import training_forwards
+from ddpdoctor.analysis.slow.phases import first_per_step, training_forwards
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
 from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, lateness_from_waits
 from ddpdoctor.trace import schema
@@ -92,8 +92,8 @@ def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     top = np.full(int(steps.max()) - lo + 1, np.iinfo(np.int64).min)
     np.maximum.at(top, steps - lo, index)
     last = np.flatnonzero(index == top[steps - lo])
-    _, first = np.unique(steps[last], return_index=True)  # a repeated index: its first event
-    return steps[last[first]], ar.dur[last[first]].astype(np.float64)
+    _, first = first_per_step(steps[last], last)  # a repeated index: its first event
+    return steps[first], ar.dur[first].astype(np.float64)
 
 
 @detector
