@@ -89,9 +89,12 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         ends, has_end = grid.put(bwd.step, bwd.end)
         everywhere &= has_ready & has_end
         exposed = np.minimum(exposed, np.maximum(0, ends - last_ready))
-        step_ends = np.sort(last_per_step(bwd.step, bwd.end)[1])  # a step's last micro-batch ends it
+        step_ends = last_per_step(bwd.step, bwd.end)[1]  # a step's last micro-batch ends it
+        gaps = np.diff(step_ends)
+        if (gaps < 0).any():  # out of order (rare): sorted first, as always
+            gaps = np.diff(np.sort(step_ends))
         if len(step_ends) > 1:
-            periods.append(np.diff(step_ends))
+            periods.append(gaps)
     everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
     if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0
