@@ -267,8 +267,10 @@ def _inside(inner: Any, outer: Any) -> np.ndarray:
     """Which ``inner`` events start inside some ``outer`` event (both sorted by start)."""
     if not len(inner) or not len(outer):
         return np.zeros(len(inner), dtype=bool)
-    order = np.argsort(outer.ts)
-    starts, ends = outer.ts[order], outer.end[order]
+    starts, ends = outer.ts, outer.end
+    if not (np.diff(starts) > 0).all():  # strictly in order (the usual trace): no sort to do
+        order = np.argsort(starts)
+        starts, ends = starts[order], ends[order]
     idx = np.searchsorted(starts, inner.ts, side="right") - 1
     ok = idx >= 0
     result = np.zeros(len(inner), dtype=bool)
