@@ -17,7 +17,8 @@ import numpy as np
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.phases import first_per_step, training_forwards
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
-from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, lateness_from_waits
+from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
+from ddpdoctor.analysis.slow.synctable import lateness_from_waits
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.slow.phases import StepGrid, training_forwards
-from ddpdoctor.analysis.slow.straggler import sync_lateness
+from ddpdoctor.analysis.slow.synctable import sync_lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import Run
