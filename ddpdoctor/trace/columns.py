@@ -18,7 +18,7 @@ def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) ->
     column, by counting when its values span little more than its length (steps, loader ids,
     interned string ids): the same arrays without a sort or a hash table (thousands of calls
     at 1,024 ranks)."""
-    if len(values) and values.dtype.kind in "iu":
+    if len(values) and (values.dtype.kind == "i" or values.dtype.kind == "u" and values.dtype.itemsize < 8):
         lo = int(values.min())
         span = int(values.max()) - lo
         if span <= 4 * len(values) + 1024:
