@@ -11,7 +11,9 @@ tree (it reads rank files in worker processes), sampled every 20 ms, next to the
 ``ru_maxrss``. Target: ``diagnose`` within 10 s, ``report`` within 15 s, at 1 GB peak.
 Generation (``trace.synthetic``, the generator the tests use too, one process per host) is not
 timed against the target. ``--json`` prints one line: ``diagnose_s`` and ``report_s`` (median
-of the repeats), ``peak_mb`` (the larger command's peak) and the details.
+of the repeats), ``peak_mb`` (the larger command's peak) and the details. ``--stages`` adds what
+the commands are made of, from one fresh process: reading, analysis and rendering, each timed,
+with the process's peak resident set after each (``stages``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,38 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
     return {"wall_s": wall, "tree_peak_MB": peak[0] / 1e6, "main_maxrss_MB": usage.ru_maxrss / 1e3}
 
 
+def stages(dirs: list[str]) -> dict[str, float]:
+    """Read, analyse and render in this process, each timed, with the peak resident set after
+    each: where a command's time and memory go."""
+    import resource
+
+    from ddpdoctor import reports
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.trace.reader import load_run
+
+    out: dict[str, float] = {}
+
+    def mark(name: str, t0: float) -> None:
+        out[f"{name}_s"] = round(time.perf_counter() - t0, 2)
+        out[f"{name}_maxrss_MB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    t = time.perf_counter()
+    run = load_run(dirs)
+    mark("read", t)
+    t = time.perf_counter()
+    diag = diagnose(run)
+    mark("analyse", t)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        reports.write(diag, Path(tmp) / "report.html", "html")
+        mark("render", t)
+    return out
+
+
+def _run_dirs(runs: Path) -> list[str]:
+    return sorted((str(d) for d in runs.iterdir() if d.is_dir()), key=lambda s: int(s.rsplit("host", 1)[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=1024)
@@ -95,15 +129,18 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="use (or keep) the run dirs here")
     ap.add_argument("--keep", action="store_true", help="do not delete the generated run")
     ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
+    ap.add_argument("--stages", action="store_true", help="also time read, analysis, render in one process")
+    ap.add_argument("--stages-of", default=None, help=argparse.SUPPRESS)  # the fresh process itself
     args = ap.parse_args()
+    if args.stages_of:
+        print(json.dumps(stages(_run_dirs(Path(args.stages_of)))))
+        return
     out = Path(args.out or tempfile.mkdtemp(prefix="ddpdoctor-scale-"))
     runs = out / "runs"
     try:
         t = time.perf_counter()
         if runs.is_dir() and any(runs.iterdir()):
-            dirs = sorted(
-                (str(d) for d in runs.iterdir() if d.is_dir()), key=lambda s: int(s.rsplit("host", 1)[1])
-            )
+            dirs = _run_dirs(runs)
             gen_s = 0.0
         else:
             dirs = generate(args.ranks, args.steps, runs, args.workers)
@@ -136,6 +173,10 @@ def main() -> None:
             result["report_MB"] = round(os.path.getsize(out / "report.html") / 1e6, 2)
             result["peak_mb"] = max(result[n]["tree_peak_MB_max"] for n in cmds)  # type: ignore[index]
         result["trace_bytes_per_rank_step"] = round(size / (args.ranks * args.steps), 1)
+        if args.stages:
+            cmd = [sys.executable, __file__, "--stages-of", str(runs)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            result["stages"] = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     finally:
         if not args.keep and not args.out:

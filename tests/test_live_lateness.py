@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.slow.straggler import sync_table
+from ddpdoctor.analysis.slow.synctable import sync_table
 from ddpdoctor.live.lateness import live_lateness
 from ddpdoctor.probes.recent import KEEP_STEPS, RecentSteps
 from ddpdoctor.probes.status import RankStatus

@@ -17,6 +17,7 @@ from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
 from ddpdoctor.analysis.slow.phases import rank_phases, step_times
 from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.merge import TimeBase, time_base
 from ddpdoctor.trace.reader import Run
 
@@ -47,6 +48,9 @@ class Diagnosis:
 
 def diagnose(run: Run) -> Diagnosis:
     """Statistics and findings for a run (pure: reads only the Run)."""
+    # First: its (ranks, steps, buckets) cube is the largest transient, best built before the
+    # straggler table (kept for the report's heatmap) exists.
+    buckets = bucket_stats(run)
     phases = {rank: rank_phases(t) for rank, t in sorted(run.ranks.items())}
     steps = {rank: t.steps for rank, t in sorted(run.ranks.items())}
     tb = time_base(run)
@@ -75,7 +79,7 @@ def diagnose(run: Run) -> Diagnosis:
         step_spans=spans,
         lateness=views.lateness(run, tb),
         bucket_layout=bucket_layout(run),
-        buckets=bucket_stats(run),
+        buckets=buckets,
         findings=findings,
         gpus=gpu.gpu_view(run),
         framework=framework,
@@ -145,7 +149,7 @@ def training_loader(trace: Any) -> dict[str, Any] | None:
     loaders = trace.meta.get(schema.LOADER, [])
     if not loaders:
         return None
-    ids, n = np.unique(waits.ints(0), return_counts=True)
+    ids, n = distinct(waits.ints(0), counts=True)
     counts = dict(zip(ids.tolist(), n.tolist(), strict=True))
     busiest = max(loaders, key=lambda rec: counts.get(rec[2].get("id"), 0))
     return busiest[2]

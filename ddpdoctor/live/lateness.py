@@ -17,12 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.slow.straggler import (
-    MIN_STEPS,
-    late_threshold_us,
-    lateness_from_waits,
-    persistent_stragglers,
-)
+from ddpdoctor.analysis.slow.straggler import late_threshold_us, persistent_stragglers
+from ddpdoctor.analysis.slow.synctable import MIN_STEPS, lateness_from_waits
 from ddpdoctor.probes.status import RankStatus
 
 MAX_SPAN = 10_000  # steps between the ranks' oldest and newest published step: a corrupt status

@@ -72,14 +72,14 @@ def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | No
     hidden: dict[tuple[int, str], list[int]] = {}  # (rank, kind) -> ts of spans drawn as open ones
     for rank, kind, ts in diag.failure.hidden() if diag.failure is not None else ():
         hidden.setdefault((rank, kind), []).append(ts)
-    chosen = None if steps is None else np.array(sorted(steps), dtype=np.int64)
+    chosen = None if steps is None else _step_table(steps)
     for phase, style in schema.PHASES.items():
         parts: list[tuple[np.ndarray, ...]] = []
         for rank, trace in diag.run.ranks.items():
             ev = phase_events(trace, phase)
             if chosen is not None:  # select before materialising times: few steps of many
                 shift = 1 if style.kind == schema.DATA_WAIT else 0  # the wait before a chosen step
-                ev = ev.select(np.isin(ev.step + shift, chosen, kind="table") & style.per_step)
+                ev = ev.select(_chosen(ev.step + shift, chosen) & style.per_step)
             cut = hidden.get((rank, style.kind))
             if cut and len(ev):
                 ev = ev.select(~np.isin(ev.ts, cut))
@@ -90,6 +90,24 @@ def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | No
             parts.append((start, start + ev.dur / 1e6, np.full(len(ev), rows[rank]), ev.step, bucket, nbytes))
         if parts:
             out[phase] = Segments(*(np.concatenate([p[i] for p in parts]) for i in range(6)))
+    return out
+
+
+def _step_table(steps: set[int]) -> tuple[int, np.ndarray]:
+    """Which steps are chosen, as (the lowest, a table from it): built once, read for every
+    rank and phase (np.isin built one 13,000 times at 1,024 ranks)."""
+    lo = min(steps, default=0)
+    table = np.zeros(max(steps, default=-1) - lo + 1, bool)
+    table[[s - lo for s in steps]] = True
+    return lo, table
+
+
+def _chosen(step: np.ndarray, chosen: tuple[int, np.ndarray]) -> np.ndarray:
+    lo, table = chosen
+    at = step - lo
+    inside = (at >= 0) & (at < len(table))
+    out = np.zeros(len(step), bool)
+    out[inside] = table[at[inside]]
     return out
 
 

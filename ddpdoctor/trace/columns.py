@@ -13,6 +13,27 @@ from typing import Any
 import numpy as np
 
 
+def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) -> Any:
+    """``np.unique(values, return_counts=counts)`` (or ``return_inverse=inverse``) of an integer
+    column, by counting when its values span little more than its length (steps, loader ids,
+    interned string ids): the same arrays without a sort or a hash table (thousands of calls
+    at 1,024 ranks)."""
+    if len(values) and (values.dtype.kind == "i" or values.dtype.kind == "u" and values.dtype.itemsize < 8):
+        lo = int(values.min())
+        span = int(values.max()) - lo
+        if span <= 4 * len(values) + 1024:
+            offset = values.astype(np.intp) - lo
+            n = np.bincount(offset, minlength=span + 1)
+            at = np.flatnonzero(n)
+            found = (at + lo).astype(values.dtype)
+            if inverse:
+                return found, (np.cumsum(n > 0) - 1)[offset]
+            return (found, n[at]) if counts else found
+    if inverse:
+        return np.unique(values, return_inverse=True)
+    return np.unique(values, return_counts=counts)
+
+
 class Packed:
     """An integer column stored as ``base`` plus the narrowest unsigned offsets that fit (or as
     codes into a small table of values): a 1,024-rank run holds about 80 million events, and
@@ -33,7 +54,11 @@ class Packed:
         for dtype in (np.uint8, np.uint16):
             if span <= np.iinfo(dtype).max:
                 return cls(lo, (values - lo).astype(dtype))
-        if len(values) > 256 and len(np.unique(values[:256])) <= 16:
+        head = np.unique(values[:256]) if len(values) > 256 else None
+        if head is not None and len(head) <= 16:
+            codes = np.searchsorted(head, values)  # the usual case: the first 256 hold every value
+            if (head[np.minimum(codes, len(head) - 1)] == values).all():
+                return cls(0, codes.astype(np.uint8), head)
             table, codes = np.unique(values, return_inverse=True)
             if len(table) <= 256:
                 return cls(0, codes.astype(np.uint8), table)
@@ -48,7 +73,10 @@ class Packed:
         """The column as int64 (a new array)."""
         if self.table is not None:
             return self.table[self.data]
-        return self.data.astype(np.int64) + self.base
+        out = self.data.astype(np.int64)
+        if self.base:
+            out += self.base  # in place: one array, not two (160,000 calls at 1,024 ranks)
+        return out
 
     def item(self, i: int) -> int:
         return int(self.table[self.data[i]]) if self.table is not None else int(self.data[i]) + self.base

@@ -13,7 +13,7 @@ import json
 import multiprocessing
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import numpy as np
 
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import binfmt, recover, schema
-from ddpdoctor.trace.columns import Events, Fields, Packed, Strings
+from ddpdoctor.trace.columns import Events, Fields, Packed, Strings, distinct
 
 _I64 = 2**63
 
@@ -65,7 +65,7 @@ class RankTrace:
         """Training steps: the steps DDP forwards in grad mode ran in (the micro-batches of
         gradient accumulation under no_sync() share their optimizer step's number)."""
         fwd = self.kind(schema.FORWARD)
-        return len(np.unique(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
+        return len(distinct(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
 
     def wall_offset_us(self) -> int:
         """Add to this rank's timestamps to get its own wall-clock µs since the epoch."""
@@ -113,7 +113,7 @@ def _read_binary(path: Path, data: bytes, rank: int | None) -> RankTrace:
         for i, code in enumerate(dec.specs[kind]):
             col = rec[f"f{i}"]
             if code in schema.INTERNED:
-                ids, codes = np.unique(col, return_inverse=True)
+                ids, codes = distinct(col, inverse=True)
                 table = [binfmt.value(dec.strings, int(j)) for j in ids.tolist()]
                 cols.append(Strings(codes.astype(np.min_scalar_type(max(len(ids) - 1, 0))), table))
             else:
@@ -252,6 +252,13 @@ class Run:
     ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
     # Views computed once from the run and shared by the analyses and the reports (the GPU view).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def once(self, key: str, compute: Callable[[Run], Any]) -> Any:
+        """``compute(self)``, computed once per run: the views several analyses and the reports
+        share (the ledgers, the straggler table) are built once, not once per reader."""
+        if key not in self.derived:
+            self.derived[key] = compute(self)
+        return self.derived[key]
 
     @property
     def world_size(self) -> int:

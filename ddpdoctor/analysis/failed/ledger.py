@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_st
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
 from ddpdoctor.trace.stacktext import is_user_frame
@@ -99,6 +102,15 @@ class Ledger:
     # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
     sync_logs: set[tuple[str, str]] = field(default_factory=set)
     files: dict[str, str] = field(default_factory=dict)  # a site's file name -> its path
+
+    @cached_property
+    def grad_forwards(self) -> Counter[int]:
+        """Grad-mode forwards per step in the ledger's window (read once per step compared)."""
+        return Counter(s for s, grad, _, _ in self.forwards if grad)
+
+    @cached_property
+    def first_grad_step(self) -> int:
+        return min(self.grad_forwards, default=-1)
 
     def path_of(self, site: str) -> tuple[str, int]:
         """(the file's path, the line) of a ``file:line`` site, ("", 0) when not on record."""
@@ -250,18 +262,24 @@ def _expected_batches(info: dict[str, Any], world: int) -> int | None:
 
 
 def build(run: Run) -> dict[int, Ledger]:
-    """A ledger for every rank of the run, those that left no trace included."""
+    """A ledger for every rank of the run, those that left no trace included (built once per
+    run: the causes, the awaited work and the failure view read the same ledgers)."""
+    return run.once("ledgers", _build)
+
+
+def _build(run: Run) -> dict[int, Ledger]:
     watch = merged_watch(run)
     ledgers: dict[int, Ledger] = {}
     elsewhere = run.elsewhere  # on a node whose run dir was not given: nothing to judge it by
-    for rank in range(run.world_size):
+    world = run.world_size
+    for rank in range(world):
         if rank in elsewhere:
             continue
         ledger = Ledger(rank, ending=how_it_ended(run, rank, watch))
         ledger.words = [str(w) for w in (run.ends.get(rank) or {}).get("words") or []]
         trace = run.ranks.get(rank)
         if trace is not None:
-            _fill(ledger, trace, run.world_size)
+            _fill(ledger, trace, world)
         flight, place = _in_flight(run, rank)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
@@ -326,7 +344,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             continue
         points.append(Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
-    ledger.steps = len(np.unique(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
+    ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))

@@ -66,7 +66,10 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
         at = {r: m.get(seq) for r, m in by_seq.items()}
         have = {r: p for r, p in at.items() if p is not None}
         if len(have) == len(at):
-            differ = disagreement({r: p.signature() for r, p in have.items()}, _op_of, f"collective #{seq}")
+            sigs = {r: p.signature() for r, p in have.items()}
+            # the usual sync point: every rank's the same, nothing to compare field by field
+            same = len({tuple(s.values()) for s in sigs.values()}) == 1
+            differ = None if same else disagreement(sigs, _op_of, f"collective #{seq}")
             if differ is None:
                 said = _backend_says_mismatch(present, have)
                 if said and all(p.in_flight for p in have.values()):
@@ -109,10 +112,10 @@ def _steps_apart(have: dict[int, Point]) -> Divergence | None:
 def micro_batches(ledger: Ledger, step: int) -> int | None:
     """Grad-mode forwards the rank ran in a step (micro-batches under no_sync() share one), or
     None when the ledger's window of forwards may have cut that step short."""
-    steps = [s for s, grad, _, _ in ledger.forwards if grad]
-    if not steps or (len(ledger.forwards) >= TAIL and step <= min(steps)):
+    steps = ledger.grad_forwards
+    if not steps or (len(ledger.forwards) >= TAIL and step <= ledger.first_grad_step):
         return None
-    return steps.count(step) or None
+    return steps.get(step) or None
 
 
 def _accumulation_apart(have: dict[int, Point], ledgers: dict[int, Ledger]) -> Divergence | None:

@@ -15,12 +15,13 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.device import clock, device_timed
-from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step
+from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
 EXPOSED_SHARE = 0.25  # of the step time: exposed communication worth a finding
 BIG_BUCKET = 8 * 2**20  # one bucket this large could have been several overlapping ones
+_MAX_BUCKETS = 1 << 16
 
 
 def bucket_layout(run: Run) -> dict[int, dict[str, Any]]:
@@ -39,20 +40,27 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     traces = [t for _, t in sorted(device_timed(run).ranks.items())]
     if len(traces) < 2:
         return None
-    buckets = [t.kind(schema.ALLREDUCE).ints(0, default=0) for t in traces]
-    if not all(len(b) for b in buckets) or min(int(b.min()) for b in buckets) < 0:
-        return None  # a rank without bucket timings, or not a bucket index DDP writes
+    buckets = []
+    for t in traces:
+        b = t.kind(schema.ALLREDUCE).ints(0, default=0)
+        if not len(b) or int(b.min()) < 0 or int(b.max()) >= _MAX_BUCKETS:
+            return None  # a rank without bucket timings, or not a bucket index DDP writes
+        buckets.append(b.astype(np.uint16))  # below _MAX_BUCKETS: 2 bytes an event, not 8
     nb = max(int(b.max()) for b in buckets) + 1
-    if nb > _MAX_BUCKETS:
-        return None
     grid = StepGrid.spanning(t.kind(schema.ALLREDUCE).step for t in traces)
     waits = np.full((len(traces), grid.n, nb), np.nan, dtype=np.float32)
+    common = np.ones(grid.n * nb, bool)  # (step, bucket) that every rank has, rank by rank
     for i, (trace, bucket) in enumerate(zip(traces, buckets)):
         ar = trace.kind(schema.ALLREDUCE)
-        key, durs = last_per_step((ar.step - grid.lo) * nb + bucket, ar.dur)  # the last of duplicates
+        key, durs = (ar.step - grid.lo) * nb + bucket, ar.dur
         inside = (key >= 0) & (key < grid.n * nb)
-        waits[i].reshape(-1)[key[inside]] = durs[inside]
-    common = ~np.isnan(waits).any(axis=0)  # (step, bucket) that every rank has
+        key, durs = key[inside], durs[inside]
+        seen = np.bincount(key, minlength=grid.n * nb)
+        if len(key) and seen.max() > 1:  # a repeated (step, bucket): its last (a sort; rare)
+            key, durs = last_per_step(key, durs)
+        waits[i].reshape(-1)[key] = durs
+        common &= seen > 0
+    common = common.reshape(grid.n, nb)
     steps, cols = np.flatnonzero(common.any(axis=1)), np.flatnonzero(common.any(axis=0))
     if not len(steps):
         return None
@@ -62,9 +70,6 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
     if len(cols) < nb:
         waits = waits[:, :, cols]
     return waits, (steps + grid.lo).tolist(), cols.tolist()
-
-
-_MAX_BUCKETS = 1 << 16
 
 
 def exposed_comm_us(run: Run) -> tuple[float, float]:
@@ -84,13 +89,16 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         ends, has_end = grid.put(bwd.step, bwd.end)
         everywhere &= has_ready & has_end
         exposed = np.minimum(exposed, np.maximum(0, ends - last_ready))
-        step_ends = np.sort(last_per_step(bwd.step, bwd.end)[1])  # a step's last micro-batch ends it
+        step_ends = last_per_step(bwd.step, bwd.end)[1]  # a step's last micro-batch ends it
+        gaps = np.diff(step_ends)
+        if (gaps < 0).any():  # out of order (rare): sorted first, as always
+            gaps = np.diff(np.sort(step_ends))
         if len(step_ends) > 1:
-            periods.append(np.diff(step_ends))
+            periods.append(gaps)
     everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
     if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0
-    return float(np.median(exposed[everywhere])), float(np.median(np.concatenate(periods)))
+    return float(np.median(exposed[everywhere])), median_period(periods)
 
 
 def accumulates(run: Run) -> bool:

@@ -15,9 +15,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.slow.phases import training_forwards
+from ddpdoctor.analysis.slow.phases import first_per_step, training_forwards
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
-from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US, lateness_from_waits
+from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
+from ddpdoctor.analysis.slow.synctable import lateness_from_waits
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -60,8 +61,9 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     """(ranks, (ranks, steps) µs each rank spent blocked in sync points per training step: the
     gradient all-reduce's last bucket and every Python collective), over the steps all share."""
     ranks = sorted(run.ranks)
-    rows = []
-    for r in ranks:
+    waits: np.ndarray | None = None  # as long as the first rank's row; cut to the shortest
+    n = 0
+    for i, r in enumerate(ranks):
         trace = run.ranks[r]
         coll = trace.kind(schema.COLLECTIVE)
         parts = [(coll.step, coll.dur), _last_buckets(trace)]
@@ -70,11 +72,14 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
         keep = steps >= 0
         if not keep.any():
             return None
-        rows.append(np.bincount(steps[keep], weights=durs[keep]))
-    n = min(len(row) for row in rows)
-    if n < MIN_STEPS:
+        row = np.bincount(steps[keep], weights=durs[keep])
+        if waits is None:  # written in place, row by row: one matrix, not a list and its stack
+            waits, n = np.empty((len(ranks), len(row))), len(row)
+        n = min(n, len(row))
+        waits[i, :n] = row[:n]
+    if waits is None or n < MIN_STEPS:
         return None
-    return ranks, np.vstack([row[:n] for row in rows])
+    return ranks, waits[:, :n]
 
 
 def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
@@ -88,8 +93,8 @@ def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     top = np.full(int(steps.max()) - lo + 1, np.iinfo(np.int64).min)
     np.maximum.at(top, steps - lo, index)
     last = np.flatnonzero(index == top[steps - lo])
-    _, first = np.unique(steps[last], return_index=True)  # a repeated index: its first event
-    return steps[last[first]], ar.dur[last[first]].astype(np.float64)
+    _, first = first_per_step(steps[last], last)  # a repeated index: its first event
+    return steps[first], ar.dur[first].astype(np.float64)
 
 
 @detector
@@ -102,7 +107,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
     ranks, waits = found
     # A rank that is late makes the others wait for it: its lateness at a step is how much
     # longer the most-waiting rank was blocked than it was.
-    lateness = lateness_from_waits(waits)
+    lateness = lateness_from_waits(waits, out=waits)
     total_us = 0.0  # the training time: first training forward to the rank's last record
     for r in ranks:
         fwd = training_forwards(run.ranks[r])

@@ -114,7 +114,8 @@ def training_forwards(trace: RankTrace) -> Events:
     step = fwd.step[grad]
     opens = np.ones(len(grad), bool)
     opens[1:] = step[1:] != step[:-1]
-    return fwd.select(grad if opens.all() else grad[opens])
+    keep = grad if opens.all() else grad[opens]
+    return fwd if len(keep) == len(fwd) else fwd.select(keep)  # usually every forward: no copy
 
 
 def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,6 +191,16 @@ class StepGrid:
         if ufunc is not None:  # unbuffered, in place: faster than sorting into runs, if no cast
             ufunc.at(out, at, values.astype(np.float64, copy=False))
         return out, present
+
+
+def median_period(diffs: Iterable[np.ndarray]) -> float:
+    """The median of every rank's step periods (int µs), 0.0 without any: the periods narrowed
+    to int32 where they fit and the median taken in place (at 1,024 ranks x 10,000 steps, 40
+    MB at a time instead of three 80 MB copies)."""
+    parts = [d.astype(np.int32) if len(d) and d.min() >= -(2**31) and d.max() < 2**31 else d for d in diffs]
+    periods = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    del parts
+    return float(np.median(periods, overwrite_input=True)) if len(periods) else 0.0
 
 
 def step_times(trace: RankTrace) -> np.ndarray:

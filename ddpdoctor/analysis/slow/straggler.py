@@ -1,23 +1,19 @@
 """Stragglers: ranks that arrive late at the gradient sync, and which phase makes them late.
 
-Lateness needs no cross-host clock: a bucket's all-reduce finishes at about the same moment
-on every rank, so a rank that got the step's last bucket ready d µs after the earliest one
-spent d µs less in that all-reduce. Each step's time since the previous sync is then split
-into phases on each rank (data wait, forward, backward up to the last bucket, optimizer, other),
-and the late rank's phases are compared with the other ranks' at the same steps.
+The straggler table (``synctable.py``) holds each rank's lateness and phase split per step (data
+wait, forward, backward up to the last bucket, optimizer, other); the late rank's phases are
+compared here with the other ranks' at the same steps.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.slow.device import clock, device_timed
-from ddpdoctor.analysis.slow.phases import StepGrid, exclusive_durations, first_per_step, training_forwards
+from ddpdoctor.analysis.slow.device import clock
 from ddpdoctor.analysis.slow.stalls import (
     OTHER_LOADER_FIX,
     costliest,
@@ -25,14 +21,12 @@ from ddpdoctor.analysis.slow.stalls import (
     training_span_us,
     where_time_went,
 )
-from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.analysis.slow.synctable import SyncTable, judged_table
+from ddpdoctor.trace.reader import Run
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "other")
 LATE_FRACTION = 0.05  # of the step time: below this a rank is on time
 LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
-MIN_STEPS = 6  # fewer shared steps than this say nothing reliable
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
 COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
 COST_WARNING_S = 0.5  # and in all: a few ms of stalls in a short job are not worth one
@@ -57,99 +51,6 @@ _CPU_FIX = (
     "OMP_NUM_THREADS or torch.set_num_threads(cores // ranks per host), fewer loader workers, "
     "or pin ranks to cores (taskset, numactl)."
 )
-
-
-@dataclass
-class SyncTable:
-    """Per (rank, step) arrays over the steps every rank completed: µs."""
-
-    ranks: list[int]
-    steps: np.ndarray
-    lateness: np.ndarray  # (ranks, steps): arrival at the last bucket after the earliest rank
-    phases: dict[str, np.ndarray]  # phase -> (ranks, steps)
-    step_us: float  # median step period
-    # (ranks, steps): the training thread's run-queue delay since the previous step's backward
-    # ended (probes/cpuwait.py), NaN where unknown: time it was ready to run and had no CPU.
-    cpu_wait: np.ndarray | None = None
-
-
-def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
-    """(the grid steps this rank has everything for, its per-step values in µs on the grid:
-    PHASES and "last_dur"); None without forwards, backwards or bucket timings."""
-    fwd = training_forwards(trace)
-    bwd = trace.kind(schema.BACKWARD)
-    ar = trace.kind(schema.ALLREDUCE)
-    if not len(fwd) or not len(bwd) or not len(ar):
-        return None
-    fdur, has_fwd = grid.put(fwd.step, fwd.dur)  # a repeated step keeps its last forward
-    start, has_bwd = grid.put(bwd.step, bwd.ts)
-    end, _ = grid.put(bwd.step, bwd.end)
-    # The step's last bucket (highest index: DDP fills buckets from the output layers back)
-    # is the one the whole step waits for; the first event of that index if it repeats.
-    step, index = ar.step, ar.ints(0, default=0)
-    top, _ = grid.put(step, index.astype(np.float64), np.maximum)
-    is_top = np.flatnonzero(index == top[np.clip(step - grid.lo, 0, grid.n - 1)])
-    ready, has_ar = grid.put(*first_per_step(step[is_top], ar.ts[is_top]))
-    last_dur, _ = grid.put(*first_per_step(step[is_top], ar.dur[is_top]))
-    prev_end, has_prev = np.roll(end, 1), np.roll(has_bwd, 1)
-    has_prev[0] = False  # the step before the grid
-    waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
-    parts = {  # waits before step k, and the optimizer step that ends k-1, carry label k-1
-        "data_wait": grid.put(waits.step + 1, waits.dur, np.add)[0],
-        "optimizer": grid.put(opt.step + 1, exclusive_durations(trace, schema.OPTIMIZER), np.add)[0],
-        "forward": fdur,
-        "backward": np.maximum(0.0, ready - start),
-    }
-    parts["other"] = np.maximum(0.0, (ready - prev_end) - sum(parts.values()))
-    parts["last_dur"] = last_dur
-    runq, has_runq = grid.put(bwd.step, bwd.ints(0, default=-1).astype(np.float64))
-    has_runq &= runq >= 0
-    known = has_runq & np.roll(has_runq, 1)
-    parts["cpu_wait"] = np.where(known & has_prev, runq - np.roll(runq, 1), np.nan)
-    return has_fwd & has_bwd & has_prev & has_ar, parts
-
-
-def sync_table(run: Run) -> SyncTable | None:
-    """Lateness and phase split for every step all ranks share; None without bucket timings.
-
-    The (ranks, steps) matrices are float32 (µs: exact below 16 s): at 1,024 ranks x 10,000
-    steps each is 40 MB. Ranks are folded in one at a time, so nothing per rank is kept."""
-    run = device_timed(run)  # device spans when the ranks recorded them
-    ranks = sorted(run.ranks)
-    if len(ranks) < 2:
-        return None
-    spanned = StepGrid.spanning(training_forwards(run.ranks[r]).step for r in ranks)
-    grid = StepGrid(spanned.lo - 1, spanned.n + 1)  # and the step before: its backward's end
-    matrices = {
-        name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur", "cpu_wait")
-    }
-    common = np.ones(grid.n, bool)
-    for i, r in enumerate(ranks):
-        rows = _rank_rows(run.ranks[r], grid)
-        if rows is None:
-            return None
-        complete, values = rows
-        common &= complete
-        for name, m in matrices.items():
-            m[i] = values[name]
-    if common.sum() < MIN_STEPS:
-        return None
-    for name in list(matrices):  # one at a time: a single copy's worth of memory at a time
-        matrices[name] = matrices[name][:, common]
-    last_dur, cpu_wait = matrices.pop("last_dur"), matrices.pop("cpu_wait")
-    lateness = lateness_from_waits(last_dur)
-    del last_dur
-    periods = np.concatenate([np.diff(training_forwards(run.ranks[r]).ts) for r in ranks])
-    step_us = float(np.median(periods)) if len(periods) else 0.0
-    known = not np.isnan(cpu_wait).all()
-    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait if known else None)
-
-
-def lateness_from_waits(waits: np.ndarray) -> np.ndarray:
-    """(ranks, steps) lateness from each rank's wait in the step's last bucket all-reduce (or
-    any sync point every rank leaves together): the rank that waited longest arrived first, and
-    every other rank is late by how much less it waited. The trace analysis and `top` both."""
-    return waits.max(axis=0, keepdims=True) - waits
 
 
 def late_threshold_us(step_us: float) -> float:
@@ -179,20 +80,15 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
     return latest, persistent
 
 
-def cached_sync_table(run: Run) -> SyncTable | None:
-    """``sync_table(run)``, computed once per run: the finding and the report's heatmap share it."""
-    if "sync_table" not in run.derived:
-        run.derived["sync_table"] = sync_table(run)
-    return run.derived["sync_table"]
-
-
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
     """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
     excess = {}
+    rest = np.delete(np.arange(len(table.ranks)), row)
     for phase, values in table.phases.items():
-        # Steps as rows of one contiguous copy: the median partitions contiguous memory.
-        others = np.ascontiguousarray(np.delete(values[:, late_steps], row, axis=0).T)
-        diff = values[row, late_steps] - np.median(others, axis=1)
+        # Steps as rows of one contiguous copy, partitioned in place: the median partitions
+        # contiguous memory, and one copy is 40 MB at 1,024 ranks x 10,000 steps.
+        others = values.T[np.ix_(late_steps, rest)]
+        diff = values[row, late_steps] - np.median(others, axis=1, overwrite_input=True)
         excess[phase] = float(np.median(diff))
     return excess
 
@@ -239,7 +135,7 @@ def _standout(typical: np.ndarray) -> np.ndarray:
 
 @detector
 def stragglers(run: Run) -> Iterable[Finding]:
-    table = cached_sync_table(run)
+    table = judged_table(run)
     if table is None or not table.step_us:
         return
     threshold = late_threshold_us(table.step_us)

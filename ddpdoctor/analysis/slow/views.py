@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddpdoctor.analysis.slow.phases import StepGrid, training_forwards
-from ddpdoctor.analysis.slow.straggler import cached_sync_table
+from ddpdoctor.analysis.slow.synctable import sync_lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import Run
@@ -47,7 +47,7 @@ def lateness(run: Run, tb: TimeBase) -> Lateness:
     common clock) where it is defined; else the start of backward on the aligned clocks,
     under its own name."""
     ranks = sorted(run.ranks)
-    table = cached_sync_table(run)
+    table = sync_lateness(run)
     if table is not None:
         return Lateness(table.ranks, table.steps.tolist(), table.lateness / 1e3, LATENESS_AT_LAST_BUCKET)
     grid = StepGrid.spanning(run.ranks[r].kind(schema.BACKWARD).step for r in ranks)
@@ -73,10 +73,11 @@ def step_spans(run: Run, tb: TimeBase) -> dict[int, tuple[float, float]]:
         fwd = training_forwards(trace)
         first, has = grid.put(fwd.step, tb.rel(rank, fwd.ts), np.minimum)
         starts = np.minimum(starts, np.where(has, first, np.inf))
-        for ev in trace.events.values():
-            if len(ev):
-                last, has = grid.put(ev.step, tb.rel(rank, ev.end), np.maximum)
-                ends = np.maximum(ends, np.where(has, last, -np.inf))
+        kinds = [ev for ev in trace.events.values() if len(ev)]  # one pass over all its kinds
+        if kinds:
+            step = np.concatenate([ev.step for ev in kinds])
+            last, has = grid.put(step, tb.rel(rank, np.concatenate([ev.end for ev in kinds])), np.maximum)
+            ends = np.maximum(ends, np.where(has, last, -np.inf))
     started = np.isfinite(starts)
     begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist())))
