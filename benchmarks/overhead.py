@@ -75,6 +75,17 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
     return median, cpu, trace_bytes, duty
 
 
+def run_as_script(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` from a file, as a training script runs: code given with ``python -c`` has
+    no file (``<string>``), so the probes take its lines for a library's, not the user's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "per_event.py"
+        script.write_text(code)
+        return subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
+        )
+
+
 def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
     """The training thread's cost per event, in-process, each a median of alternated pairs:
 
@@ -144,7 +155,7 @@ print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": 
                   "per_event_cpu_us": cpu, "probe_us": probe, "emit_us": emit,
                   "bucket_us": bucket, "python_hook_bucket_us": python}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    out = run_as_script(code)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -16,8 +16,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import run_as_script  # noqa: E402
 
 MEASURE = """
 import json, os, statistics, tempfile, time
@@ -45,8 +48,7 @@ print(json.dumps(result))
 
 def measure(checkout: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
-    command = [sys.executable, "-c", MEASURE]
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    out = run_as_script(MEASURE, env)
     if out.returncode != 0:
         raise SystemExit(f"{checkout}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -272,7 +272,9 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 known = c.calls.get(key) if key is not None else None
                 if known is None:
                     known = _describe(c, op, args, kwargs, group, is_async, root, frame, key)
-                pg, gname, gsize, nbytes, sig, prefix, suffix, seq_of, _ = known
+                pg, gname, gsize, nbytes, sig, prefix, suffix, seq_of, walk, _ = known
+                if walk is not None:  # called from a library: whose line called it varies
+                    suffix = (walk[0], callsite.of_frame(c, frame)[0], walk[1])
                 seq = seq_of()
             except Exception as exc:
                 c.fail(PROBE, exc)
@@ -308,10 +310,9 @@ def _describe(
     key: tuple | None,
 ) -> tuple:
     """A collective call's fixed part: (process group, its name, its size, bytes, signature,
-    the record's interned fields before the sequence number, and after it, and how to read the
-    group's sequence number). Kept for ``key``
-    when the call came straight from the user's line (a call from inside a library has the
-    site of whoever called that library, which differs from call to call)."""
+    the record's interned fields before the sequence number, and after it, how to read the
+    group's sequence number, and (async, signature id) when the call came from a library's
+    line, whose user's line must be looked up on each call; else None), kept for ``key``."""
     pg, gname, gsize, seq = group_info(group, c)
     seq_of = pg._get_sequence_number_for_group if seq >= 0 else _no_seq
     nbytes = tensor_bytes(args[0]) if args else 0
@@ -323,8 +324,9 @@ def _describe(
     sid = sig_id(c, sig)
     intern = c.writer.intern
     fixed = (intern(op), nbytes, intern(gname), gsize), (is_async, where, sid)
-    known = (pg, gname, gsize, nbytes, sig, *fixed, seq_of, frame.f_code)  # the code: its id is in key
-    if key is not None and direct and len(c.calls) < _CALLS_MAX:
+    walk = None if direct else (is_async, sid)
+    known = (pg, gname, gsize, nbytes, sig, *fixed, seq_of, walk, frame.f_code)  # the code: its id is in key
+    if key is not None and len(c.calls) < _CALLS_MAX:
         c.calls[key] = known
     return known
 
