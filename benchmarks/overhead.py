@@ -3,7 +3,8 @@
 For a compute-bound model (~10M parameters) and a tiny one, run the same 2-rank gloo job
 plain, under `ddpdoctor run`, with torch.profiler (CPU activities) and, with ``--python-hook``,
 with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs: the
-doctor times each bucket with one), in interleaved order, and report the median step time of
+doctor times each bucket with one) and, with ``--no-buckets``, under the doctor with
+``DDPDOCTOR_BUCKET_TIMING=off``, in interleaved order, and report the median step time of
 each mode relative to plain. Also reports the trace size
 per rank per step, and the per-event cost of a recorded collective measured in-process.
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpdoctor import _env
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import read_trace
 
@@ -54,7 +56,9 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
         str(steps),
     ]
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    if mode == "doctor":
+    if mode == "doctor_no_buckets":  # the doctor with DDP's own C++ reduction left alone
+        env[_env.BUCKET_TIMING] = "off"
+    if mode.startswith("doctor"):
         cmd = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *job]
     elif mode in ("profiler", "python_hook"):
         cmd = job + ["--" + mode.replace("_", "-")]
@@ -67,7 +71,7 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
     job_result = json.loads(line)
     median, cpu = job_result["median_s"], job_result["cpu_per_step_s"]
     trace_bytes, duty = 0, 0.0
-    if mode == "doctor":
+    if mode.startswith("doctor"):
         trace = next(run_dir.glob("trace-rank0.*"))
         trace_bytes = trace.stat().st_size // (steps + 5)
         end = read_trace(trace).meta.get(schema.END, [(0, 0, {})])[0][2]
@@ -171,10 +175,14 @@ def main() -> None:
     parser.add_argument(
         "--python-hook", action="store_true", help="add a mode with torch's own Python allreduce_hook"
     )
+    parser.add_argument(
+        "--no-buckets", action="store_true", help="add the doctor with DDPDOCTOR_BUCKET_TIMING=off"
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
     modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
     modes += ["python_hook"] if args.python_hook else []
+    modes += ["doctor_no_buckets"] if args.no_buckets else []
     say = (lambda *a, **k: None) if args.json else print
     result: dict[str, object] = dict(per_event_cost_us())
     say(f"per-event cost: {json.dumps(result)}")
@@ -191,7 +199,7 @@ def main() -> None:
                 median, cpu, size, duty = run_once(mode, kind, steps, workdir)
                 results[mode].append(median)
                 cpus[mode].append(cpu)
-                if size:
+                if mode == "doctor":
                     sizes.append(size)
                     duties.append(duty)
         base = statistics.median(results["plain"])

@@ -11,6 +11,9 @@ BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before
 FLUSH_INTERVAL_S = 0.25
 BUFFER_EVENTS_N = 65536  # the ring's slots (128 bytes each: 8 MiB)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
+# "off": no timing comm hook in DDP's slot (no per-bucket spans; a Python hook costs a GIL trip
+# per bucket, about what torch's own Python allreduce_hook costs)
+BUCKET_TIMING = "DDPDOCTOR_BUCKET_TIMING"
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
 PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)

@@ -96,6 +96,24 @@ def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: 
     assert sum(1 for r in records if r[0] == "allreduce") >= 20  # 2 epochs x 10 steps
 
 
+def test_bucket_timing_off_leaves_the_reduction_to_ddp(tmp_path: Path) -> None:
+    """DDPDOCTOR_BUCKET_TIMING=off: the user's hook runs as registered, untimed; no bucket spans,
+    the same weights, and a healthy job still reads as healthy."""
+    plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", "--hook=user"))
+    assert plain.returncode == 0, plain.stderr
+    command = torchrun(3, JOBS / "seeded_train.py", "doc.pt", "--hook=user")
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="off")
+    assert job.returncode == 0, job.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    records = read_lines(job.run_dir / "trace-rank2.jsonl")
+    hooks = [r[4] for r in records if r[0] == "comm_hook"]
+    assert hooks[-1]["user"] is True and hooks[-1]["timed"] is False and "user_hook" in hooks[-1]["name"]
+    assert not any(r[0] == "allreduce" for r in records)
+    assert sum(1 for r in records if r[0] == "forward") >= 20
+    assert [f["kind"] for f in diagnose_json(job.run_dir)["findings"] if f["severity"] != "info"] == []
+
+
 def test_mp_spawn_launch(tmp_path: Path, write_script) -> None:
     script = write_script(
         "spawned.py",

@@ -5,16 +5,19 @@ registers, before or after, is timed instead of replaced.
 
 Any hook written in Python costs a GIL trip per bucket and one for its completion: about what
 torch's own Python ``allreduce_hook`` costs (``benchmarks/overhead.py``: ``bucket_us`` next to
-``python_hook_bucket_us``). The timing hook adds one record to that.
+``python_hook_bucket_us``). The timing hook adds one record to that. ``DDPDOCTOR_BUCKET_TIMING=off``
+leaves DDP's C++ reduction (or the user's hook) alone: no bucket spans, none of that cost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor import _env
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes.ddp_model import ModelState, state_of
@@ -59,7 +62,7 @@ def _wrap_builtin_hook(register: Callable[..., Any]) -> Callable[..., Any]:
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         model = state_of(self)
         if model is not None:
-            model.builtin_hook = True
+            model.untimed = True
         return register(self, comm_hook_type)
 
     return _register_builtin_comm_hook
@@ -77,16 +80,23 @@ def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any) -> None:
 
     c = _c.ACTIVE
     if getattr(ddp, "_comm_hooks", None):  # registered before we were watching: leave it be
-        model.builtin_hook = True
+        model.untimed = True
         if c is not None:
             c.meta(schema.COMM_HOOK, {"name": "unknown (registered before ddpdoctor)", "timed": False})
         return
-    model.hook, model.hook_state = (hook, state) if hook is not None else (_default_hook, ddp)
-    model.timer_registered = True
-    original(DDP.register_comm_hook)(ddp, model, _timing_hook)
+    info = {"name": _hook_name(hook) if hook is not None else "ddp default (allreduce average)"}
+    info["user"] = hook is not None
+    if os.environ.get(_env.BUCKET_TIMING) == "off":  # DDP's own reduction, not a Python hook
+        model.untimed = True
+        info["timed"] = False
+        if hook is not None:
+            original(DDP.register_comm_hook)(ddp, state, hook)
+    else:
+        model.hook, model.hook_state = (hook, state) if hook is not None else (_default_hook, ddp)
+        model.timer_registered = True
+        original(DDP.register_comm_hook)(ddp, model, _timing_hook)
     if c is not None:
-        name = _hook_name(hook) if hook is not None else "ddp default (allreduce average)"
-        c.meta(schema.COMM_HOOK, {"name": name, "user": hook is not None})
+        c.meta(schema.COMM_HOOK, info)
 
 
 def _default_hook(ddp: Any, bucket: Any) -> Any:

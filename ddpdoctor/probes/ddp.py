@@ -137,7 +137,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                     c.accumulating = not getattr(self, "require_backward_grad_sync", True)
                 c.awaiting_backward = True
                 c.step_model = state
-                if state is not None and not state.timer_registered and not state.builtin_hook:
+                if state is not None and not state.timer_registered and not state.untimed:
                     commhook.register_timer(self, state, None, None)
             pg, gname, gsize, seq = group_info(self.process_group, c)
             where = callsite.site(c)

@@ -29,7 +29,9 @@ class ModelState:
         self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
         self.hook_state: Any = None
         self.timer_registered = False
-        self.builtin_hook = False  # a C++ builtin hook: cannot be timed from Python
+        # DDP's hook slot holds what we cannot or must not time: a C++ builtin hook, a hook
+        # registered before we were watching, or bucket timing switched off.
+        self.untimed = False
         self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
         self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
 
