@@ -29,6 +29,14 @@ for k in range(3):
     fakelib.sync(torch.ones(2))  # FIRST_CALLER
     fakelib.sync(torch.ones(2))  # SECOND_CALLER
     fakelib.sync(torch.ones(2, dtype=torch.float64))  # THIRD_CALLER
+for _ in range(2):
+    dist.all_reduce(torch.ones(3), async_op=True).wait()  # ASYNC_LINE
+try:
+    dist.broadcast(torch.ones(3), src=5)  # RAISES_LINE: no rank 5 in a world of one
+except Exception as exc:
+    print("raised:", type(exc).__name__)
+else:
+    raise SystemExit("broadcast from a missing rank did not raise")
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -63,13 +71,22 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: P
     calls = [r for r in records if r[0] == "collective" and r[4] == "all_reduce"]
     # fields: op, bytes, group, group_size, seq, async, site, sig
     loop = [r for r in calls if sites[r[10]] == _line(JOB, "LOOP_LINE")]
+    asynchronous = [r for r in calls if sites[r[10]] == _line(JOB, "ASYNC_LINE")]
+    assert [(r[5], r[9]) for r in asynchronous] == [(12, 1), (12, 1)]
+    assert {r[9] for r in calls if r not in asynchronous} == {0}
     assert [r[5] for r in loop] == [4, 16, 4, 16, 64]
     assert [sigs[r[11]]["numel"] for r in loop] == [1, 4, 1, 4, 16]
     assert [r[8] for r in loop] == sorted(r[8] for r in loop)  # the group's own sequence numbers
 
-    helper = [(sites[r[10]], sigs[r[11]]["dtype"]) for r in calls if r not in loop]
+    helper = [(sites[r[10]], sigs[r[11]]["dtype"]) for r in calls if r not in loop + asynchronous]
     first, second, third = (_line(JOB, f"{n}_CALLER") for n in ("FIRST", "SECOND", "THIRD"))
     assert helper == [(first, "float32"), (second, "float32"), (third, "float64")] * 3
+
+    # A call that raised is a ``raised`` record naming its whole signature, never a span.
+    raised = [r[4] for r in records if r[0] == "raised"]
+    assert [(x["kind"], x["fields"][0], x["fields"][1]) for x in raised] == [("collective", "broadcast", 12)]
+    assert sites[raised[0]["fields"][6]] == _line(JOB, "RAISES_LINE")
+    assert not [r for r in records if r[0] == "collective" and r[4] == "broadcast"]
 
     end = next(r for r in records if r[0] == "end")[4]
     assert end["reason"] == "exit"

@@ -201,6 +201,17 @@ def test_values_that_do_not_fit_their_type_never_break_recording(tmp_path: Path)
     assert t.meta[schema.DROPPED][0][2] == {"count": 1}
 
 
+def test_an_event_packed_into_a_ring_unmapped_by_close_is_lost_quietly(tmp_path: Path) -> None:
+    """The collective probe packs straight into the ring it read before ``close`` unmapped it
+    (a daemon thread's collective at exit): that event is lost and counted, never raised."""
+    w = TraceWriter(str(tmp_path / "trace-rank0.bin"), header(), flush_interval=60)
+    ring, kind = w.ring, w.kind(schema.DATA_WAIT)
+    w.close()
+    assert w.ring is None
+    w.pack_odd(kind, ring, 64, (0, 5_000_000_000, 5_000_000_010), (1,), 1)
+    assert w.dropped == 1
+
+
 def test_a_torn_last_block_is_skipped_and_a_later_version_says_what_it_needs(tmp_path: Path) -> None:
     path = tmp_path / "trace-rank0.bin"
     write_events(path, 5).close()

@@ -20,6 +20,8 @@ from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
+from ddpdoctor.trace.ring import HEADER_BYTES as _SLOTS_AT
+from ddpdoctor.trace.ring import SLOT as _SLOT
 
 # Ops called from Python; DDP's own gradient all-reduce runs in C++ and is timed by the comm hook.
 COLLECTIVE_OPS = (
@@ -244,7 +246,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
 
     from torch import Tensor
 
-    always_async = op in ("isend", "irecv")
+    always_async = 1 if op in ("isend", "irecv") else 0
     has_root = op in _ROOT_ARG
     getframe = sys._getframe
 
@@ -257,10 +259,13 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             if prev is not None and prev[0] is _COLLECTIVE:  # c.in_collective(), inlined
                 return orig(*args, **kwargs)
             try:
-                group = kwargs.get("group") if kwargs else None
+                if kwargs:
+                    group = kwargs.get("group")
+                    async_ = 1 if always_async or kwargs.get("async_op") else 0
+                else:
+                    group, async_ = None, always_async
                 if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
-                is_async = 1 if always_async or (kwargs and kwargs.get("async_op")) else 0
                 root = _root(op, args, kwargs) if has_root else -1
                 frame = getframe(1)
                 head = args[0] if args else None
@@ -268,29 +273,41 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 # this dtype and size: all but the times and the sequence number.
                 key = None
                 if isinstance(head, Tensor):
-                    key = (id(frame.f_code), frame.f_lasti, group, is_async, root, head.dtype, head.nbytes)
+                    key = (id(frame.f_code), frame.f_lasti, group, async_, root, head.dtype, head.nbytes)
                 known = c.calls.get(key) if key is not None else None
                 if known is None:
-                    known = _describe(c, op, args, kwargs, group, is_async, root, frame, key)
-                pg, gname, gsize, nbytes, sig, prefix, suffix, seq_of, walk, _ = known
-                if walk is not None:  # called from a library: whose line called it varies
-                    suffix = (walk[0], callsite.of_frame(c, frame)[0], walk[1])
+                    known = _describe(c, op, args, kwargs, group, async_, root, frame, key)
+                pg, gname, gsize, nbytes, sig, op_id, gid, async_, site, sid, seq_of, walk, _ = known
+                if walk:  # called from a library: whose line called it varies
+                    site = callsite.of_frame(c, frame)[0]
                 seq = seq_of()
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)
-            # c.enter and c.leave, inlined: this is the hottest probe
+            # c.enter, c.leave and writer.pack, inlined: this is the hottest probe
             t0 = _now()
             c.progress = (_COLLECTIVE, op, seq, t0, gname, gsize, nbytes, pg, sig)
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
-                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, is_async, suffix[1], suffix[2])
+                c.raised(prev, _KIND, op, nbytes, gname, gsize, seq, async_, site, sid)
                 raise
             t1 = _now()
             c.progress = prev
             c.events += 1
-            c.pack(c.collective_kind, t0, t1, c.step, (*prefix, seq, *suffix))
+            ring = c.writer.ring
+            if ring is not None:
+                n = ring.next()
+                at = _SLOTS_AT + (n & ring.mask) * _SLOT
+                pack, kid = c.collective_pack
+                try:
+                    pack(
+                        ring.mm, at, kid, c.step, t0, t1, op_id, nbytes, gid, gsize, seq, async_, site, sid, n
+                    )
+                except Exception:  # a value that does not fit its declared type
+                    fields = (op_id, nbytes, gid, gsize, seq, async_, site, sid)
+                    c.writer.pack_odd(c.collective_kind, ring, at, (c.step, t0, t1), fields, n)
+                ring.head = n
             return result
 
         return collective
@@ -309,10 +326,10 @@ def _describe(
     frame: Any,
     key: tuple | None,
 ) -> tuple:
-    """A collective call's fixed part: (process group, its name, its size, bytes, signature,
-    the record's interned fields before the sequence number, and after it, how to read the
-    group's sequence number, and (async, signature id) when the call came from a library's
-    line, whose user's line must be looked up on each call; else None), kept for ``key``."""
+    """A collective call's fixed part, kept for ``key``: (process group, its name, its size,
+    bytes, signature, then the record's interned fields but the sequence number: op, group,
+    async, site, signature id; how to read the group's sequence number, whether the call came
+    from a library's line, whose user's line must be looked up on each call, and the code)."""
     pg, gname, gsize, seq = group_info(group, c)
     seq_of = pg._get_sequence_number_for_group if seq >= 0 else _no_seq
     nbytes = tensor_bytes(args[0]) if args else 0
@@ -323,9 +340,10 @@ def _describe(
     sig = (dtype, numel, root, "" if gname == "WORLD" else members(pg, gname))
     sid = sig_id(c, sig)
     intern = c.writer.intern
-    fixed = (intern(op), nbytes, intern(gname), gsize), (is_async, where, sid)
-    walk = None if direct else (is_async, sid)
-    known = (pg, gname, gsize, nbytes, sig, *fixed, seq_of, walk, frame.f_code)  # the code: its id is in key
+    known = (  # the code: its id is in key, so it must outlive the entry
+        *(pg, gname, gsize, nbytes, sig, intern(op), intern(gname), is_async, where, sid),
+        *(seq_of, not direct, frame.f_code),
+    )
     if key is not None and len(c.calls) < _CALLS_MAX:
         c.calls[key] = known
     return known

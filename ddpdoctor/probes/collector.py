@@ -83,6 +83,7 @@ class Collector:
         # The hottest probe's: its kind, and per call site and tensor shape what its records
         # share (probes/collectives.py), so that a call in a loop costs no lookups.
         self.collective_kind = self.writer.kind(schema.COLLECTIVE)
+        self.collective_pack = (self.collective_kind.pack_into, self.collective_kind.kid)
         self.calls: dict[tuple, tuple] = {}
 
     @property
