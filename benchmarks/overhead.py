@@ -12,7 +12,9 @@ per rank per step, and the per-event cost of a recorded collective measured in-p
 
 ``--json`` prints one line: per_event_us (median, with quartiles), probe_us, emit_us per kind,
 bucket_us and python_hook_bucket_us (see ``per_event_cost_us``), tiny_ratio and big_ratio
-(doctor / plain median step), each trial's ratio, ``*_doctor_cpu_ratio`` (rank 0's CPU per
+(doctor / plain median step), each trial's ratio, ``*_ratio_ci95`` (the ratio's 95 % interval
+from the paired trials) and ``*_target_met`` (true, false, or null when the interval straddles
+issue 25's target: the trials cannot tell), ``*_doctor_cpu_ratio`` (rank 0's CPU per
 step, all its threads, doctor / plain: the recording's CPU, which other jobs on a shared machine
 disturb less than wall time), the trace size and the writer thread's duty cycle
 (``*_writer_duty``: its CPU seconds per second recorded, in rank 0).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -41,6 +44,32 @@ HERE = Path(__file__).resolve().parent
 # done, with or without ddpdoctor (tests/conftest.py says more): a run that ends so is rerun once.
 EXIT_ABORT = "terminate called without an active exception"
 JOB = HERE / "overhead_job.py"
+TARGETS = {"tiny": 1.03, "big": 1.005}  # issue 25: doctor / plain median step
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (trials - 1); 1.96 beyond.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_T95.update({10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042})
+
+
+def ratio_interval(doctor: list[float], plain: list[float]) -> tuple[float, float] | None:
+    """95 % interval of the doctor / plain step-time ratio from paired trials (each pair run
+    back to back, so the machine's drift is shared): Student's t on the log ratios. None with
+    fewer than two pairs."""
+    logs = [math.log(d / p) for d, p in zip(doctor, plain, strict=True)]
+    if len(logs) < 2:
+        return None
+    df = len(logs) - 1  # the nearest tabled df at or below it: the wider interval
+    t = _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(interval: tuple[float, float] | None, target: float) -> bool | None:
+    """True when the whole interval is within the target, False when it is all above, None
+    (unresolved) when the trials' spread cannot tell."""
+    if interval is None:
+        return None
+    return True if interval[1] <= target else False if interval[0] > target else None
 
 
 def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, float, int, float]:
@@ -223,7 +252,17 @@ def main() -> None:
         say(f"  trace: {statistics.median(sizes)} bytes per rank per step")
         say(f"  writer thread: {statistics.median(duties):.2%} of one core (rank 0, median)")
         ratios = sorted(d / p for d, p in zip(results["doctor"], results["plain"], strict=True))
+        interval = ratio_interval(results["doctor"], results["plain"])
+        met = verdict(interval, TARGETS[kind])
+        if interval is not None:
+            said = {True: "met", False: "not met", None: "unresolved: the trials spread too much"}[met]
+            say(
+                f"  doctor / plain, 95 % interval {interval[0]:.3f}-{interval[1]:.3f}: "
+                f"target {TARGETS[kind]}x {said}"
+            )
         result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
+        result[f"{kind}_ratio_ci95"] = [round(v, 4) for v in interval] if interval else None
+        result[f"{kind}_target_met"] = met
         for mode in modes[2:]:
             result[f"{kind}_{mode}_ratio"] = round(statistics.median(results[mode]) / base, 4)
         for mode in modes[1:]:

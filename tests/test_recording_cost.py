@@ -91,3 +91,19 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: P
     end = next(r for r in records if r[0] == "end")[4]
     assert end["reason"] == "exit"
     assert 0 <= end["writer_cpu_s"] <= end["wall_s"] * 2  # the writer thread's own CPU time
+
+
+def test_the_overhead_benchmark_says_unresolved_when_its_trials_spread_past_the_target() -> None:
+    """benchmarks/overhead.py judges issue 25's step ratios from paired trials: met only when
+    the whole 95 % interval is within the target, not met when all of it is above."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from overhead import ratio_interval, verdict
+
+    plain = [1.0, 1.3, 0.9, 1.1, 1.2]
+    tight = ratio_interval([p * r for p, r in zip(plain, (1.01, 1.012, 1.008, 1.011, 1.009))], plain)
+    assert tight is not None and 1.0 < tight[0] < 1.01 < tight[1] < 1.02
+    assert verdict(tight, 1.03) is True
+    assert verdict(ratio_interval([p * 1.2 for p in plain], plain), 1.03) is False  # all of it above
+    spread = ratio_interval([p * r for p, r in zip(plain, (0.9, 1.2, 1.0, 1.1, 0.95))], plain)
+    assert spread is not None and verdict(spread, 1.03) is None
+    assert ratio_interval([1.0], [1.0]) is None and verdict(None, 1.03) is None
