@@ -136,6 +136,10 @@ def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
       without gloo's noise;
     - ``emit_us``: the recording call every other probe ends in (``Collector.emit``) for the
       kinds a DDP step records (forward, backward, the comm hook's bucket all-reduce);
+    - ``forward_us``: the whole DDP forward probe (step counting, the group's sequence number,
+      the call site, the live status, the record) around a small model's forward, recorded
+      minus not (thread CPU): a hook event's cost among the forward's own Python, where caches
+      are cold, not a loop of recording calls alone;
     - ``bucket_us``: a backward of 48 one-bucket layers, per bucket, under the doctor's timing
       comm hook minus DDP's built-in C++ reduction, next to ``python_hook_bucket_us``, the
       same for torch's own Python ``allreduce_hook``: what any comm hook written in Python
@@ -188,11 +192,24 @@ for m in (doctor, builtin, python_hook) * 3:
     backward(m)
 bucket = statistics.median(backward(doctor) - backward(builtin) for _ in range(9))
 python = statistics.median(backward(python_hook) - backward(builtin) for _ in range(9))
+small = DDP(torch.nn.Linear(4, 4))  # the whole DDP forward probe, in the context of a forward
+xs = torch.randn(2, 4)
+def forwards(on, steps=2000):
+    collector.ACTIVE = c if on else None
+    t0 = time.thread_time()
+    with torch.no_grad():
+        for _ in range(steps):
+            small(xs)
+    collector.ACTIVE = c
+    return (time.thread_time() - t0) / steps * 1e6
+for on in (True, False) * 3:
+    forwards(on)
+forward = statistics.median(forwards(True) - forwards(False) for _ in range(15))
 collector.ACTIVE = c
 q = statistics.quantiles(diffs, n=4)
 print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": q[0], "per_event_q3_us": q[2],
                   "per_event_cpu_us": cpu, "probe_us": probe, "emit_us": emit,
-                  "bucket_us": bucket, "python_hook_bucket_us": python}}))
+                  "bucket_us": bucket, "python_hook_bucket_us": python, "forward_us": forward}}))
 """
     out = run_as_script(code)
     if out.returncode != 0:

@@ -6,7 +6,8 @@ gradient all-reduce of train.py:24" needs the line, and only the probe sees it. 
 interned: the first time a (code, line) pair is seen it gets an id and one ``site`` metadata
 record {id, file, line, func}; events carry the id. A call made by the user's own line is
 found with one dict lookup on the caller's (code, instruction); a call from inside a library walks up
-the frames (about half a microsecond each) to the first user frame.
+the frames to the first user frame (a dict lookup per frame), whose (code, instruction) is then
+one more lookup: a line number is computed, and a code object hashed, once per instruction.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _skip: tuple[str, ...] = ()
 # microsecond, more than the rest of a lookup) and kept alive in the values or in _codes, so
 # that an id is never reused while it is a key.
 _sites: dict[tuple[Any, int], int] = {}  # (code, line) -> id
-_calls: dict[tuple[int, int], int] = {}  # (id(code), instruction) of a user frame that called -> id
+_calls: dict[tuple[int, int], int] = {}  # (id(code), instruction) of a user frame -> its site's id
 _codes: list[Any] = []  # the code objects of _calls' keys
 _is_user: dict[int, tuple[bool, Any]] = {}  # id(code) -> (is it the user's (a path check, once), code)
 _owner: list[Any] = [None]  # the collector the interned ids were declared to
@@ -90,6 +91,11 @@ def of_frame(collector: Any, frame: Any) -> tuple[int, bool]:
                 known = _is_user[id(code)] = (not name.startswith(_skip) and not name.startswith("<"), code)
             mine = known[0]
             if mine:
+                if hop:  # a library's call: its user frame's instruction may be known already
+                    call = (id(code), frame.f_lasti)
+                    sid = _calls.get(call)
+                    if sid is not None:
+                        return sid, False
                 key = (code, frame.f_lineno)
                 sid = _sites.get(key)
                 if sid is None:
@@ -97,9 +103,8 @@ def of_frame(collector: Any, frame: Any) -> tuple[int, bool]:
                     collector.meta(
                         SITE, {"id": sid, "file": code.co_filename, "line": key[1], "func": code.co_name}
                     )
-                if hop == 0:
-                    _calls[call] = sid
-                    _codes.append(code)
+                _calls[call] = sid  # a user frame at this instruction is at this site
+                _codes.append(code)
                 return sid, hop == 0
             frame = frame.f_back
     except Exception:

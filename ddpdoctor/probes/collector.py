@@ -84,6 +84,7 @@ class Collector:
         # share (probes/collectives.py), so that a call in a loop costs no lookups.
         self.collective_kind = self.writer.kind(schema.COLLECTIVE)
         self.collective_pack = (self.collective_kind.pack_into, self.collective_kind.kid)
+        self.forward_kind = self.writer.kind(schema.FORWARD)  # the DDP forward's, packed as is
         self.calls: dict[tuple, tuple] = {}
 
     @property

@@ -22,6 +22,7 @@ from ddpdoctor.trace.livephase import LivePhase
 PROBE = "ddp"
 _now = time.monotonic_ns
 _BROADCAST, _ALLREDUCE = LivePhase.SYNC_BUFFERS.op, LivePhase.BACKWARD.op  # looked up once
+_FORWARD, _TRAIN, _EVAL = LivePhase.FORWARD, "train", "eval"
 
 
 def install() -> None:
@@ -139,7 +140,13 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.untimed:
                     commhook.register_timer(self, state, None, None)
-            pg, gname, gsize, seq = group_info(self.process_group, c)
+            if state is not None:  # the model's group: looked up once, its number read now
+                if state.group_named is None:
+                    state.group_named = group_info(state.group, c)[:3]
+                pg, gname, gsize = state.group_named
+                seq = state.seq_of()
+            else:
+                pg, gname, gsize, seq = group_info(self.process_group, c)
             where = callsite.site(c)
         except Exception as exc:
             c.fail(PROBE, exc)
@@ -149,7 +156,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if c.last_step_ns:
                 c.max_step_ns = max(c.max_step_ns, t0 - c.last_step_ns)
             c.last_step_ns = t0
-        prev = c.enter(LivePhase.FORWARD, "train" if grad else "eval", seq, t0, (gname, gsize, -1, pg))
+        prev = c.progress  # c.enter and c.leave, inlined: once per forward
+        c.progress = (_FORWARD, _TRAIN if grad else _EVAL, seq, t0, gname, gsize, -1, pg)
         timer = _ct.ACTIVE
         fields = (int(grad), int(self.training), seq, where)
         span = timer.begin(_ct.DEV_FORWARD, c.step, fields) if timer else None
@@ -163,7 +171,10 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
-        c.leave(prev, schema.FORWARD, *fields)
+        t1 = _now()
+        c.progress = prev
+        c.events += 1
+        c.pack(c.forward_kind, t0, t1, c.step, fields)
         return result
 
     return forward_

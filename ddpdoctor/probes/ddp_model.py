@@ -25,6 +25,7 @@ class ModelState:
         self.world = ddp.process_group.size()
         self.group = ddp.process_group
         self.seq_of = seq_reader(self.group)  # the group's collective sequence number now
+        self.group_named: tuple[Any, str, int] | None = None  # (group, name, size), at first use
         self.user_hook = False
         self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
         self.hook_state: Any = None
