@@ -34,14 +34,18 @@ def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) ->
     return np.unique(values, return_counts=counts)
 
 
+MAX_PERIOD = 16  # the longest pattern a repeating column is stored as (buckets per step)
+
+
 class Packed:
     """An integer column stored as ``base`` plus the narrowest unsigned offsets that fit (or as
     codes into a small table of values): a 1,024-rank run holds about 80 million events, and
-    int64 columns alone would need several GB. A column that is an arithmetic sequence in runs
-    of equal length (``base + (i // run) * stride``: a step per event or per bucket, a constant
-    flag, a sequence number) stores no array at all: a third of a training trace's bytes."""
+    int64 columns alone would need several GB. A column that repeats a short pattern, shifted
+    by a fixed stride each time (a step per event or per bucket, a bucket index, a constant
+    flag, a sequence number: ``pattern[i % p] + (i // p) * stride``) stores no array at all,
+    only its pattern: that is half of a training trace's columns."""
 
-    __slots__ = ("base", "data", "table", "run", "stride", "n")
+    __slots__ = ("base", "data", "table", "n", "stride")
 
     def __init__(
         self,
@@ -50,21 +54,29 @@ class Packed:
         table: np.ndarray | None = None,
         *,
         n: int = 0,
-        run: int = 0,
         stride: int = 0,
     ) -> None:
-        self.base, self.data, self.table = base, data, table
-        self.run, self.stride = run, stride  # run > 0: no data, the sequence base + (i // run) * stride
+        self.base, self.data, self.table = base, data, table  # data None: ``table`` is the pattern
         self.n = len(data) if data is not None else n
+        self.stride = stride
+
+    def __getstate__(self) -> tuple:
+        return self.base, self.data, self.table, self.n, self.stride
+
+    def __setstate__(self, state: tuple) -> None:
+        self.base, self.data, table, self.n, self.stride = state
+        # An unpickled array's dtype (a worker read the trace) is a copy of int64, not numpy's
+        # own: ufunc.at takes its fast path only for the latter, 25 times faster.
+        self.table = None if table is None else table.view(np.int64)
 
     @classmethod
     def of(cls, values: np.ndarray) -> Packed:
         values = np.asarray(values, dtype=np.int64)
         if not len(values):
             return cls(0, values)
-        seq = cls._sequence(values)
-        if seq is not None:
-            return seq
+        repeating = cls._repeating(values)
+        if repeating is not None:
+            return repeating
         lo, hi = int(values.min()), int(values.max())
         span = hi - lo
         for dtype in (np.uint8, np.uint16):
@@ -83,23 +95,24 @@ class Packed:
         return cls(0, values)
 
     @classmethod
-    def _sequence(cls, values: np.ndarray) -> Packed | None:
-        """The column as ``base + (i // run) * stride`` when it is exactly that, else None: its
-        first run's length and the step to the next run's value, checked on every element."""
-        n, first = len(values), int(values[0])
-        differs = values != first
-        run = int(differs.argmax())
-        if not differs[run]:
-            return cls(first, None, n=n, run=n)
-        stride = int(values[run]) - first
-        if int(values[-1]) != first + (n - 1) // run * stride:  # most columns fail here, cheaply
-            return None
-        expected = np.arange(n, dtype=np.int64)
-        if run > 1:
-            expected //= run
-        expected *= stride
-        expected += first
-        return cls(first, None, n=n, run=run, stride=stride) if np.array_equal(expected, values) else None
+    def _repeating(cls, values: np.ndarray) -> Packed | None:
+        """The column as a pattern of p <= MAX_PERIOD values shifted by a stride every p events,
+        when it is exactly that (its differences repeat with period p), else None. The period is
+        found on the first differences, as bytes (a few µs for the columns that have none)."""
+        n = len(values)
+        if n < 2:
+            return cls(0, None, values.copy(), n=n) if n else None
+        head = np.diff(values[: 2 * MAX_PERIOD + 1]).tobytes()
+        width = values.itemsize
+        for p in range(1, MAX_PERIOD + 1):
+            if 2 * p > n:
+                return None
+            if head[p * width :] == head[: len(head) - p * width]:
+                stride = int(values[p]) - int(values[0])
+                if (values[p:] - values[:-p] == stride).all():
+                    return cls(0, None, values[:p].copy(), n=n, stride=stride)
+                return None
+        return None
 
     def __len__(self) -> int:
         return self.n
@@ -107,13 +120,7 @@ class Packed:
     def values(self) -> np.ndarray:
         """The column as int64 (a new array)."""
         if self.data is None:
-            out = np.arange(self.n, dtype=np.int64)
-            if self.run > 1:
-                out //= self.run
-            if self.stride != 1:
-                out *= self.stride
-            out += self.base
-            return out
+            return self._pattern_values()
         if self.table is not None:
             return self.table[self.data]
         out = self.data.astype(np.int64)
@@ -121,11 +128,29 @@ class Packed:
             out += self.base  # in place: one array, not two (160,000 calls at 1,024 ranks)
         return out
 
+    def _pattern_values(self) -> np.ndarray:
+        pattern, n, stride = self.table, self.n, self.stride
+        assert pattern is not None
+        p = len(pattern)
+        if p == 1:
+            first = int(pattern[0])
+            return np.arange(first, first + n * stride, stride) if stride else np.full(n, first, np.int64)
+        reps = -(-n // p)
+        if not stride:
+            return np.tile(pattern, reps)[:n]
+        shifts = np.arange(0, reps * stride, stride)
+        out = np.empty((reps, p), np.int64)
+        for j in range(p):  # a strided pass per pattern value: faster than broadcasting by rows
+            np.add(shifts, pattern[j], out=out[:, j])
+        return out.reshape(-1)[:n]
+
     def item(self, i: int) -> int:
         if self.data is None:
             if not -self.n <= i < self.n:
                 raise IndexError(i)
-            return self.base + ((i % self.n) // self.run) * self.stride
+            i %= self.n
+            p = len(self.table)  # type: ignore[arg-type]
+            return int(self.table[i % p]) + (i // p) * self.stride  # type: ignore[index]
         return int(self.table[self.data[i]]) if self.table is not None else int(self.data[i]) + self.base
 
     def select(self, index: np.ndarray) -> Packed:
