@@ -10,7 +10,7 @@ import numpy as np
 
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import Events
-from ddpdoctor.trace.reader import RankTrace
+from ddpdoctor.trace.rankfile import RankTrace, rank_view
 
 
 def phase_events(trace: RankTrace, phase: str) -> Events:
@@ -93,8 +93,10 @@ def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
     return out
 
 
+@rank_view
 def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
-    """Every phase that happened on this rank, with its statistics."""
+    """Every phase that happened on this rank, with its statistics (a rank view: computed where
+    the trace is read)."""
     out: dict[str, dict[str, Any]] = {}
     for phase in schema.PHASES:
         out[phase] = stats(phase_durations(trace, phase))  # count 0 when it never happened
@@ -207,3 +209,14 @@ def step_times(trace: RankTrace) -> np.ndarray:
     """Seconds from one training step's forward to the next's."""
     starts = training_forwards(trace).ts
     return np.diff(starts).astype(np.float64) / 1e6 if len(starts) > 1 else np.zeros(0)
+
+
+@rank_view
+def step_time_stats(trace: RankTrace) -> dict[str, float] | None:
+    """The rank's median and 95th percentile step time (s), None without two training steps
+    (a rank view: computed where the trace is read)."""
+    st = step_times(trace)
+    if not len(st):
+        return None
+    p50, p95 = np.percentile(st, [50, 95])
+    return {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}
