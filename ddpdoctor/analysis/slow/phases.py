@@ -197,12 +197,20 @@ class StepGrid:
 
 def median_period(diffs: Iterable[np.ndarray]) -> float:
     """The median of every rank's step periods (int µs), 0.0 without any: the periods narrowed
-    to int32 where they fit and the median taken in place (at 1,024 ranks x 10,000 steps, 40
-    MB at a time instead of three 80 MB copies)."""
-    parts = [d.astype(np.int32) if len(d) and d.min() >= -(2**31) and d.max() < 2**31 else d for d in diffs]
+    to int32 where they fit (``narrow_periods``: callers narrow each rank's as they collect
+    them) and the median taken in place (at 1,024 ranks x 10,000 steps, 40 MB at a time
+    instead of three 80 MB copies)."""
+    parts = [narrow_periods(d) for d in diffs]
     periods = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     del parts
     return float(np.median(periods, overwrite_input=True)) if len(periods) else 0.0
+
+
+def narrow_periods(diffs: np.ndarray) -> np.ndarray:
+    """A rank's step periods as int32 where they fit (half the memory, the same median)."""
+    if len(diffs) and diffs.dtype != np.int32 and diffs.min() >= -(2**31) and diffs.max() < 2**31:
+        return diffs.astype(np.int32)
+    return diffs
 
 
 def step_times(trace: RankTrace) -> np.ndarray:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.findings import Finding, large_detector, rank_list
 from ddpdoctor.analysis.slow.device import clock
 from ddpdoctor.analysis.slow.stalls import (
     OTHER_LOADER_FIX,
@@ -156,7 +156,7 @@ def _standout(typical: np.ndarray) -> np.ndarray:
     return typical - (lo + hi) / 2
 
 
-@detector
+@large_detector
 def stragglers(run: Run) -> Iterable[Finding]:
     table = judged_table(run)
     if table is None or not table.step_us:

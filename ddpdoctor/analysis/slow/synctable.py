@@ -19,6 +19,7 @@ from ddpdoctor.analysis.slow.phases import (
     exclusive_durations,
     first_per_step,
     median_period,
+    narrow_periods,
     training_forwards,
 )
 from ddpdoctor.trace import schema
@@ -132,7 +133,7 @@ def _steps_and_period(run: Run, ranks: list[int]) -> tuple[StepGrid, float]:
         step = fwd.step
         step = step[step >= 0]
         bounds.append(np.array([step.min(), step.max()]) if len(step) else step)
-        diffs.append(np.diff(fwd.ts))
+        diffs.append(narrow_periods(np.diff(fwd.ts)))
     return StepGrid.spanning(bounds), median_period(diffs)
 
 
