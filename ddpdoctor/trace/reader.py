@@ -26,6 +26,7 @@ from ddpdoctor.trace.rankfile import (
     TraceError,
     read_gpu,
     read_trace,
+    view_key,
 )
 
 __all__ = ["GpuTrace", "RankTrace", "Run", "TraceError", "load_run", "read_gpu", "read_meta", "read_trace"]
@@ -209,7 +210,10 @@ def _read_one(file: tuple[int, Path], views: tuple[RankView, ...] = ()) -> RankT
     except OSError as exc:
         return f"{path}: {exc.strerror}"
     for func in views:
-        trace.view(func)
+        try:
+            trace.view(func)
+        except Exception:  # noqa: BLE001 - left to the analysis, which fails on it as it would have
+            trace.views.pop(view_key(func), None)
     return trace
 
 
