@@ -182,8 +182,15 @@ class Packed:
         return int(self.table[self.data[i]]) if self.table is not None else int(self.data[i]) + self.base
 
     def select(self, index: np.ndarray) -> Packed:
-        if self.data is None or self.rising:
-            return Packed.of(self.values()[index])
+        """The values at ``index`` (an index array), as a plain column: a selection is read
+        soon after and dropped (a phase's events, a ledger's tail), not worth packing again."""
+        if self.data is None:
+            index = np.asarray(index, dtype=np.int64)
+            index = np.where(index < 0, index + self.n, index)  # from the end, as an array's
+            p = len(self.table)  # type: ignore[arg-type]
+            return Packed(0, self.table[index % p] + index // p * self.stride)  # type: ignore[index]
+        if self.rising:
+            return Packed(0, self.values()[index])
         return Packed(self.base, self.data[index], self.table)
 
 

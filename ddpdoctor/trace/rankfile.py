@@ -55,7 +55,9 @@ class RankTrace:
     events: dict[str, Events]
     meta: dict[str, list[tuple[int, int, dict[str, Any]]]]  # kind -> [(ts, step, info)]
     skipped_lines: int = 0
-    views: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # rank_view's
+    # rank_view's, of these events: not init, so that a copy with other events (dataclasses.
+    # replace: the device-timed view) starts without them.
+    views: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def view(self, func: RankView) -> Any:
         """``func(self)``, computed once per trace (in the reader's worker, if it was registered

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.columns import Events
+from ddpdoctor.trace.columns import Events, Packed
 from ddpdoctor.trace.rankfile import RankTrace, rank_view
 
 
@@ -26,8 +26,21 @@ def phase_events(trace: RankTrace, phase: str) -> Events:
 def phase_durations(trace: RankTrace, phase: str) -> np.ndarray:
     """Durations (µs) of one phase's events on one rank."""
     if phase == schema.OPTIMIZER:
-        return exclusive_durations(trace, schema.OPTIMIZER)
+        return optimizer_durations(trace)
     return phase_events(trace, phase).dur
+
+
+def optimizer_durations(trace: RankTrace) -> np.ndarray:
+    """The optimizer steps' own durations (µs): what is left of each once the forward and the
+    backward it ran are taken out (the phase statistics and the straggler table read them)."""
+    return trace.view(_optimizer_own).values()
+
+
+@rank_view
+def _optimizer_own(trace: RankTrace) -> Packed:
+    """``exclusive_durations`` of the optimizer, packed (a rank view: computed where the trace
+    is read, once for the phase statistics and the straggler table)."""
+    return Packed.of(exclusive_durations(trace, schema.OPTIMIZER))
 
 
 # Phases another phase can run inside: Lightning's optimizer.step(closure) runs the forward and
