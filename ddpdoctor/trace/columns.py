@@ -186,9 +186,13 @@ class Packed:
         soon after and dropped (a phase's events, a ledger's tail), not worth packing again."""
         if self.data is None:
             index = np.asarray(index, dtype=np.int64)
-            index = np.where(index < 0, index + self.n, index)  # from the end, as an array's
-            p = len(self.table)  # type: ignore[arg-type]
-            return Packed(0, self.table[index % p] + index // p * self.stride)  # type: ignore[index]
+            if len(index) and index.min() < 0:
+                index = index % self.n  # from the end, as an array's
+            pattern, stride = self.table, self.stride
+            assert pattern is not None
+            if len(pattern) == 1:
+                return Packed(0, index * stride + int(pattern[0]))
+            return Packed(0, pattern[index % len(pattern)] + index // len(pattern) * stride)
         if self.rising:
             return Packed(0, self.values()[index])
         return Packed(self.base, self.data[index], self.table)
