@@ -43,7 +43,7 @@ class Packed:
     int64 columns alone would need several GB. A column that repeats a short pattern, shifted
     by a fixed stride each time (a step per event or per bucket, a bucket index, a constant
     flag, a sequence number: ``pattern[i % p] + (i // p) * stride``) stores no array at all,
-    only its pattern: that is half of a training trace's columns. A non-decreasing column whose
+    only its pattern: a third of a training trace's bytes. A non-decreasing column whose
     every step fits a byte (a sequence number that a barrier now and then moves on by one
     more) is stored as those steps (``rising``)."""
 
