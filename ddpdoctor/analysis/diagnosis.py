@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ddpdoctor.analysis.failed import causes
 from ddpdoctor.analysis.failed.failure import FailureView, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
@@ -14,7 +12,7 @@ from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.analysis.misuse.models import ddp_models
 from ddpdoctor.analysis.slow import gpu, gpu_findings, views
 from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
-from ddpdoctor.analysis.slow.phases import rank_phases, step_times
+from ddpdoctor.analysis.slow.phases import rank_phases, step_time_stats
 from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
@@ -51,15 +49,14 @@ def diagnose(run: Run) -> Diagnosis:
     # First: its (ranks, steps, buckets) cube is the largest transient, best built before the
     # straggler table (kept for the report's heatmap) exists.
     buckets = bucket_stats(run)
-    phases = {rank: rank_phases(t) for rank, t in sorted(run.ranks.items())}
+    phases = {rank: t.view(rank_phases) for rank, t in sorted(run.ranks.items())}
     steps = {rank: t.steps for rank, t in sorted(run.ranks.items())}
     tb = time_base(run)
     step_time_s: dict[int, dict[str, float]] = {}
     for rank, trace in sorted(run.ranks.items()):
-        st = step_times(trace)
-        if len(st):
-            p50, p95 = np.percentile(st, [50, 95])
-            step_time_s[rank] = {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}
+        st = trace.view(step_time_stats)
+        if st is not None:
+            step_time_s[rank] = dict(st)
     framework = frameworks.detect(run)
     findings = fold_consequences(gpu_findings.join_stragglers(run, find_all(run)))
     causes.annotate(run, findings)

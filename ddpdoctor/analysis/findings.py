@@ -36,9 +36,22 @@ Detector = Callable[[Run], Iterable[Finding]]
 DETECTORS: list[Detector] = []
 
 
+_LARGE: list[Detector] = []  # those registered with large_detector, at the front of DETECTORS
+
+
 def detector(func: Detector) -> Detector:
     """Register a detector; `find_all` runs every registered one."""
     DETECTORS.append(func)
+    return func
+
+
+def large_detector(func: Detector) -> Detector:
+    """Register a detector that builds a large transient table (the straggler table: 250 MB at
+    1,024 ranks x 10,000 steps): `find_all` runs these first, before the views the other
+    detectors keep for the run (the ledgers) exist, so that the two never add up. The findings
+    are sorted after: the order they are found in does not show."""
+    DETECTORS.insert(len(_LARGE), func)
+    _LARGE.append(func)
     return func
 
 

@@ -34,26 +34,62 @@ def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) ->
     return np.unique(values, return_counts=counts)
 
 
+MAX_PERIOD = 16  # the longest pattern a repeating column is stored as (buckets per step)
+
+
 class Packed:
     """An integer column stored as ``base`` plus the narrowest unsigned offsets that fit (or as
     codes into a small table of values): a 1,024-rank run holds about 80 million events, and
-    int64 columns alone would need several GB."""
+    int64 columns alone would need several GB. A column that repeats a short pattern, shifted
+    by a fixed stride each time (a step per event or per bucket, a bucket index, a constant
+    flag, a sequence number: ``pattern[i % p] + (i // p) * stride``) stores no array at all,
+    only its pattern: a third of a training trace's bytes. A non-decreasing column whose
+    every step fits a byte (a sequence number that a barrier now and then moves on by one
+    more) is stored as those steps (``rising``)."""
 
-    __slots__ = ("base", "data", "table")
+    __slots__ = ("base", "data", "table", "n", "stride", "rising")
 
-    def __init__(self, base: int, data: np.ndarray, table: np.ndarray | None = None) -> None:
-        self.base, self.data, self.table = base, data, table
+    def __init__(
+        self,
+        base: int,
+        data: np.ndarray | None,
+        table: np.ndarray | None = None,
+        *,
+        n: int = 0,
+        stride: int = 0,
+        rising: bool = False,
+    ) -> None:
+        self.base, self.data, self.table = base, data, table  # data None: ``table`` is the pattern
+        self.n = len(data) if data is not None else n
+        self.stride = stride
+        self.rising = rising  # data: each value minus the one before (the first's is 0)
+
+    def __getstate__(self) -> tuple:
+        return self.base, self.data, self.table, self.n, self.stride, self.rising
+
+    def __setstate__(self, state: tuple) -> None:
+        self.base, self.data, table, self.n, self.stride, self.rising = state
+        # An unpickled array's dtype (a worker read the trace) is a copy of int64, not numpy's
+        # own: ufunc.at takes its fast path only for the latter, 25 times faster.
+        self.table = None if table is None else table.view(np.int64)
 
     @classmethod
     def of(cls, values: np.ndarray) -> Packed:
         values = np.asarray(values, dtype=np.int64)
         if not len(values):
             return cls(0, values)
+        repeating = cls._repeating(values)
+        if repeating is not None:
+            return repeating
         lo, hi = int(values.min()), int(values.max())
         span = hi - lo
-        for dtype in (np.uint8, np.uint16):
-            if span <= np.iinfo(dtype).max:
-                return cls(lo, (values - lo).astype(dtype))
+        if span <= np.iinfo(np.uint8).max:
+            return cls(lo, (values - lo).astype(np.uint8))
+        rising = cls._rising(values)
+        if rising is not None:
+            return rising
+        if span <= np.iinfo(np.uint16).max:
+            return cls(lo, (values - lo).astype(np.uint16))
         head = np.unique(values[:256]) if len(values) > 256 else None
         if head is not None and len(head) <= 16:
             codes = np.searchsorted(head, values)  # the usual case: the first 256 hold every value
@@ -66,22 +102,99 @@ class Packed:
             return cls(lo, (values - lo).astype(np.uint32))
         return cls(0, values)
 
+    @classmethod
+    def _repeating(cls, values: np.ndarray) -> Packed | None:
+        """The column as a pattern of p <= MAX_PERIOD values shifted by a stride every p events,
+        when it is exactly that (its differences repeat with period p), else None. The period is
+        found on the first differences, as bytes (a few µs for the columns that have none)."""
+        n = len(values)
+        if n < 2:
+            return cls(0, None, values.copy(), n=n) if n else None
+        head = np.diff(values[: 2 * MAX_PERIOD + 1]).tobytes()
+        width = values.itemsize
+        for p in range(1, MAX_PERIOD + 1):
+            if 2 * p > n:
+                return None
+            if head[p * width :] == head[: len(head) - p * width]:
+                stride = int(values[p]) - int(values[0])
+                if (values[p:] - values[:-p] == stride).all():
+                    return cls(0, None, values[:p].copy(), n=n, stride=stride)
+                return None
+        return None
+
+    @classmethod
+    def _rising(cls, values: np.ndarray) -> Packed | None:
+        """The column as its byte-sized steps when it never decreases, else None (most columns
+        are rejected on their first steps)."""
+        head = np.diff(values[:65])
+        if (head < 0).any() or (head > 255).any():
+            return None
+        steps = np.diff(values)
+        if (steps < 0).any() or (steps > 255).any():
+            return None
+        data = np.empty(len(values), np.uint8)
+        data[0], data[1:] = 0, steps
+        return cls(int(values[0]), data, rising=True)
+
     def __len__(self) -> int:
-        return len(self.data)
+        return self.n
 
     def values(self) -> np.ndarray:
         """The column as int64 (a new array)."""
+        if self.data is None:
+            return self._pattern_values()
         if self.table is not None:
             return self.table[self.data]
+        if self.rising:
+            out = np.cumsum(self.data, dtype=np.int64)
+            out += self.base
+            return out
         out = self.data.astype(np.int64)
         if self.base:
             out += self.base  # in place: one array, not two (160,000 calls at 1,024 ranks)
         return out
 
+    def _pattern_values(self) -> np.ndarray:
+        pattern, n, stride = self.table, self.n, self.stride
+        assert pattern is not None
+        p = len(pattern)
+        if p == 1:
+            first = int(pattern[0])
+            return np.arange(first, first + n * stride, stride) if stride else np.full(n, first, np.int64)
+        reps = -(-n // p)
+        if not stride:
+            return np.tile(pattern, reps)[:n]
+        shifts = np.arange(0, reps * stride, stride)
+        out = np.empty((reps, p), np.int64)
+        for j in range(p):  # a strided pass per pattern value: faster than broadcasting by rows
+            np.add(shifts, pattern[j], out=out[:, j])
+        return out.reshape(-1)[:n]
+
     def item(self, i: int) -> int:
+        if self.data is None or self.rising:
+            if not -self.n <= i < self.n:
+                raise IndexError(i)
+            i %= self.n
+            if self.rising:
+                return self.base + int(self.data[: i + 1].sum(dtype=np.int64))  # type: ignore[index]
+            p = len(self.table)  # type: ignore[arg-type]
+            return int(self.table[i % p]) + (i // p) * self.stride  # type: ignore[index]
         return int(self.table[self.data[i]]) if self.table is not None else int(self.data[i]) + self.base
 
     def select(self, index: np.ndarray) -> Packed:
+        """The values at ``index`` (an index array), as a plain column: a selection is read
+        soon after and dropped (a phase's events, a ledger's tail), not worth packing again."""
+        if self.data is None:
+            index = np.asarray(index, dtype=np.int64)
+            if len(index) and index.min() < 0:
+                index = index % self.n  # from the end, as an array's
+            pattern, stride = self.table, self.stride
+            assert pattern is not None
+            if len(pattern) == 1:
+                return Packed(0, index * stride + int(pattern[0]))
+            return Packed(0, pattern[index % len(pattern)] + index // len(pattern) * stride)
+        if self.rising:
+            return Packed(0, self.values()[index])
         return Packed(self.base, self.data[index], self.table)
 
 
@@ -124,6 +237,20 @@ class Fields(Sequence[tuple]):
 
     def __init__(self, columns: list[Column], n: int) -> None:
         self.columns, self.n = columns, n
+
+    @classmethod
+    def _rising(cls, values: np.ndarray) -> Packed | None:
+        """The column as its byte-sized steps when it never decreases, else None (most columns
+        are rejected on their first steps)."""
+        head = np.diff(values[:65])
+        if (head < 0).any() or (head > 255).any():
+            return None
+        steps = np.diff(values)
+        if (steps < 0).any() or (steps > 255).any():
+            return None
+        data = np.empty(len(values), np.uint8)
+        data[0], data[1:] = 0, steps
+        return cls(int(values[0]), data, rising=True)
 
     def __len__(self) -> int:
         return self.n

@@ -15,7 +15,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.device import clock, device_timed
-from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period
+from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period, narrow_periods
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -94,7 +94,7 @@ def exposed_comm_us(run: Run) -> tuple[float, float]:
         if (gaps < 0).any():  # out of order (rare): sorted first, as always
             gaps = np.diff(np.sort(step_ends))
         if len(step_ends) > 1:
-            periods.append(gaps)
+            periods.append(narrow_periods(gaps))
     everywhere &= grid.steps != 0  # step 0 reduces in the constructor's bucket layout
     if not traces or not everywhere.any() or not periods:
         return 0.0, 0.0

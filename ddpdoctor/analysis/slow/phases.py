@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.columns import Events
-from ddpdoctor.trace.reader import RankTrace
+from ddpdoctor.trace.columns import Events, Packed
+from ddpdoctor.trace.rankfile import RankTrace, rank_view
 
 
 def phase_events(trace: RankTrace, phase: str) -> Events:
@@ -26,8 +26,21 @@ def phase_events(trace: RankTrace, phase: str) -> Events:
 def phase_durations(trace: RankTrace, phase: str) -> np.ndarray:
     """Durations (µs) of one phase's events on one rank."""
     if phase == schema.OPTIMIZER:
-        return exclusive_durations(trace, schema.OPTIMIZER)
+        return optimizer_durations(trace)
     return phase_events(trace, phase).dur
+
+
+def optimizer_durations(trace: RankTrace) -> np.ndarray:
+    """The optimizer steps' own durations (µs): what is left of each once the forward and the
+    backward it ran are taken out (the phase statistics and the straggler table read them)."""
+    return trace.view(_optimizer_own).values()
+
+
+@rank_view
+def _optimizer_own(trace: RankTrace) -> Packed:
+    """``exclusive_durations`` of the optimizer, packed (a rank view: computed where the trace
+    is read, once for the phase statistics and the straggler table)."""
+    return Packed.of(exclusive_durations(trace, schema.OPTIMIZER))
 
 
 # Phases another phase can run inside: Lightning's optimizer.step(closure) runs the forward and
@@ -93,8 +106,10 @@ def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
     return out
 
 
+@rank_view
 def rank_phases(trace: RankTrace) -> dict[str, dict[str, Any]]:
-    """Every phase that happened on this rank, with its statistics."""
+    """Every phase that happened on this rank, with its statistics (a rank view: computed where
+    the trace is read)."""
     out: dict[str, dict[str, Any]] = {}
     for phase in schema.PHASES:
         out[phase] = stats(phase_durations(trace, phase))  # count 0 when it never happened
@@ -195,15 +210,34 @@ class StepGrid:
 
 def median_period(diffs: Iterable[np.ndarray]) -> float:
     """The median of every rank's step periods (int µs), 0.0 without any: the periods narrowed
-    to int32 where they fit and the median taken in place (at 1,024 ranks x 10,000 steps, 40
-    MB at a time instead of three 80 MB copies)."""
-    parts = [d.astype(np.int32) if len(d) and d.min() >= -(2**31) and d.max() < 2**31 else d for d in diffs]
+    to int32 where they fit (``narrow_periods``: callers narrow each rank's as they collect
+    them) and the median taken in place (at 1,024 ranks x 10,000 steps, 40 MB at a time
+    instead of three 80 MB copies)."""
+    parts = [narrow_periods(d) for d in diffs]
     periods = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     del parts
     return float(np.median(periods, overwrite_input=True)) if len(periods) else 0.0
+
+
+def narrow_periods(diffs: np.ndarray) -> np.ndarray:
+    """A rank's step periods as int32 where they fit (half the memory, the same median)."""
+    if len(diffs) and diffs.dtype != np.int32 and diffs.min() >= -(2**31) and diffs.max() < 2**31:
+        return diffs.astype(np.int32)
+    return diffs
 
 
 def step_times(trace: RankTrace) -> np.ndarray:
     """Seconds from one training step's forward to the next's."""
     starts = training_forwards(trace).ts
     return np.diff(starts).astype(np.float64) / 1e6 if len(starts) > 1 else np.zeros(0)
+
+
+@rank_view
+def step_time_stats(trace: RankTrace) -> dict[str, float] | None:
+    """The rank's median and 95th percentile step time (s), None without two training steps
+    (a rank view: computed where the trace is read)."""
+    st = step_times(trace)
+    if not len(st):
+        return None
+    p50, p95 = np.percentile(st, [50, 95])
+    return {"p50": round(float(p50), 6), "p95": round(float(p95), 6)}

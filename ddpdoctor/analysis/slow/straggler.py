@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.findings import Finding, large_detector, rank_list
 from ddpdoctor.analysis.slow.device import clock
 from ddpdoctor.analysis.slow.stalls import (
     OTHER_LOADER_FIX,
@@ -65,8 +65,8 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
     from the typical rank's by more than ``threshold`` (with many ranks someone is always a
     little late); and it is the latest more often than chance makes a healthy rank (p < CHANCE)."""
     n_ranks, n_steps = lateness.shape
-    latest = lateness.argmax(axis=0)
-    standout = _standout(np.median(lateness, axis=1))
+    latest = column_argmax(lateness)
+    standout = _standout(row_medians(lateness))
     needed = min(PERSISTENT, 3 / n_ranks)
     persistent = np.zeros(n_ranks, bool)
     for row in range(n_ranks):
@@ -85,12 +85,35 @@ def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, f
     excess = {}
     rest = np.delete(np.arange(len(table.ranks)), row)
     for phase, values in table.phases.items():
-        # Steps as rows of one contiguous copy, partitioned in place: the median partitions
-        # contiguous memory, and one copy is 40 MB at 1,024 ranks x 10,000 steps.
-        others = values.T[np.ix_(late_steps, rest)]
-        diff = values[row, late_steps] - np.median(others, axis=1, overwrite_input=True)
+        # Steps as rows of contiguous copies, partitioned in place: the median partitions
+        # contiguous memory; a few MB of steps at a time, not one 40 MB copy at 1,024 ranks.
+        step = max(1, CHUNK_CELLS // len(rest))
+        medians = [
+            np.median(values.T[np.ix_(late_steps[i : i + step], rest)], axis=1, overwrite_input=True)
+            for i in range(0, len(late_steps), step)
+        ]
+        diff = values[row, late_steps] - np.concatenate(medians)
         excess[phase] = float(np.median(diff))
     return excess
+
+
+CHUNK_CELLS = 1 << 20  # cells of a (ranks, steps) table copied at a time for a median
+
+
+def row_medians(table: np.ndarray) -> np.ndarray:
+    """``np.median(table, axis=1)``, a few MB of rows copied at a time, not the whole table
+    (each row's median is its own: the same values)."""
+    rows = max(1, CHUNK_CELLS // max(1, table.shape[1]))
+    parts = [np.median(table[i : i + rows], axis=1) for i in range(0, len(table), rows)]
+    return np.concatenate(parts) if parts else np.median(table, axis=1)
+
+
+def column_argmax(table: np.ndarray) -> np.ndarray:
+    """``table.argmax(axis=0)``, a few MB of columns at a time: argmax along the rows of a
+    row-major table copies it whole first (40 MB at 1,024 ranks x 10,000 steps)."""
+    cols = max(1, CHUNK_CELLS // max(1, len(table)))
+    parts = [table[:, j : j + cols].argmax(axis=0) for j in range(0, table.shape[1], cols)]
+    return np.concatenate(parts) if parts else table.argmax(axis=0)
 
 
 def cpu_wait_excess(table: SyncTable, row: int, late_steps: np.ndarray) -> float | None:
@@ -133,7 +156,7 @@ def _standout(typical: np.ndarray) -> np.ndarray:
     return typical - (lo + hi) / 2
 
 
-@detector
+@large_detector
 def stragglers(run: Run) -> Iterable[Finding]:
     table = judged_table(run)
     if table is None or not table.step_us:

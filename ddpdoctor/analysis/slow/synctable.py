@@ -16,9 +16,10 @@ import numpy as np
 from ddpdoctor.analysis.slow.device import device_timed
 from ddpdoctor.analysis.slow.phases import (
     StepGrid,
-    exclusive_durations,
     first_per_step,
     median_period,
+    narrow_periods,
+    optimizer_durations,
     training_forwards,
 )
 from ddpdoctor.trace import schema
@@ -65,7 +66,7 @@ def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, 
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
     parts = {  # waits before step k, and the optimizer step that ends k-1, carry label k-1
         "data_wait": grid.put(waits.step + 1, waits.dur, np.add)[0],
-        "optimizer": grid.put(opt.step + 1, exclusive_durations(trace, schema.OPTIMIZER), np.add)[0],
+        "optimizer": grid.put(opt.step + 1, optimizer_durations(trace), np.add)[0],
         "forward": fdur,
         "backward": np.maximum(0.0, ready - start),
     }
@@ -132,7 +133,7 @@ def _steps_and_period(run: Run, ranks: list[int]) -> tuple[StepGrid, float]:
         step = fwd.step
         step = step[step >= 0]
         bounds.append(np.array([step.min(), step.max()]) if len(step) else step)
-        diffs.append(np.diff(fwd.ts))
+        diffs.append(narrow_periods(np.diff(fwd.ts)))
     return StepGrid.spanning(bounds), median_period(diffs)
 
 
