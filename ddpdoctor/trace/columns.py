@@ -238,20 +238,6 @@ class Fields(Sequence[tuple]):
     def __init__(self, columns: list[Column], n: int) -> None:
         self.columns, self.n = columns, n
 
-    @classmethod
-    def _rising(cls, values: np.ndarray) -> Packed | None:
-        """The column as its byte-sized steps when it never decreases, else None (most columns
-        are rejected on their first steps)."""
-        head = np.diff(values[:65])
-        if (head < 0).any() or (head > 255).any():
-            return None
-        steps = np.diff(values)
-        if (steps < 0).any() or (steps > 255).any():
-            return None
-        data = np.empty(len(values), np.uint8)
-        data[0], data[1:] = 0, steps
-        return cls(int(values[0]), data, rising=True)
-
     def __len__(self) -> int:
         return self.n
 
