@@ -10,15 +10,18 @@ import pytest
 from ddpdoctor.analysis.slow.phases import StepGrid, first_per_step, last_per_step, percentiles
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-def test_first_and_last_per_step_match_a_dict(in_order: bool) -> None:
-    """The sort-free path (a trace in step order) and the general one."""
+@pytest.mark.parametrize("order", ["runs", "shuffled", "one per step"])
+def test_first_and_last_per_step_match_a_dict(order: str) -> None:
+    """The sort-free paths (a trace in step order; an event per step, nothing to pick) and the
+    general one."""
     rng = np.random.default_rng(0)
     for _ in range(500):
         n = int(rng.integers(1, 60))
         step = rng.integers(0, 12, n)
-        if in_order:
+        if order == "runs":
             step = np.sort(step)
+        elif order == "one per step":
+            step = np.sort(rng.choice(100, n, replace=False))
         values = rng.integers(0, 1000, n)
         last = {int(s): int(v) for s, v in zip(step, values, strict=True)}  # a dict keeps the last
         first = {int(s): int(v) for s, v in reversed(list(zip(step, values, strict=True)))}

@@ -137,6 +137,8 @@ def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     """(sorted distinct steps, the value of each step's last event): what a dict keyed by step
     would keep, without a Python loop over events."""
     starts = _runs(step)
+    if starts is _EVERY:  # an event per step, in order (a forward, a backward): nothing to pick
+        return step, values
     if starts is not None:  # already in step order (the usual trace): no sort needed
         return step[starts], values[np.append(starts[1:], len(step)) - 1]
     rev_steps, first = np.unique(step[::-1], return_index=True)
@@ -146,19 +148,28 @@ def last_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 def first_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct steps, the value of each step's first event)."""
     starts = _runs(step)
+    if starts is _EVERY:
+        return step, values
     if starts is not None:
         return step[starts], values[starts]
     steps, first = np.unique(step, return_index=True)
     return steps, values[first]
 
 
+_EVERY = np.arange(0)  # _runs' answer when every event is a run of its own
+
+
 def _runs(step: np.ndarray) -> np.ndarray | None:
-    """Where each run of equal steps starts, if ``step`` never decreases; else None."""
+    """Where each run of equal steps starts, if ``step`` never decreases; else None; ``_EVERY``
+    when each step has one event (one reduction, no index array)."""
     if not len(step):
         return None
     jumps = np.diff(step)
-    if (jumps < 0).any():
+    low = jumps.min() if len(jumps) else 1
+    if low < 0:
         return None
+    if low > 0:
+        return _EVERY
     return np.concatenate(([0], np.flatnonzero(jumps) + 1))
 
 
@@ -194,8 +205,8 @@ class StepGrid:
         if ufunc is None:
             step, values = last_per_step(step, values)
         at = step - self.lo
-        inside = (at >= 0) & (at < self.n)
-        if not inside.all():
+        if len(at) and (at.min() < 0 or at.max() >= self.n):  # two reductions, no masks
+            inside = (at >= 0) & (at < self.n)
             at, values = at[inside], values[inside]
         present = np.zeros(self.n, bool)
         present[at] = True
