@@ -68,4 +68,3 @@ def test_regular_columns_are_stored_without_an_array_per_event() -> None:
     for name in ("pattern broken at the end", "noise", "falling once", "rising with a wide step"):
         packed = Packed.of(cols[name])
         assert packed.data is not None and not packed.rising, name
-
