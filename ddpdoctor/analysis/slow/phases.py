@@ -209,6 +209,13 @@ class StepGrid:
             inside = (at >= 0) & (at < self.n)
             at, values = at[inside], values[inside]
         present = np.zeros(self.n, bool)
+        if ufunc is None and len(at) and int(at[-1]) - int(at[0]) == len(at) - 1:
+            # distinct steps in order without a gap (the usual rank): slices, not a scatter
+            lo, hi = int(at[0]), int(at[-1]) + 1
+            present[lo:hi] = True
+            out = np.zeros(self.n)
+            out[lo:hi] = values
+            return out, present
         present[at] = True
         if ufunc is np.add:
             return np.bincount(at, weights=values, minlength=self.n), present
