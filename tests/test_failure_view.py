@@ -114,9 +114,10 @@ def hang_run(tmp_path: Path, ranks: int = 2) -> Path:
     return run_dir
 
 
-def raise_run(tmp_path: Path) -> Path:
+def raise_run(tmp_path: Path, doctor: str = DOCTOR) -> Path:
     """Rank 1 raises in its own code before step STEPS's forward; rank 0, already in that step's
-    backward, raises 0.9 s later when gloo notices (its backward is recorded, cut short)."""
+    backward, raises 0.9 s later when gloo notices (its backward is recorded, cut short).
+    ``doctor``: the probe's file in rank 0's traceback (the install that recorded the run)."""
     run_dir = _base(tmp_path)
     wall1, end1 = _last(run_dir, 1)
     _, end0 = _last(run_dir, 0)
@@ -137,7 +138,7 @@ def raise_run(tmp_path: Path) -> Path:
         "type": "RuntimeError",
         "message": "Connection closed by peer",
         "traceback": "...",
-        "frames": [["/home/u/train.py", 62, "main"], [DOCTOR, 257, "backward_"]],
+        "frames": [["/home/u/train.py", 62, "main"], [doctor, 257, "backward_"]],
         "thread": "MainThread",
         "wall_ns": (int(header0["wall_ns"]) // 1000 + t0) * 1000,
     }
@@ -210,8 +211,14 @@ def test_identical_stacks_make_one_group() -> None:
     assert [(g.ranks, len(g.frames)) for g in groups] == [([0, 1], 2), ([2], 1)]
 
 
-def test_a_raise_is_drawn_where_it_happened_with_the_step_counted_as_the_loop_counts(tmp_path: Path) -> None:
-    diag = diagnose(load_run([raise_run(tmp_path)]))
+@pytest.mark.parametrize("recorder", ["this install", "another install"])
+def test_a_raise_is_drawn_where_it_happened_with_the_step_counted_as_the_loop_counts(
+    tmp_path: Path, recorder: str
+) -> None:
+    """The same whether the run is read by the ddpdoctor that recorded it or by another one (a
+    run dir copied off a cluster): the probe in rank 0's traceback is ddpdoctor's either way."""
+    doctor = DOCTOR if recorder == "this install" else "/opt/cluster/ddpdoctor/ddpdoctor/probes/ddp.py"
+    diag = diagnose(load_run([raise_run(tmp_path, doctor)]))
     view = diag.failure
     assert view is not None and view.kind == "failure" and view.first_rank == 1
     assert view.verdict.startswith(

@@ -23,12 +23,18 @@ _DOCTOR_MARKERS = tuple(
 )
 
 
+def is_doctor_frame(filename: str) -> bool:
+    """ddpdoctor's own code: this install's, or the in-rank code of the install that recorded
+    the run (its probes sit in every rank's stack). The one rule for "ddpdoctor's frame"."""
+    return filename.startswith(DOCTOR_DIR) or any(marker in filename for marker in _DOCTOR_MARKERS)
+
+
 def is_user_frame(filename: str) -> bool:
     """Code the user wrote: not the standard library, an installed package or ddpdoctor. The one
     rule for "the user's frame" everywhere a stack is read."""
-    if not filename or filename.startswith(DOCTOR_DIR) or filename.startswith("<"):
+    if not filename or filename.startswith("<") or is_doctor_frame(filename):
         return False
-    return not any(marker in filename for marker in _LIBRARY_MARKERS + _DOCTOR_MARKERS)
+    return not any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
 def parse_pyspy_json(text: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
-from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
+from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
 
 if TYPE_CHECKING:
     from ddpdoctor.analysis.failed.failure_spans import OpenSpan
@@ -55,7 +55,7 @@ def stack_groups(stacks: dict[int, list[dict[str, Any]]], where: dict[int, str])
     keys: dict[int, tuple[str, tuple[str, ...]]] = {}
     users: dict[tuple[str, tuple[str, ...]], int] = {}
     for rank, frames in stacks.items():
-        kept = [f for f in frames if not str(f.get("file", "")).startswith(DOCTOR_DIR)]
+        kept = [f for f in frames if not is_doctor_frame(str(f.get("file", "")))]
         lines = tuple(f"{short_file(str(f.get('file')))}:{f.get('line')} {f.get('function')}" for f in kept)
         keys[rank] = (where.get(rank, ""), lines)
         users[keys[rank]] = next((i for i, f in enumerate(kept) if is_user_frame(str(f.get("file", "")))), -1)

@@ -20,7 +20,7 @@ from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import DOCTOR_DIR, is_user_frame
+from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
 
 # The phases whose outermost span carries the sequence number the watcher saw.
 _WATCHED_PHASES = {p.value: p.spans[0][0] for p in (LivePhase.BACKWARD, LivePhase.COLLECTIVE)}
@@ -110,7 +110,7 @@ def open_spans(
             if isinstance(f, (list, tuple)) and len(f) >= 3
         ]
         user = _user(frames)
-        if any(str(f["file"]).startswith(DOCTOR_DIR) for f in frames):  # raised inside a sync point
+        if any(is_doctor_frame(str(f["file"])) for f in frames):  # raised inside a sync point
             spans = _cut_short(rank, trace, clock, end_s, step, user, ended_by)
             _seen_in(run, rank, spans)
             return spans, frames
