@@ -204,11 +204,19 @@ def _register_faulthandler(c: Collector) -> str | None:
 
 
 def _format_error(exc_type: Any, exc: Any, tb: Any, thread: str) -> dict[str, Any]:
-    frames = [[f.filename, f.lineno, f.name] for f in traceback.extract_tb(tb)]
+    """The rank's error record, built without reading a source file: when a peer dies the
+    launcher stops the survivors within milliseconds (torchrun's SIGTERM), and looking up a
+    traceback's source lines (linecache reading cold files) took longer than that, so the record
+    of what the survivor was doing was lost. The traceback text names file, line and function;
+    Python's own, with the source lines, is in the rank's stderr."""
+    frames = [[f.f_code.co_filename, lineno, f.f_code.co_name] for f, lineno in traceback.walk_tb(tb)]
+    stack = traceback.StackSummary.from_list([(file, line, name, "") for file, line, name in frames])
+    last = traceback.TracebackException(exc_type, exc, None, lookup_lines=False, compact=True)
+    text = "Traceback (most recent call last):\n" + "".join(stack.format())
     return {
         "type": getattr(exc_type, "__name__", str(exc_type)),
         "message": str(exc)[:2000],
-        "traceback": "".join(traceback.format_exception(exc_type, exc, tb))[-20000:],
+        "traceback": (text + "".join(last.format_exception_only()))[-20000:],
         "frames": frames[-50:],
         "thread": thread,
         "wall_ns": time.time_ns(),
