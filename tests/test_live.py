@@ -373,3 +373,29 @@ def test_top_compares_the_ranks_parameters_at_the_latest_check_they_all_took(tmp
         and "differ across ranks 0-1 (no majority) at exit (step 99)" in f["text"]
     )
     assert "  weights_diverged [" in live_top.render(live_top.Top([tmp_path]).snapshot())
+
+
+def test_a_rank_error_record_reads_no_source_file() -> None:
+    """torchrun stops a dead rank's peers within milliseconds: the survivor's error record must
+    not wait for source lines to be read (linecache), or the record of where it was is lost."""
+    import linecache
+
+    from ddpdoctor.probes.liveness import _format_error
+
+    def fail() -> None:
+        try:
+            raise KeyError("root")
+        except KeyError as err:
+            raise ValueError("bad batch at step 3") from err
+
+    try:
+        fail()
+    except ValueError as exc:
+        linecache.clearcache()
+        info = _format_error(ValueError, exc, exc.__traceback__, "MainThread")
+        assert not linecache.cache  # nothing was read
+    assert info["type"] == "ValueError" and info["message"] == "bad batch at step 3"
+    assert [f[2] for f in info["frames"]] == ["test_a_rank_error_record_reads_no_source_file", "fail"]
+    assert info["frames"][1][0] == __file__
+    assert info["traceback"].startswith("Traceback (most recent call last):\n  File ")
+    assert info["traceback"].endswith("ValueError: bad batch at step 3\n")
