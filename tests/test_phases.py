@@ -39,13 +39,19 @@ def test_percentiles_match_numpy() -> None:
 
 
 def test_step_grid_put_matches_a_python_reduction() -> None:
+    """Every path of ``put``: in step order or not, one event per step or runs, gaps, steps
+    outside the grid; the last value, a sum, a max, a min."""
     rng = np.random.default_rng(2)
     combine = {None: lambda a, b: b, np.add: lambda a, b: a + b, np.maximum: max, np.minimum: min}
     for _ in range(300):
         n = int(rng.integers(0, 40))
         step = rng.integers(-2, 15, n)
-        if rng.random() < 0.5:
+        order = rng.random()
+        if order < 0.33:  # runs of equal steps in order: reduced run by run
             step = np.sort(step)
+        elif order < 0.66:  # an event per step, in order, with or without gaps
+            step = np.sort(rng.choice(np.arange(-2, 15), min(n, 17), replace=False))
+            n = len(step)
         values = rng.integers(0, 10**12, n)
         grid = StepGrid(int(rng.integers(0, 3)), int(rng.integers(1, 12)))
         for ufunc, op in combine.items():

@@ -156,6 +156,20 @@ def first_per_step(step: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     return steps, values[first]
 
 
+def _reduce_runs(
+    step: np.ndarray, values: np.ndarray, ufunc: np.ufunc
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(steps, values, whether each step now has one value): ``ufunc`` (a max, a min) over each
+    run of equal steps where ``step`` never decreases (one reduceat, not a scatter); as they
+    are otherwise."""
+    starts = _runs(step)
+    if starts is None:
+        return step, values, False
+    if starts is _EVERY:
+        return step, values, True
+    return step[starts], ufunc.reduceat(values, starts), True
+
+
 _EVERY = np.arange(0)  # _runs' answer when every event is a run of its own
 
 
@@ -202,14 +216,17 @@ class StepGrid:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(each grid step's value as float64, which steps have one): the last event's value
         of a step, or ``ufunc`` (np.add, np.maximum...) over its events."""
+        reduced = ufunc is None  # one value per step left
         if ufunc is None:
             step, values = last_per_step(step, values)
+        elif ufunc is not np.add:  # a max or min: reduced run by run where the steps are in order
+            step, values, reduced = _reduce_runs(step, values, ufunc)
         at = step - self.lo
         if len(at) and (at.min() < 0 or at.max() >= self.n):  # two reductions, no masks
             inside = (at >= 0) & (at < self.n)
             at, values = at[inside], values[inside]
         present = np.zeros(self.n, bool)
-        if ufunc is None and len(at) and int(at[-1]) - int(at[0]) == len(at) - 1:
+        if reduced and len(at) and int(at[-1]) - int(at[0]) == len(at) - 1:
             # distinct steps in order without a gap (the usual rank): slices, not a scatter
             lo, hi = int(at[0]), int(at[-1]) + 1
             present[lo:hi] = True
@@ -220,8 +237,8 @@ class StepGrid:
         if ufunc is np.add:
             return np.bincount(at, weights=values, minlength=self.n), present
         out = np.zeros(self.n)
-        out[at] = values  # one of each step's values (the only one when ufunc is None)
-        if ufunc is not None:  # unbuffered, in place: faster than sorting into runs, if no cast
+        out[at] = values  # one of each step's values (the only one once reduced)
+        if ufunc is not None and not reduced:  # unbuffered, in place: faster than a sort, if no cast
             ufunc.at(out, at, values.astype(np.float64, copy=False))
         return out, present
 

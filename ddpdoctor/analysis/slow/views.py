@@ -73,11 +73,10 @@ def step_spans(run: Run, tb: TimeBase) -> dict[int, tuple[float, float]]:
         fwd = training_forwards(trace)
         first, has = grid.put(fwd.step, tb.rel(rank, fwd.ts), np.minimum)
         starts = np.minimum(starts, np.where(has, first, np.inf))
-        kinds = [ev for ev in trace.events.values() if len(ev)]  # one pass over all its kinds
-        if kinds:
-            step = np.concatenate([ev.step for ev in kinds])
-            last, has = grid.put(step, tb.rel(rank, np.concatenate([ev.end for ev in kinds])), np.maximum)
-            ends = np.maximum(ends, np.where(has, last, -np.inf))
+        for ev in trace.events.values():  # kind by kind: each in step order, so no scatter
+            if len(ev):
+                last, has = grid.put(ev.step, tb.rel(rank, ev.end), np.maximum)
+                ends = np.maximum(ends, np.where(has, last, -np.inf), out=ends)
     started = np.isfinite(starts)
     begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist())))
