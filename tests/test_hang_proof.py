@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.hung.proof import CONFIRM_S, Activity, judge
+from ddpdoctor.analysis.hung.proof import CONFIRM_S, Activity, is_hang, judge
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor.activity import ActivityTracker
 from ddpdoctor.supervisor.waits import WaitNotes
@@ -152,9 +152,21 @@ def test_a_rank_that_does_not_move_is_stalled_and_unmeasured_ranks_say_so() -> N
     assert judge({0: st(0), 1: st(1)}, {0: busy(), 1: idle}, NOW).state == "running"
 
 
-def test_a_rank_that_never_reported_blocks_every_proof() -> None:
+def test_a_rank_never_heard_from_blocks_every_proof_and_is_named_once_all_others_wait() -> None:
+    """A node lost before its doctor first reported (or one run without a doctor): its ranks
+    have no status. Nothing about them can be proven, but once every rank heard from waits, the
+    silent ones are what they wait for: the clock decides, as for a rank not measured."""
     statuses = {0: st(0, "collective", "barrier", seq=10), 1: st(1, "collective", "barrier", seq=11)}
-    assert judge(statuses, {}, NOW, world_size=3).state == "running"
+    v = judge(statuses, {}, NOW, world_size=4)
+    assert v.state == "unmeasured" and v.culprits == [2, 3] and v.waiting == [0, 1]
+    assert v.proof.startswith("rank(s) 2-3 never reported") and "wait in barrier #10, barrier #11" in v.proof
+    assert v.where[2] == "never reported"
+    kw = {"hang_timeout": None, "quiet": 0.0, "started": True}
+    assert not is_hang(v, 5.0, longest=2.0, **kw) and is_hang(v, 5.0, longest=6.0, **kw)
+    # a rank heard from still works: nothing to say about the silent ones yet
+    working = {0: st(0, "collective", "barrier", seq=10), 1: st(1)}
+    assert judge(working, {1: busy()}, NOW, world_size=3).state == "running"
+    assert judge({}, {}, NOW, world_size=2).state == "running"
 
 
 def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None:

@@ -25,7 +25,9 @@ SCRIPT = JOBS / "multinode_train.py"
 class Nodes:
     """Two `ddpdoctor run -- torchrun --nnodes 2 --node_rank K` launchers on this machine."""
 
-    def __init__(self, tmp: Path, nproc: int, options: list[str], *args: str) -> None:
+    def __init__(
+        self, tmp: Path, nproc: int, options: list[str], *args: str, doctors: tuple[int, ...] = (0, 1)
+    ) -> None:
         self.tmp, self.port = tmp, free_port()
         self.procs: list[subprocess.Popen] = []
         for node in (0, 1):
@@ -35,6 +37,8 @@ class Nodes:
                 str(SCRIPT), *args,
             ]  # fmt: skip
             doctor = [sys.executable, "-m", "ddpdoctor", "run", "--out", f"n{node}", *options, "--", *command]
+            if node not in doctors:  # launched as is: no doctor on that node
+                doctor = command
             with open(tmp / f"n{node}.err", "wb") as err, open(tmp / f"n{node}.out", "wb") as out:
                 self.procs.append(subprocess.Popen(doctor, cwd=tmp, stdout=out, stderr=err, env=job_env()))
 
@@ -197,3 +201,22 @@ def test_a_lost_node_is_named_by_the_survivors(tmp_path: Path) -> None:
     said = " ".join(err.split())  # the terminal wraps findings
     assert re.search(r"node 1 \([^)]*rank 1\) last reported its ranks training", said), err
     assert "when rank 0 lost its peers (RuntimeError" in said  # what the survivors saw
+
+
+def test_a_node_never_heard_from_is_named_once_every_other_rank_waits(tmp_path: Path) -> None:
+    """Node 1 runs without a doctor (as a node lost before its doctor first reported): its
+    rank never reports. When rank 0 has waited past the threshold for it, node 0 declares the
+    hang and names rank 1 as never reported, instead of watching a silent job for ever."""
+    nodes = Nodes(tmp_path, 1, ["--on-hang", "kill", "--hang-timeout", "5"], "--mode", "stall", "--at", "8",
+                  doctors=(0,))  # fmt: skip
+    try:
+        code = nodes.procs[0].wait(timeout=180)
+    finally:
+        nodes.kill_node(1)
+    err = nodes.err(0)
+    assert code == 124, err
+    _hang_line(err)
+    assert re.search(r"Rank\(s\) 1 never reported", " ".join(err.split())), err
+    verdict = json.loads((tmp_path / "n0" / "hang-1" / "summary.json").read_text())["verdict"]
+    assert verdict["state"] == "unmeasured" and verdict["culprits"] == [1], verdict
+    assert verdict["proof"].startswith("rank(s) 1 never reported") and "rank(s) 0 wait in" in verdict["proof"]

@@ -209,8 +209,7 @@ def judge(
     acts = {r: activity.get(r, Activity()) for r in statuses}
     gone = {r for r, st in statuses.items() if not acts[r].alive or st.exited}
     live = {r: st for r, st in statuses.items() if r not in gone}
-    if world - set(statuses):
-        return Verdict(VerdictState.RUNNING)  # a rank never reported: nothing can be proven about it
+    never = sorted(world - set(statuses))  # no status, here or from any node's doctor
     waits: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}
     for r, st in live.items():
@@ -225,6 +224,18 @@ def judge(
             where[r] = point(phase)
     wait_s = max((live[r].in_phase_s(now) for r in waits), default=0.0)
     others = sorted(set(live) - set(waits))
+    if never:
+        # Nothing can be proven about a rank never heard from (its node lost before its doctor
+        # first reported, or no doctor there). If every rank heard from waits, the silent ones
+        # are what they wait for, and the clock decides, as for any rank not measured.
+        if not waits or others:
+            return Verdict(VerdictState.RUNNING)
+        text = (
+            f"rank(s) {rank_list(never)} never reported (no status from them nor from their node's "
+            f"doctor) while rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)}"
+        )
+        where.update({r: "never reported" for r in never})
+        return Verdict(VerdictState.UNMEASURED, text, never, sorted(waits), wait_s, 0.0, where, waits)
     if waits and not others:
         proven = _prove(waits, gone, statuses, world)
         if proven is not None:
