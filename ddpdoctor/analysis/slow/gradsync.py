@@ -8,6 +8,7 @@ overlaps the backward is free; what runs after the last gradient is computed is 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,7 +49,9 @@ def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
         buckets.append(b.astype(np.uint16))  # below _MAX_BUCKETS: 2 bytes an event, not 8
     nb = max(int(b.max()) for b in buckets) + 1
     grid = StepGrid.spanning(t.kind(schema.ALLREDUCE).step for t in traces)
-    waits = np.full((len(traces), grid.n, nb), np.nan, dtype=np.float32)
+    # Not filled: every rank writes the (step, bucket) cells it has, and the cells some rank
+    # lacks are set to NaN for every rank below (a 160 MB fill saved at 1,024 ranks).
+    waits = np.empty((len(traces), grid.n, nb), dtype=np.float32)
     common = np.ones(grid.n * nb, bool)  # (step, bucket) that every rank has, rank by rank
     for i, (trace, bucket) in enumerate(zip(traces, buckets)):
         ar = trace.kind(schema.ALLREDUCE)
@@ -121,14 +124,17 @@ def bucket_stats(run: Run) -> list[dict[str, Any]]:
     for j, b in enumerate(buckets):
         w = waits[:, 1:, j] if waits.shape[1] > 1 else waits[:, :, j]  # skip step 0's layout
         info = layout.get(b, {})
-        skew = np.nanmax(w, axis=0) - np.nanmin(w, axis=0)
+        with warnings.catch_warnings():  # a step where no rank has this bucket stays NaN, unsaid
+            warnings.simplefilter("ignore", RuntimeWarning)
+            skew = np.nanmax(w, axis=0) - np.nanmin(w, axis=0)
+            transfer = np.nanmin(w, axis=0)
         rows.append(
             {
                 "index": b,
                 "bytes": info.get("bytes"),
                 "params": info.get("params", []),
                 "reduce_ms_p50": round(float(np.nanmedian(w)) / 1e3, 3),
-                "transfer_ms_p50": round(float(np.nanmedian(np.nanmin(w, axis=0))) / 1e3, 3),
+                "transfer_ms_p50": round(float(np.nanmedian(transfer)) / 1e3, 3),
                 "arrival_skew_ms_p50": round(float(np.nanmedian(skew)) / 1e3, 3),
             }
         )
