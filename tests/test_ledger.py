@@ -368,3 +368,19 @@ def test_models_that_differ_by_rank_are_set_side_by_side(tmp_path: Path) -> None
     f = found["model_differs"]
     assert "module '2' (Linear) differs: 2.weight: rank 0 [4, 32], rank 1 [8, 32]" in f["summary"]
     assert f["details"]["place"] == "train.py:19" and "rank_failure" not in found
+
+
+def test_the_forward_where_the_ranks_parted_is_matched_by_count_across_cut_tails() -> None:
+    """Rank 0's 11th forward ran at a probe's line while rank 1's 11th was its training forward:
+    the place the wrapper's collectives went out of step, found with the ledgers' tails cut at
+    different counts (each keeps its last forwards only)."""
+    from ddpdoctor.analysis.failed.forwards import parted_forward
+    from ddpdoctor.analysis.failed.ledger import Ledger
+
+    train, probe = "train.py:72", "train.py:54"
+    zero = [(s, True, True, train) for s in range(10)] + [(10, True, True, probe), (11, True, True, train)]
+    one = [(s, True, True, train) for s in range(12)]
+    a, b = Ledger(0, forwards=zero[4:], forwards_from=4), Ledger(1, forwards=one[7:], forwards_from=7)
+    assert parted_forward({0: a, 1: b}, 0, [1]) == (probe, train, 10)
+    same = Ledger(0, forwards=one[3:], forwards_from=3)
+    assert parted_forward({0: same, 1: b}, 0, [1]) is None

@@ -7,10 +7,10 @@ The other ranks' errors and the live hang verdict are symptoms of the cause foun
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.ledger import (
     BUFFERS,
     FORWARD,
@@ -26,6 +26,7 @@ from ddpdoctor.analysis.failed.parting import (
     Divergence,
     accumulation_differs,
     first_divergence,
+    others_text,
     rank_only_call,
     rank_only_logs,
     skipped_sync,
@@ -71,11 +72,6 @@ FIX_MISMATCH = (
     "pad per-rank tensors to one size (all_gather the sizes first), iterate dicts in a sorted "
     "order, and keep collectives out of rank-dependent branches."
 )
-FIX_FORWARD = (
-    "Run rank-only work on the wrapped model, `model.module`, under torch.no_grad() (the DDP "
-    "wrapper's forward takes part in collectives: buffer broadcasts, unused-parameter maps), or "
-    "run it through the wrapper on every rank."
-)
 
 
 @detector
@@ -87,7 +83,7 @@ def ledger_causes(run: Run) -> Iterable[Finding]:
         found = _explain(div, ledgers)
     if found is not None:
         yield found
-    yield from _rank_only_forwards(ledgers, found)
+    yield from rank_only_forwards(ledgers, found)
     yield from _never_started(run, ledgers, found)
 
 
@@ -229,19 +225,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
             details={**details, "root_rank": None, "differs": div.evidence.get("differs")},
         )
     if forward_side and len(forward_side) < len(points):
-        root = min(forward_side)
-        point = forward_side[root]
-        kind = "rank_only_eval" if "eval" in point.op else "rank_only_forward"
-        return Finding(
-            kind,
-            "error",
-            [root],
-            f"rank {root} ran a forward through the DDP wrapper that the others did not "
-            f"({point.describe()}), while {_others_text(points, root)}: the wrapper's collective "
-            "has no partner",
-            fix=FIX_FORWARD,
-            details={**details, "root_rank": root, "place": point.site},
-        )
+        return forward_cause(forward_side, points, ledgers, details)
     if python and ddp:
         root = min(python)
         root_lg, others = ledgers[root], [ledgers[r] for r in ddp]
@@ -251,7 +235,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 "error",
                 [root],
                 f"uneven inputs: rank {root} ran out of batches after step {root_lg.last_step} and "
-                f"waits in {python[root].describe()}, while {_others_text(points, root)}: that "
+                f"waits in {python[root].describe()}, while {others_text(points, root)}: that "
                 "step's gradient all-reduce has no partner",
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
@@ -266,7 +250,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 sorted(points),
                 f"the ranks issue different collectives at #{seq}: rank(s) {rank_list(python)} in "
                 f"{call.describe()} (a line the others execute too), while "
-                f"{_others_text(points, root)}: their sequences of collectives parted before this "
+                f"{others_text(points, root)}: their sequences of collectives parted before this "
                 "point (a step, a collective or a batch one side had and the other did not)",
                 fix=FIX_MISMATCH,
                 details={**details, "root_rank": None, "place": call.site},
@@ -276,7 +260,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
             "error",
             sorted(python),
             f"rank(s) {rank_list(python)} called {call.describe()} in a branch the others "
-            f"did not take (they never executed {call.site or 'that line'}); {_others_text(points, root)}",
+            f"did not take (they never executed {call.site or 'that line'}); {others_text(points, root)}",
             fix=FIX_BRANCH.format(op=python[root].op),
             details={**details, "root_rank": root, "place": python[root].site},
         )
@@ -288,43 +272,6 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         fix=FIX_MISMATCH,
         details={**details, "root_rank": None},
     )
-
-
-def _others_text(points: dict[int, Point], root: int) -> str:
-    return "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root)
-
-
-def _rank_only_forwards(ledgers: dict[int, Ledger], found: Finding | None) -> Iterable[Finding]:
-    """Forwards through the wrapper that some ranks ran at a line and others did not."""
-    if found is not None and found.kind in ("rank_only_eval", "rank_only_forward"):
-        return
-    if any(lg.ending.how not in ("clean_exit", "running") for lg in ledgers.values()):
-        return  # a failed job: counts differ because it stopped, the cause is elsewhere
-    counts = {
-        r: Counter((site, training) for _, grad, training, site in lg.forwards if site and not grad)
-        for r, lg in ledgers.items()
-    }
-    keys = set().union(*[set(c) for c in counts.values()])
-    for site, training in sorted(keys):
-        per_rank = {r: c.get((site, training), 0) for r, c in counts.items()}
-        if len(set(per_rank.values())) == 1:
-            continue
-        top = max(per_rank.values())
-        extra = sorted(r for r, n in per_rank.items() if n == top)
-        root = extra[0]
-        kind = "rank_only_forward" if training else "rank_only_eval"
-        mode = "in training mode under no_grad" if training else "in eval mode"
-        yield Finding(
-            kind,
-            "warning",
-            extra,
-            f"rank(s) {rank_list(extra)} ran {top} forward(s) through the DDP wrapper at {site} "
-            f"({mode}) that rank(s) {rank_list(r for r in per_rank if r not in extra)} did not "
-            f"({', '.join(f'rank {r}: {n}' for r, n in sorted(per_rank.items()))}); it did not hang "
-            "here, but with buffers or grad enabled it would",
-            fix=FIX_FORWARD,
-            details={"root_rank": root, "place": site, "forwards": {str(r): n for r, n in per_rank.items()}},
-        )
 
 
 _INIT = (

@@ -93,6 +93,7 @@ class Ledger:
     rank: int
     points: list[Point] = field(default_factory=list)
     forwards: list[tuple[int, bool, bool, str]] = field(default_factory=list)  # step, grad, training, site
+    forwards_from: int = 0  # the rank's count of forwards before the first one kept (the tail)
     steps: int = 0  # training steps whose backward finished
     last_step: int = -1  # the last training step entered
     passes: list[Pass] = field(default_factory=list)
@@ -319,7 +320,9 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
             point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
         points.append(point)
-    fwd = _tail(trace.kind(schema.FORWARD))
+    fwd = trace.kind(schema.FORWARD)
+    ledger.forwards_from = max(0, len(fwd) - TAIL)
+    fwd = _tail(fwd)
     fwd_site: dict[int, str] = {}
     for step, f in zip(fwd.step.tolist(), fwd.fields, strict=True):
         site = sites.get(int(f[3]), "") if len(f) > 3 and isinstance(f[3], int) else ""

@@ -202,8 +202,7 @@ def rank_only_call(
         "rank_only_collective",
         "error",
         sorted(only),
-        f"{what}; "
-        + "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root),  # noqa: E501
+        f"{what}; {others_text(points, root)}",
         fix=fix,
         details={
             "root_rank": root,
@@ -213,6 +212,11 @@ def rank_only_call(
             "ranks": evidence,
         },
     )
+
+
+def others_text(points: dict[int, Point], root: int) -> str:
+    """Where each rank but ``root`` was: "rank 1 was in barrier #7 at train.py:40; rank 2 ..."."""
+    return "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root)
 
 
 def _earlier(points: dict[int, Point]) -> dict[int, Point]:
