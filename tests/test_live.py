@@ -399,3 +399,6 @@ def test_a_rank_error_record_reads_no_source_file() -> None:
     assert info["frames"][1][0] == __file__
     assert info["traceback"].startswith("Traceback (most recent call last):\n  File ")
     assert info["traceback"].endswith("ValueError: bad batch at step 3\n")
+    # its cause too, first, as Python prints it (the analysis reads the causes' messages)
+    cause, _, last = info["traceback"].partition("The above exception was the direct cause")
+    assert "KeyError: 'root'" in cause and "in fail\n" in cause and "ValueError" in last

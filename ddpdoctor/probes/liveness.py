@@ -207,20 +207,43 @@ def _format_error(exc_type: Any, exc: Any, tb: Any, thread: str) -> dict[str, An
     """The rank's error record, built without reading a source file: when a peer dies the
     launcher stops the survivors within milliseconds (torchrun's SIGTERM), and looking up a
     traceback's source lines (linecache reading cold files) took longer than that, so the record
-    of what the survivor was doing was lost. The traceback text names file, line and function;
-    Python's own, with the source lines, is in the rank's stderr."""
+    of what the survivor was doing was lost. The traceback text names file, line and function
+    of the exception and of its chained causes (what the analysis reads: a DataLoader worker
+    "killed by signal" is the cause of "exited unexpectedly"); Python's own, with the source
+    lines, is in the rank's stderr."""
     frames = [[f.f_code.co_filename, lineno, f.f_code.co_name] for f, lineno in traceback.walk_tb(tb)]
-    stack = traceback.StackSummary.from_list([(file, line, name, "") for file, line, name in frames])
-    last = traceback.TracebackException(exc_type, exc, None, lookup_lines=False, compact=True)
-    text = "Traceback (most recent call last):\n" + "".join(stack.format())
     return {
         "type": getattr(exc_type, "__name__", str(exc_type)),
         "message": str(exc)[:2000],
-        "traceback": (text + "".join(last.format_exception_only()))[-20000:],
+        "traceback": _chain_text(exc_type, exc, tb)[-20000:],
         "frames": frames[-50:],
         "thread": thread,
         "wall_ns": time.time_ns(),
     }
+
+
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def _chain_text(exc_type: Any, exc: Any, tb: Any) -> str:
+    """Python's traceback text of ``exc`` and its causes, oldest first, with no source lines."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    while True:
+        seen.add(id(exc))
+        stack = [(f.f_code.co_filename, line, f.f_code.co_name, "") for f, line in traceback.walk_tb(tb)]
+        only = traceback.TracebackException(exc_type, exc, None, lookup_lines=False, compact=True)
+        head = "Traceback (most recent call last):\n" if stack else ""
+        parts.append(head + "".join(traceback.StackSummary.from_list(stack).format()))
+        parts[-1] += "".join(only.format_exception_only())
+        cause = getattr(exc, "__cause__", None)
+        context = None if getattr(exc, "__suppress_context__", False) else getattr(exc, "__context__", None)
+        nxt, sep = (cause, _CAUSE) if cause is not None else (context, _CONTEXT)
+        if nxt is None or id(nxt) in seen or len(seen) > 16:
+            return "".join(reversed(parts))
+        parts.append(sep)
+        exc_type, exc, tb = type(nxt), nxt, nxt.__traceback__
 
 
 def _record_error(live: _Liveness, info: dict[str, Any]) -> None:
