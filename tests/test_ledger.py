@@ -220,6 +220,42 @@ def test_ranks_killed_inside_the_same_collective_the_backend_says_disagree_are_a
     assert "collective mismatch" in f["details"]["backend_said"]
 
 
+@pytest.mark.parametrize("peer", ["raised", "completed"])
+def test_a_rank_aborted_by_the_backend_in_a_collective_its_peer_raised_out_of_is_a_mismatch(
+    tmp_path: Path, peer: str
+) -> None:
+    """Rank 0 aborts inside all_reduce #6 (gloo: the sizes differ) before any status said its
+    size; rank 1 raised out of the same all_reduce when its peer died (its size is on record).
+    The collective completed on no rank: the backend's words stand. Had rank 1's completed, they
+    would contradict it, and the abort stays a rank failure."""
+    _write(tmp_path, 0, _steps(3, loader=False), end=False)
+    one = _steps(3, loader=False)
+    if peer == "raised":
+        one += [
+            [
+                "raised",
+                3500,
+                0,
+                2,
+                {"kind": "collective", "fields": ["all_reduce", 40, "WORLD", 2, 6, 0, 0, 0]},
+            ],
+            ["rank_error", 3600, 0, 2, PEER_ERROR],
+        ]
+    else:
+        one += [["collective", 3500, 10, 2, "all_reduce", 24, "WORLD", 2, 6, 0, 0, 0]]
+    _write(tmp_path, 1, one, end=False)
+    abort = _stack((C10D, 3252, "all_reduce"), ("/job/train.py", 21, "main"))
+    _ends(tmp_path, {"0": {"how": "signal", "signal": "SIGABRT", "stack": abort, "words": GLOO_WORDS}})
+    found = _kinds(tmp_path)
+    if peer == "completed":
+        assert "collective_mismatch" not in found and "rank_failure" in found
+        return
+    f = found["collective_mismatch"]
+    assert f["ranks"] == [0, 1] and f["details"]["root_rank"] is None and "rank_failure" not in found
+    assert "40 bytes, raised" in f["summary"] and "size" in f["fix"]
+    assert "collective mismatch" in f["details"]["backend_said"]
+
+
 def test_a_rank_killed_outside_any_collective_stays_a_rank_failure(tmp_path: Path) -> None:
     """os.abort() in the user's own code: no sync point in its stack, so nothing diverged first."""
     _write(tmp_path, 0, _steps(5, loader=False), end=False)

@@ -72,7 +72,8 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
             differ = None if same else disagreement(sigs, _op_of, f"collective #{seq}")
             if differ is None:
                 said = _backend_says_mismatch(present, have)
-                if said and all(p.in_flight for p in have.values()):
+                # completed on no rank (each in it, or raised out of it when the peer died)
+                if said and all(p.in_flight or p.raised for p in have.values()):
                     evidence = {"seq": seq, "differs": "size", "backend": said}
                     return Divergence("mismatch", None, [], dict(at), evidence)
                 apart = _steps_apart(have) or _accumulation_apart(have, present)
