@@ -140,3 +140,55 @@ def test_an_except_that_leaves_the_iteration_is_the_branch(tmp_path: Path) -> No
     """
     path = str(_script(tmp_path, "robust.py", source))
     assert exits_after(path, 4) == [5, 7]
+
+
+RANK0_VALIDATES = """\
+import torch.distributed as dist
+
+
+def reduce_mean(value):
+    t = value.clone()
+    dist.all_reduce(t)
+    return t
+
+
+class Trainer:
+    def fit(self, epochs, value):
+        for epoch in range(epochs):
+            if self.is_main:
+                reduce_mean(value)
+            else:
+                print("waiting")
+            dist.barrier()
+
+    def fit_either(self, value):
+        if self.is_main:
+            reduce_mean(value)
+        else:
+            dist.barrier()
+"""
+
+
+def test_the_side_inside_an_if_the_other_side_went_past_is_the_root(tmp_path: Path) -> None:
+    """Rank 0 waits in an all_reduce its validation made inside `if self.is_main:`; rank 1 in the
+    barrier after that whole if: rank 0's call is the extra one. In an if and its else, or when
+    the file was edited (the function at the line is not the stack's), nobody is blamed."""
+    from ddpdoctor.analysis.failed.parting import took_branch
+    from ddpdoctor.analysis.failed.source import branch_passed
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(RANK0_VALIDATES)
+    top = [(path, 30, "<module>")]
+    zero = [*top, (path, 14, "Trainer.fit"), (path, 6, "reduce_mean")]
+    one = [*top, (path, 17, "Trainer.fit")]
+    assert branch_passed(path, "Trainer.fit", 14, 17) == (13, "if self.is_main:")
+    assert branch_passed(path, "Trainer.fit", 17, 14) is None  # the barrier is in no if before
+    assert took_branch({0: zero, 1: one, 2: one}, [[0], [1, 2]]) == ([0], "`if self.is_main:` (train.py:13)")
+    assert took_branch({0: zero, 1: one}, [[1], [0]]) == ([0], "`if self.is_main:` (train.py:13)")
+    either = {0: [*top, (path, 21, "fit_either")], 1: [*top, (path, 23, "fit_either")]}
+    assert took_branch(either, [[0], [1]]) is None  # if and else: both took a branch
+    edited = {0: [*top, (path, 14, "Trainer.train")], 1: [*top, (path, 17, "Trainer.train")]}
+    assert took_branch(edited, [[0], [1]]) is None
+    assert took_branch({0: zero, 1: one, 2: zero}, [[0], [1, 2]]) is None  # a side's ranks differ
+    gone = [(str(tmp_path / "gone.py"), n, f) for _, n, f in zero]
+    assert took_branch({0: gone, 1: [gone[0], (gone[0][0], 17, "Trainer.fit")]}, [[0], [1]]) is None

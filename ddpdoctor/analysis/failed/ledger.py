@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_started, merged_watch
+from ddpdoctor.analysis.failed.passes import Pass, passes
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
@@ -33,6 +34,9 @@ from ddpdoctor.trace.stacktext import is_user_frame
 GRAD_ALLREDUCE = LivePhase.BACKWARD.label
 BUFFERS = LivePhase.SYNC_BUFFERS.label
 FORWARD = LivePhase.FORWARD.label
+
+
+Frame = tuple[str, int, str]  # a stack's frame: (path, line, function as the stack names it)
 
 
 @dataclass(slots=True)
@@ -75,19 +79,6 @@ class Point:
         return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
 
 
-@dataclass(frozen=True)
-class Pass:
-    """One DataLoader pass: how many batches it would give and how many the rank took."""
-
-    loader: int
-    expected: int | None
-    read: int
-
-    @property
-    def complete(self) -> bool:
-        return self.expected is not None and self.read >= self.expected
-
-
 @dataclass
 class Ledger:
     rank: int
@@ -103,6 +94,9 @@ class Ledger:
     # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
     sync_logs: set[tuple[str, str]] = field(default_factory=set)
     files: dict[str, str] = field(default_factory=dict)  # a site's file name -> its path
+    # the user's frames where it was last seen (a hang's stack, its death's, its exception's):
+    # (path, line, function), outermost first
+    stack: list[Frame] = field(default_factory=list)
 
     @cached_property
     def grad_forwards(self) -> Counter[int]:
@@ -134,11 +128,27 @@ _STDLIB = (sysconfig.get_paths().get("stdlib") or "/nonexistent") + os.sep
 def user_frame(frames: list[dict[str, Any]]) -> str:
     """The innermost frame of the user's code in a stack (innermost first), as file:line."""
     for frame in frames:
-        file = str(frame.get("file", ""))
-        if not is_user_frame(os.path.abspath(file)) or os.path.abspath(file).startswith(_STDLIB):
-            continue
-        return f"{os.path.basename(file)}:{frame.get('line')}"
+        if _is_users(str(frame.get("file", ""))):
+            return f"{os.path.basename(str(frame.get('file', '')))}:{frame.get('line')}"
     return ""
+
+
+def user_frames(frames: list[dict[str, Any]]) -> list[Frame]:
+    """The user's frames of a stack (innermost first) as (path, line, function), outermost first."""
+    return [
+        (
+            str(f.get("file", "")),
+            int(f["line"]) if isinstance(f.get("line"), int) else -1,
+            str(f.get("function", "")),
+        )
+        for f in reversed(frames)
+        if _is_users(str(f.get("file", "")))
+    ]
+
+
+def _is_users(file: str) -> bool:
+    path = os.path.abspath(file)
+    return is_user_frame(path) and not path.startswith(_STDLIB)
 
 
 def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
@@ -147,11 +157,7 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
         return None, ""
     summary = run.hangs[-1]
     status = RankStatus.of((summary.get("statuses") or {}).get(str(rank)) or {"rank": rank})
-    stack = (summary.get("stacks") or {}).get(str(rank)) or {}
-    place = ""
-    for thread in stack.get("threads") or []:
-        if thread.get("name") == "MainThread" or len(stack.get("threads") or []) == 1:
-            place = user_frame(thread.get("frames") or [])
+    place = user_frame(hang_frames(summary, rank))
     phase = status.phase or {}
     name, op = phase.get("name"), phase.get("op")
     live = status.live_phase
@@ -174,6 +180,27 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
     return point, place
 
 
+def hang_frames(summary: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """A rank's main-thread frames (innermost first) in a hang summary's stacks, or []."""
+    threads = ((summary.get("stacks") or {}).get(str(rank)) or {}).get("threads") or []
+    for thread in threads:
+        if thread.get("name") == "MainThread" or len(threads) == 1:
+            return list(thread.get("frames") or [])
+    return []
+
+
+def error_frames(ledger: Ledger) -> list[dict[str, Any]]:
+    """The traceback of what the rank raised (innermost first), [] if it raised nothing."""
+    if ledger.ending.how != "exception" or not ledger.ending.error:
+        return []
+    raw = ledger.ending.error.get("frames") or []
+    return [
+        {"file": str(f[0]), "line": f[1], "function": str(f[2])}
+        for f in reversed(raw)
+        if isinstance(f, (list, tuple)) and len(f) >= 3
+    ]
+
+
 _C10D = ("torch/distributed/distributed_c10d.py",)
 _BACKWARD = ("torch/_tensor.py", "torch/autograd/__init__.py")
 
@@ -187,16 +214,8 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     ran on the group in between."""
     if (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
-    elif ledger.ending.how == "exception" and ledger.ending.error:
-        # the traceback of what it raised (innermost last): raised inside a collective, it was there
-        raw = ledger.ending.error.get("frames") or []
-        frames = [
-            {"file": str(f[0]), "line": f[1], "function": str(f[2])}
-            for f in reversed(raw)
-            if isinstance(f, (list, tuple)) and len(f) >= 3
-        ]
-    else:
-        return None, ""
+    else:  # the traceback of what it raised: raised inside a collective, it was there
+        frames = error_frames(ledger)
     if not frames:
         return None, ""
     place = user_frame(frames)
@@ -232,36 +251,6 @@ def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
     return list(main.get("frames") or []) if main else []
 
 
-def _passes(trace: RankTrace, world: int) -> list[Pass]:
-    """Each DataLoader pass with the batches it would give and the batches the rank read."""
-    loaders = trace.meta.get(schema.LOADER, [])
-    if not loaders:
-        return []
-    waits = trace.kind(schema.DATA_WAIT)
-    ts, ids = waits.ts, waits.ints(0)
-    out = []
-    for i, (t0, _step, info) in enumerate(loaders):
-        lid = info.get("id")
-        later = [t for t, _, nxt in loaders[i + 1 :] if nxt.get("id") == lid]
-        t1 = later[0] if later else None
-        mask = (ids == lid) & (ts >= t0)
-        if t1 is not None:
-            mask &= ts < t1
-        out.append(Pass(int(lid or 0), _expected_batches(info, world), int(mask.sum())))
-    return out
-
-
-def _expected_batches(info: dict[str, Any], world: int) -> int | None:
-    if isinstance(info.get("batches"), int):
-        return info["batches"]
-    n, bs = info.get("dataset_len"), info.get("batch_size")
-    if not isinstance(n, int) or not isinstance(bs, int) or bs <= 0:
-        return None
-    if info.get("sampler") == "DistributedSampler":
-        n = -(-n // world)
-    return n // bs if info.get("drop_last") else -(-n // bs)
-
-
 def build(run: Run) -> dict[int, Ledger]:
     """A ledger for every rank of the run, those that left no trace included (built once per
     run: the causes, the awaited work and the failure view read the same ledgers)."""
@@ -281,6 +270,7 @@ def _build(run: Run) -> dict[int, Ledger]:
         trace = run.ranks.get(rank)
         if trace is not None:
             _fill(ledger, trace, world)
+        ledger.stack = user_frames(_last_frames(run, rank, ledger))
         flight, place = _in_flight(run, rank)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
@@ -293,6 +283,15 @@ def _build(run: Run) -> dict[int, Ledger]:
             ledger.place = ledger.forwards[-1][3]
         ledgers[rank] = ledger
     return ledgers
+
+
+def _last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
+    """Where the rank was last seen: the last hang's stack, else the stack it died with, else
+    its exception's traceback (innermost first)."""
+    frames = hang_frames(run.hangs[-1], rank) if run.hangs else []
+    if not frames and (run.ends.get(rank) or {}).get("how") == "signal":
+        frames = death_stack(run, rank)
+    return frames or error_frames(ledger)
 
 
 # Points kept per kind, from the end: a divergence that broke the job is near its end, and a
@@ -351,7 +350,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))
-    ledger.passes = _passes(trace, world)
+    ledger.passes = passes(trace, world)
     funcs = {i.get("id"): i.get("func") for _, _, i in trace.meta.get(schema.SITE, [])}
     for _, _, info in trace.meta.get(schema.SYNC_LOG, []):
         sid = info.get("site")

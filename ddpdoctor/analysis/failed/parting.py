@@ -14,12 +14,13 @@ wrong partners until something stopped it: the root is that first step, not wher
 from __future__ import annotations
 
 import linecache
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Ledger, Point
+from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Frame, Ledger, Point
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
-from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
+from ddpdoctor.analysis.failed.source import branch_passed, exits_after, no_sync_schedule
 from ddpdoctor.analysis.findings import Finding, rank_list
 
 FIX_BRANCH = (
@@ -173,8 +174,15 @@ def rank_only_call(
         r: p for r, p in points.items()
         if all(p.site not in sites[o] for o in points if ops[o] != p.op)
     }  # fmt: skip
+    branch = ""
     if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
-        only = _earlier(only)
+        earlier = _earlier(only)
+        if not earlier:  # the stacks and the source: which side is inside an if the other passed
+            sides = [sorted(r for r in points if ops[r] == op) for op in sorted(set(ops.values()))]
+            took = took_branch({r: ledgers[r].stack for r in points}, sides)
+            if took is not None:
+                earlier, branch = {r: points[r] for r in took[0]}, took[1]
+        only = earlier
     if not only or {ops[r] for r in only} == set(ops.values()):
         return None
     root = min(only)
@@ -198,6 +206,8 @@ def rank_only_call(
             f"rank(s) {rank_list(only)} called {call.describe()}, a line rank(s) {rank_list(rest)} "
             "never executed"
         )
+        if branch:
+            what += f", inside {branch}, which rank(s) {rank_list(rest)} went past"
         fix = FIX_BRANCH.format(op=call.op)
     return Finding(
         "rank_only_collective",
@@ -218,6 +228,27 @@ def rank_only_call(
 def others_text(points: dict[int, Point], root: int) -> str:
     """Where each rank but ``root`` was: "rank 1 was in barrier #7 at train.py:40; rank 2 ..."."""
     return "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root)
+
+
+def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple[list[int], str] | None:
+    """Of two sides at different calls, each at a line the other never executed: (the side
+    whose call is inside an ``if`` the other side went past, that ``if`` as "`if <test>:`
+    (file:line)"), from their stacks (outermost first) and the source. Below the calls both
+    stacks share, the two sides must be in one function at different lines, each side's ranks
+    at the same lines; else, or when the source cannot place the lines, None."""
+    if len(sides) != 2 or not all(sides):
+        return None
+    a, b = (stacks.get(side[0]) or [] for side in sides)
+    if not a or not b or any(stacks.get(r) != top for top, side in zip((a, b), sides) for r in side):
+        return None
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None or a[k][0] != b[k][0] or a[k][2] != b[k][2]:
+        return None  # not two lines of one function below the shared calls
+    for inside, line, other in ((0, a[k][1], b[k][1]), (1, b[k][1], a[k][1])):
+        found = branch_passed(a[k][0], a[k][2], line, other)
+        if found is not None:
+            return sorted(sides[inside]), f"`{found[1]}` ({os.path.basename(a[k][0])}:{found[0]})"
+    return None
 
 
 def _earlier(points: dict[int, Point]) -> dict[int, Point]:

@@ -132,3 +132,29 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
                 nxt |= _names(node.value) if getattr(node, "value", None) is not None else set()  # type: ignore[attr-defined]
         frontier = nxt
     return lines
+
+
+def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str] | None:
+    """(the line, the test) of the innermost ``if`` holding ``line`` that ends before ``other``,
+    both lines in one function: a rank at ``other`` went past that ``if`` without the call a
+    rank at ``line`` made inside it. ``func`` is the function as the run's stack named it
+    (py-spy: ``Class.method``): a file whose function there has another name was edited since,
+    and gives no answer; so does a missing file or an ``if`` holding both lines."""
+    mine, theirs = _chain(path, line), _chain(path, other)
+    scope, where = _scope(path, mine), _scope(path, theirs)
+    if scope is None or where is not scope:
+        return None
+    name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
+    if func.rsplit(".", 1)[-1] != name:
+        return None
+    inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
+    ifs = [
+        n for n in inner if isinstance(n, ast.If) and n not in theirs and (n.end_lineno or n.lineno) < other
+    ]
+    return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
+
+
+def _scope(path: str, chain: list[ast.AST]) -> ast.AST | None:
+    """The innermost function in ``chain``, else the module; None without the file."""
+    functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return functions[-1] if functions else (_tree(path) if chain else None)
