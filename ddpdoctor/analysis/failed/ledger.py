@@ -59,6 +59,7 @@ class Point:
     numel: int = 0
     root: int = -1
     ranks: str | None = None  # the group's global ranks ("0 1"), "" for WORLD
+    func: str = ""  # the function its site is in, where on record
 
     def signature(self) -> dict[str, Any]:
         """The fields ``signature.disagreement`` compares (bytes of a call in flight are unknown)."""
@@ -72,7 +73,8 @@ class Point:
         }
 
     def describe(self) -> str:
-        where = f" at {self.site}" if self.site else ""
+        named = self.site and self.func and not self.func.startswith("<")  # not <module>
+        where = f" at {self.site}" + (f" in {self.func}()" if named else "") if self.site else ""
         size = f", {self.nbytes} bytes" if self.nbytes else ""
         seq = f" #{self.seq}" if self.seq >= 0 else ""
         died = ", raised" if self.raised else ", where it ended" if self.died_in else ""
@@ -94,6 +96,7 @@ class Ledger:
     # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
     sync_logs: set[tuple[str, str]] = field(default_factory=set)
     files: dict[str, str] = field(default_factory=dict)  # a site's file name -> its path
+    funcs: dict[str, str] = field(default_factory=dict)  # a site (file:line) -> its function
     # the user's frames where it was last seen (a hang's stack, its death's, its exception's):
     # (path, line, function), outermost first
     stack: list[Frame] = field(default_factory=list)
@@ -279,6 +282,10 @@ def _build(run: Run) -> dict[int, Ledger]:
         if flight is not None:
             ledger.points.append(flight)
         ledger.place = place or (ledger.points[-1].site if ledger.points else "")
+        for path, line, func in ledger.stack:
+            ledger.funcs.setdefault(f"{os.path.basename(path)}:{line}", func)
+        for point in ledger.points:
+            point.func = ledger.funcs.get(point.site, "")
         if not ledger.place and ledger.forwards:
             ledger.place = ledger.forwards[-1][3]
         ledgers[rank] = ledger
@@ -308,6 +315,8 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     sites = sites_of(trace)
     for _, _, info in trace.meta.get(schema.SITE, []):
         ledger.files.setdefault(os.path.basename(str(info.get("file"))), str(info.get("file")))
+        if info.get("func"):
+            ledger.funcs[f"{os.path.basename(str(info.get('file')))}:{info.get('line')}"] = str(info["func"])
     sigs = {info.get("id"): info for _, _, info in trace.meta.get(schema.SIGNATURE, [])}
     points: list[Point] = []
     coll = _tail(trace.kind(schema.COLLECTIVE))
