@@ -148,9 +148,7 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
     if func.rsplit(".", 1)[-1] != name:
         return None
     inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
-    ifs = [
-        n for n in inner if isinstance(n, ast.If) and n not in theirs and (n.end_lineno or n.lineno) < other
-    ]
+    ifs = [n for n in inner if isinstance(n, ast.If) and (n.end_lineno or n.lineno) < other]
     return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
 
 
