@@ -335,6 +335,53 @@ def test_failing_probe_switches_off_and_training_goes_on(tmp_path: Path, write_s
     assert "probe_error" in kinds
 
 
+def test_a_signal_handlers_exception_inside_a_probe_reaches_the_program(tmp_path: Path, write_script) -> None:
+    """Python runs a signal handler between any two bytecodes, inside a probe too (the
+    DataLoader's SIGCHLD handler when a worker is OOM-killed, a user's SIGALRM timeout): what it
+    raises is the program's and must reach the program, not switch the probe off."""
+    script = write_script(
+        "alarm.py",
+        """
+        import signal
+        import torch, torch.distributed as dist
+        from torch.utils.data import DataLoader, TensorDataset
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddpdoctor.probes.data as data_probe
+
+        def on_alarm(signum, frame):
+            raise TimeoutError("epoch took too long")
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        describe = data_probe.describe_loader
+
+        def alarmed(loader):  # the alarm goes off while the data probe runs
+            signal.raise_signal(signal.SIGALRM)
+            return describe(loader)
+
+        data_probe.describe_loader = alarmed
+        dist.init_process_group("gloo")
+        loader = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+        model = DDP(torch.nn.Linear(4, 1))
+        try:
+            for (x,) in loader:
+                model(x).sum().backward()
+        except TimeoutError as exc:
+            print(f"caught: {exc}", flush=True)
+        data_probe.describe_loader = describe
+        for (x,) in loader:
+            model(x).sum().backward()
+        print("trained", flush=True)
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(2, script))
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.count("caught: epoch took too long") == 2, job.stdout  # once per rank
+    assert job.stdout.count("trained") == 2
+    assert not (job.run_dir / "probe-errors.log").exists()  # no probe broke
+    c = counts(job.run_dir, 0)
+    assert c.get("probe_error", 0) == 0 and c["data_wait"] == 4  # the second pass was recorded
+
+
 def _free_port() -> int:
     import socket
 

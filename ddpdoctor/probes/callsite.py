@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from typing import Any
 
+from ddpdoctor.probes import guard
 from ddpdoctor.trace import schema
 
 SITE = schema.SITE
@@ -60,7 +61,8 @@ def site(collector: Any, depth: int = 2) -> int:
     """The interned id of the caller's first user frame, or NO_SITE (never raises)."""
     try:
         return of_frame(collector, sys._getframe(depth))[0]
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         return NO_SITE
 
 
@@ -107,6 +109,7 @@ def of_frame(collector: Any, frame: Any) -> tuple[int, bool]:
                 _codes.append(code)
                 return sid, hop == 0
             frame = frame.f_back
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         return NO_SITE, False
     return NO_SITE, False

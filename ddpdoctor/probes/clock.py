@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from ddpdoctor.probes import guard
 from ddpdoctor.trace import schema
 
 PROBE = "clock"
@@ -59,7 +60,8 @@ def _serve(store: Any, prefix: str, world: int, rounds: int, wait_s: float) -> i
                 store.wait([f"{prefix}/{peer}/{i}/ping"], timeout)
                 store.set(f"{prefix}/{peer}/{i}/pong", str(_wall_ns()))
             served += 1
-        except Exception:
+        except Exception as exc:
+            guard.passthrough(exc)
             continue  # that rank is late or gone: serve the next one
     return served
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite
+from ddpdoctor.probes import callsite, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -168,7 +168,8 @@ def group_info(group: Any, collector: _c.Collector) -> tuple[Any, str, int, int]
         known = collector.groups[id(pg)] = (pg, name, int(pg.size()))
     try:
         seq = int(pg._get_sequence_number_for_group())
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         seq = -1
     return pg, known[1], known[2], seq
 
@@ -232,7 +233,8 @@ def members(pg: Any, name: str) -> str:
             import torch.distributed as dist
 
             text = " ".join(str(int(r)) for r in dist.get_process_group_ranks(pg))
-        except Exception:
+        except Exception as exc:
+            guard.passthrough(exc)
             text = ""
         _members[key] = text
     return text
@@ -304,7 +306,8 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                     pack(
                         ring.mm, at, kid, c.step, t0, t1, op_id, nbytes, gid, gsize, seq, async_, site, sid, n
                     )
-                except Exception:  # a value that does not fit its declared type
+                except Exception as exc:  # a value that does not fit its declared type
+                    guard.passthrough(exc)
                     fields = (op_id, nbytes, gid, gsize, seq, async_, site, sid)
                     c.writer.pack_odd(c.collective_kind, ring, at, (c.step, t0, t1), fields, n)
                 ring.head = n

@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from ddpdoctor import _env
-from ddpdoctor.probes import liveness
+from ddpdoctor.probes import guard, liveness
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
@@ -135,14 +135,17 @@ class Collector:
         """The default group's collective sequence number now, -1 if unknown (never raises)."""
         try:
             return int(self.default_pg._get_sequence_number_for_group())
-        except Exception:
+        except Exception as exc:
+            guard.passthrough(exc)
             return -1
 
     def meta(self, kind: str, info: dict[str, Any]) -> None:
         self.writer.meta(kind, self.step, info)
 
     def fail(self, probe: str, exc: BaseException) -> None:
-        """A probe broke: log it once in the run dir and switch that probe off for good."""
+        """A probe broke: log it once in the run dir and switch that probe off for good. What
+        a signal handler raised inside the probe is the program's: it goes on up (guard.py)."""
+        guard.passthrough(exc)
         if probe in self.disabled:
             return
         self.disabled.add(probe)
@@ -246,7 +249,8 @@ def _in_dataloader_worker() -> bool:
         from torch.utils.data import get_worker_info
 
         return get_worker_info() is not None
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         return False
 
 

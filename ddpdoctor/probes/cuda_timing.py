@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import guard
 from ddpdoctor.trace import schema
 
 PROBE = "cuda_timing"
@@ -242,8 +243,10 @@ class DeviceTimer:
             time.sleep(0.002)
 
     def _fail(self, exc: BaseException) -> None:
-        """Log once (through ``on_error``) and switch device timing off for this rank."""
+        """Log once (through ``on_error``) and switch device timing off for this rank; what a
+        signal handler raised is the program's and goes on up (guard.py)."""
         global ACTIVE
+        guard.passthrough(exc)
         if self.failed is not None:
             return
         self.failed = exc

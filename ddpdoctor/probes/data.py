@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes import guard
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
@@ -38,8 +39,11 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         prev = c.enter(LivePhase.DATA, _NEXT, -1)
         try:
             batch = next_(self)
-        except BaseException:  # StopIteration ends the pass: nothing was waited for
+        except StopIteration:  # the end of the pass: nothing was waited for
             c.leave(prev, None)
+            raise
+        except BaseException:  # a worker died, a sample raised: the rank stopped in this wait
+            c.raised(prev, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0))
             raise
         c.leave(prev, schema.DATA_WAIT, getattr(self, _LOADER_ID, 0))
         counted = getattr(self, _PASS, None)
@@ -121,11 +125,13 @@ def describe_loader(loader: Any) -> dict[str, Any]:
     sampler = loader.sampler
     try:
         dataset_len: int | None = len(loader.dataset)
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         dataset_len = None
     try:
         batches: int | None = len(loader)
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         batches = None
     batch_size = loader.batch_size
     if batch_size is None:  # a batch sampler (Accelerate's shards, a custom one) holds it

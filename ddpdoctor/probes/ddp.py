@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, commhook
+from ddpdoctor.probes import callsite, commhook, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
@@ -92,7 +92,8 @@ def _describe(ddp: Any, seq: int, state: ModelState) -> dict[str, Any]:
     try:
         sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
         buckets = [int(s) for s in sizes.split(",") if s.strip()]
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         buckets = []
     return {
         "module": type(ddp.module).__name__,

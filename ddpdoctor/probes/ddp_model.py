@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.probes import guard
+
 STATE = "_ddpdoctor_state"  # attribute on each DDP instance
 
 
@@ -41,7 +43,8 @@ def seq_reader(group: Any) -> Callable[[], int]:
     try:
         group._get_sequence_number_for_group()
         return group._get_sequence_number_for_group  # type: ignore[no-any-return]
-    except Exception:
+    except Exception as exc:
+        guard.passthrough(exc)
         return lambda: -1
 
 

@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.probes import flight_recorder
+from ddpdoctor.probes import flight_recorder, guard
 from ddpdoctor.probes.recent import RecentFingerprints, RecentSteps
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir
@@ -49,7 +49,8 @@ class _Liveness:
         self.pid = os.getpid()
         try:
             self.world_size: int | None = int(collector.default_pg.size())
-        except Exception:
+        except Exception as exc:
+            guard.passthrough(exc)
             self.world_size = None
         self.ptracer = _allow_ptrace()
         self.stacks_file = _register_faulthandler(collector)
@@ -130,7 +131,8 @@ class _Liveness:
                 import torch.distributed as dist
 
                 self._group_ranks[key] = [int(r) for r in dist.get_process_group_ranks(pg)]
-            except Exception:
+            except Exception as exc:
+                guard.passthrough(exc)
                 self._group_ranks[key] = None
         return self._group_ranks[key]
 
