@@ -188,3 +188,68 @@ def test_a_terminal_sees_the_same_bytes_and_the_job_still_sees_a_tty(tmp_path: P
         assert line in plain, plain
         assert line in doctor, doctor
         assert f"tty{rank}=True a\tb" in (tmp_path / "run" / f"stderr-rank{rank}.txt").read_text()
+
+
+WORKER_KILLED_IN_FORWARD = """
+import os, signal, time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+IN_FORWARD = f"in-forward-{os.environ['RANK']}"
+
+class Samples(Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        if int(os.environ["RANK"]) == 1 and i == 33 and torch.utils.data.get_worker_info():
+            while not os.path.exists(IN_FORWARD):  # the main thread is in its first forward
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)  # stands in for the OOM killer
+        return torch.randn(16), i % 4
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        open(IN_FORWARD, "w").close()
+        t = time.monotonic()
+        while time.monotonic() - t < 30:  # Python work: where the SIGCHLD handler raises
+            pass
+        return self.fc(x)
+
+dist.init_process_group("gloo")
+data = Samples()
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=False), num_workers=2)
+model = DDP(Slow())
+for x, y in loader:
+    nn.functional.cross_entropy(model(x), y).backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_worker_killed_while_the_rank_computes_names_the_loader(tmp_path: Path, write_script) -> None:
+    """The worker's death surfaces where the main thread is when SIGCHLD arrives (here its
+    forward); the finding names the loader it read, and the failure view the forward."""
+    script = write_script("killed_worker.py", WORKER_KILLED_IN_FORWARD)
+    job = run_doctor(tmp_path, torchrun(2, script), timeout=120)
+    assert job.returncode == 1, job.stderr
+    doc = diagnose_json(job.run_dir)
+    failure = next(f for f in doc["findings"] if f["kind"] == "rank_failure")
+    assert failure["ranks"] == [1] and "killed by a signal (SIGKILL)" in failure["summary"], failure
+    assert "of the DataLoader iterated at killed_worker.py:36" in failure["summary"], failure
+    assert failure["details"]["place"] == "killed_worker.py:36" and "num_workers" in failure["fix"]
+    r1 = doc["failure"]["ranks"]["1"]
+    assert r1["step_text"] == "at step 0, in its forward", r1
+    assert r1["user_frame"] in ("forward() killed_worker.py:28", "forward() killed_worker.py:29"), r1
+
+
+def test_a_worker_killed_while_the_rank_waits_for_its_batch_is_a_data_wait(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "zoo" / "loader_worker_killed.py"
+    job = run_doctor(tmp_path, torchrun(2, script), timeout=120)
+    assert job.returncode == 1, job.stderr
+    r1 = diagnose_json(job.run_dir)["failure"]["ranks"]["1"]
+    assert r1["open_point"] == "data wait" and r1["step_text"] == "before its first step", r1

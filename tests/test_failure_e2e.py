@@ -99,3 +99,37 @@ def test_a_dying_rank_is_drawn_to_its_death_at_the_loops_step(tmp_path: Path, mo
     # Where they parted: rank 0 entered the next gradient all-reduce, rank 1 never issued it.
     row = view["parting"]["rows"][str(view["parting"]["seq"])]
     assert row["0"]["op"] == "gradient all-reduce" and row["0"]["in_flight"] and row["1"] is None
+
+
+SAVE_FAILS = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    if step == 5 and rank == 1:
+        torch.save(model.state_dict(), "no/such/dir/ckpt.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_an_error_between_sync_points_is_placed_in_the_users_line(tmp_path: Path, write_script) -> None:
+    """torch.save raising after the optimizer step (through the checkpoint probe's wrapper) is
+    no sync point that did not finish; the finding names the user's line, the other rank where
+    its own record says it stopped."""
+    job = run_doctor(tmp_path, torchrun(2, write_script("save_fails.py", SAVE_FAILS)), timeout=120)
+    assert job.returncode == 1, job.stderr
+    doc = diagnose_json(job.run_dir)
+    view = check_everywhere(job.run_dir)
+    r1 = view["ranks"]["1"]
+    assert r1["open_point"] == "" and r1["user_frame"] == "<module>() save_fails.py:13", r1
+    assert r1["step_text"] == "at step 6, before its forward (step 5's backward had finished)", r1
+    failure = next(f for f in doc["findings"] if f["kind"] == "rank_failure")
+    assert "(save_fails.py:13 in <module>, inside serialization.py:" in failure["summary"], failure
+    assert failure["fix"].startswith("Fix the RuntimeError that rank 1 raised at save_fails.py:13 in")
+    assert "Others then: rank 0: at step 6, in its backward" in failure["summary"], failure

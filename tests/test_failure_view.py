@@ -114,9 +114,10 @@ def hang_run(tmp_path: Path, ranks: int = 2) -> Path:
     return run_dir
 
 
-def raise_run(tmp_path: Path, doctor: str = DOCTOR) -> Path:
+def raise_run(tmp_path: Path, doctor: str = DOCTOR, old: bool = False) -> Path:
     """Rank 1 raises in its own code before step STEPS's forward; rank 0, already in that step's
-    backward, raises 0.9 s later when gloo notices (its backward is recorded, cut short).
+    backward, raises 0.9 s later when gloo notices (its backward is recorded as raised; ``old``:
+    as a span cut short, as traces did before ``raised`` records).
     ``doctor``: the probe's file in rank 0's traceback (the install that recorded the run)."""
     run_dir = _base(tmp_path)
     wall1, end1 = _last(run_dir, 1)
@@ -132,6 +133,9 @@ def raise_run(tmp_path: Path, doctor: str = DOCTOR) -> Path:
     }
     fwd = ["forward", end0 + 500, 2_000, STEPS, 1, 1, -1, -1]
     bwd = ["backward", end0 + 2_600, 900_000, STEPS]
+    if not old:
+        raised = {"kind": "backward", "fields": [0], "dur_us": 905_000}
+        bwd = [schema.RAISED, end0 + 2_600, 905_000, STEPS, raised]
     header0 = read_trace(RunDir(run_dir).trace(0)).header
     t0 = end0 + 2_600 + 905_000
     error0 = {
@@ -211,14 +215,20 @@ def test_identical_stacks_make_one_group() -> None:
     assert [(g.ranks, len(g.frames)) for g in groups] == [([0, 1], 2), ([2], 1)]
 
 
-@pytest.mark.parametrize("recorder", ["this install", "another install"])
+@pytest.mark.parametrize(
+    ("recorder", "old"), [("this install", False), ("another install", False), ("this install", True)]
+)
 def test_a_raise_is_drawn_where_it_happened_with_the_step_counted_as_the_loop_counts(
-    tmp_path: Path, recorder: str
+    tmp_path: Path, recorder: str, old: bool
 ) -> None:
     """The same whether the run is read by the ddpdoctor that recorded it or by another one (a
-    run dir copied off a cluster): the probe in rank 0's traceback is ddpdoctor's either way."""
+    run dir copied off a cluster): the probe in rank 0's traceback is ddpdoctor's either way;
+    and from a trace of a version before ``raised`` records (the span cut short redrawn)."""
     doctor = DOCTOR if recorder == "this install" else "/opt/cluster/ddpdoctor/ddpdoctor/probes/ddp.py"
-    diag = diagnose(load_run([raise_run(tmp_path, doctor)]))
+    run = load_run([raise_run(tmp_path, doctor, old)])
+    if old:
+        run.ranks[0].header["schema"] = schema.JSONL_SCHEMA
+    diag = diagnose(run)
     view = diag.failure
     assert view is not None and view.kind == "failure" and view.first_rank == 1
     assert view.verdict.startswith(
@@ -233,9 +243,9 @@ def test_a_raise_is_drawn_where_it_happened_with_the_step_counted_as_the_loop_co
     spans = {s.rank: s for s in view.open_spans}
     assert spans[1].kind == schema.USER_CODE and spans[1].user_frame == "main() train.py:60"
     # The survivor's wait for its dead peer is its backward, cut short: redrawn, not 'backward'.
-    assert spans[0].kind == schema.BACKWARD and spans[0].recorded_ts is not None
+    assert spans[0].kind == schema.BACKWARD and (spans[0].recorded_ts is not None) == old
     assert abs(spans[0].seconds - 0.905) < 1e-3 and spans[0].ended_by == "raised RuntimeError"
-    assert (0, schema.BACKWARD, spans[0].recorded_ts) in view.hidden()
+    assert view.hidden() == ({(0, schema.BACKWARD, spans[0].recorded_ts)} if old else set())
     # They parted at the collective after the last one both completed: rank 0's gradient
     # all-reduce, in its backward that never ended; rank 1 never issued it.
     parting = view.parting

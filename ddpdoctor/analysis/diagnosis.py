@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpdoctor.analysis.failed import causes
-from ddpdoctor.analysis.failed.failure import FailureView, failure_view
+from ddpdoctor.analysis.failed.failure import FailureView, RankEnd, failure_view
 from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.analysis.misuse.models import ddp_models
@@ -87,7 +87,9 @@ def diagnose(run: Run) -> Diagnosis:
 def _one_step_rule(findings: list[Finding], failure: FailureView | None) -> None:
     """The first failure's step as the failure view counts it (a rank that raises before step
     7's forward died at step 7), so the finding and the report's failure section agree; the
-    last step the rank started stays in ``last_step_started``."""
+    last step the rank started stays in ``last_step_started``. The other ranks likewise, where
+    their own records say where they stopped: the watcher's last look at their status files may
+    be a publish interval old ("in ddp_init" while the rank waited in step 6)."""
     if failure is None:
         return
     for f in findings:
@@ -99,6 +101,24 @@ def _one_step_rule(findings: list[Finding], failure: FailureView | None) -> None
         f.details.update(last_step_started=old, at_step=end.step)
         said = f"at step {old}" if isinstance(old, int) and old >= 0 else "before its first recorded step"
         f.summary = f.summary.replace(said, end.step_text, 1)
+        others = f.details.get("others") or {}
+        ends = [failure.ranks.get(int(r)) for r in others]
+        told = {str(e.rank): _where_stopped(e) for e in ends if e is not None and (e.open_point or e.failed)}
+        if told and ". Others then: " in f.summary:
+            others.update(told)
+            doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(others.items(), key=lambda kv: int(kv[0])))
+            f.summary = f.summary[: f.summary.rindex(". Others then: ")] + f". Others then: {doing}"
+
+
+def _where_stopped(end: RankEnd) -> str:
+    text = end.step_text
+    if end.open_point and end.open_point not in text:
+        text += f", in {end.open_point}"
+    if end.how == "exception":
+        text += f", then raised {end.mark or 'an exception'}"
+    elif end.failed:
+        text += f", then {end.how_text}"
+    return text
 
 
 # Findings that report a symptom (another rank's error, the live hang verdict), not a cause.

@@ -50,9 +50,10 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         prev = c.enter(LivePhase.DDP_INIT, "init", seq, t0, (gname, gsize, -1, pg))
         try:
             init(self, *args, **kwargs)
-        except Exception as exc:
-            c.leave(prev, None)
-            _model_on_error(c, args[0] if args else kwargs.get("module"), exc)
+        except BaseException as exc:
+            c.raised(prev, schema.DDP_INIT, {"seq": seq, "site": site})
+            if isinstance(exc, Exception):
+                _model_on_error(c, args[0] if args else kwargs.get("module"), exc)
             raise
         c.leave(prev, None)
         t1 = _now()

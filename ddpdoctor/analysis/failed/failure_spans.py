@@ -110,10 +110,11 @@ def open_spans(
             if isinstance(f, (list, tuple)) and len(f) >= 3
         ]
         user = _user(frames)
-        if any(is_doctor_frame(str(f["file"])) for f in frames):  # raised inside a sync point
+        if any(is_doctor_frame(str(f["file"])) for f in frames):  # raised inside a sync point?
             spans = _cut_short(rank, trace, clock, end_s, step, user, ended_by)
             _seen_in(run, rank, spans)
-            return spans, frames
+            if spans:
+                return spans, frames
         return [_user_code(rank, last, end_s, step, user, ended_by)], frames
     end = run.ends.get(rank) or {}
     frames = _fatal_frames(str(end.get("stack") or ""))
@@ -198,7 +199,9 @@ def _cut_short(
     ]
     raised = [(ts + int(i.get("dur_us") or 0), ts, s, i) for ts, s, i in trace.meta.get(schema.RAISED, [])]
     last = max((r[0] for r in raised), default=None)
-    if last is None:
+    if last is None:  # no sync point raised: the exception came from another wrapped call
+        if trace.header.get("schema") == schema.SCHEMA:  # (torch.save after the optimizer step)
+            return []
         return _cut_short_before_raised(rank, trace, clock, end, step, user, ended_by)
     spans = []
     for stop, ts, span_step, info in sorted(raised, key=lambda r: r[1]):

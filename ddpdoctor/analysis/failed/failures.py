@@ -21,7 +21,8 @@ from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.stacktext import is_user_frame
 
 
 @detector
@@ -46,10 +47,20 @@ def _signal_name(sig: int | None) -> str:
 
 
 def _where(frames: list[Any]) -> str:
+    """ " (train.py:40 in main)", or " (train.py:40 in main, inside serialization.py:828 in
+    __init__)" when it was raised in a library the user's line called."""
     if not frames:
         return ""
-    file, line, func = (list(frames[-1]) + ["?", "?", "?"])[:3]
-    return f" ({os.path.basename(str(file))}:{line} in {func})"
+    inner = _frame_text(frames[-1])
+    user = next((f for f in reversed(frames) if is_user_frame(str(list(f)[0]))), None)
+    if user is None or user is frames[-1]:
+        return f" ({inner})"
+    return f" ({_frame_text(user)}, inside {inner})"
+
+
+def _frame_text(frame: Any) -> str:
+    file, line, func = (list(frame) + ["?", "?", "?"])[:3]
+    return f"{os.path.basename(str(file))}:{line} in {func}"
 
 
 # Errors whose text says what happened better than "fix the exception": (pattern over the
@@ -57,7 +68,7 @@ def _where(frames: list[Any]) -> str:
 _KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str, str], ...] = (
     (
         re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([^.\n]+)"),
-        "a DataLoader worker process was killed by a signal ({0}){1}, not an error in the code",
+        "a DataLoader worker process{2} was killed by a signal ({0}){1}, not an error in the code",
         "A worker killed by a signal is most often out of memory (the kernel's OOM killer sends "
         "SIGKILL; SIGBUS means /dev/shm is full): lower num_workers or prefetch_factor, make each "
         "sample smaller or load it lazily, avoid copying a large dataset object into every worker "
@@ -74,16 +85,36 @@ _SIGNAL_TEXT = {
 }
 
 
-def known_error(error: dict[str, Any]) -> tuple[str, str] | None:
-    """(what the error means, its fix) when its text is one of the known causes above."""
+def known_error(error: dict[str, Any], loader: str = "") -> tuple[str, str] | None:
+    """(what the error means, its fix) when its text is one of the known causes above;
+    ``loader``: where the rank iterated the DataLoader it was reading ("train.py:35")."""
     text = f"{error.get('message', '')}\n{error.get('traceback', '')}"
     for pattern, meaning, fix in _KNOWN_ERRORS:
         m = pattern.search(text)
         if m:
             said = m.group(1).strip()
             name = _SIGNAL_TEXT.get(said, said)
-            return meaning.format(name, f', "{said}"' if name != said else ""), fix
+            of = f" of the DataLoader iterated at {loader}" if loader else ""
+            return meaning.format(name, f', "{said}"' if name != said else "", of), fix
     return None
+
+
+def loader_site(trace: RankTrace | None) -> str:
+    """Where the rank iterated the DataLoader it was reading when it failed: the loader of the
+    data wait that raised, else of its last pass begun. A worker's death surfaces wherever the
+    main thread is when its SIGCHLD arrives (in the forward, in the backward); the loader is the
+    place that matters."""
+    if trace is None:
+        return ""
+    loaders = [info for _, _, info in trace.meta.get(schema.LOADER, [])]
+    waits = [
+        i.get("fields") or [None]
+        for _, _, i in trace.meta.get(schema.RAISED, [])
+        if i.get("kind") == schema.DATA_WAIT
+    ]
+    chosen = next((i for i in reversed(loaders) if waits and i.get("id") == waits[-1][0]), None)
+    chosen = chosen or (loaders[-1] if loaders else {})
+    return str(chosen.get("site") or "")
 
 
 @detector
@@ -166,16 +197,18 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             f"{clip(str(error.get('message', '')).splitlines()[0], 200) if error.get('message') else ''}"
             f"{_where(error.get('frames') or [])}"
         )
+        raised_at = _where(error.get("frames") or []).split(", inside ")[0].replace(" (", " at ", 1)
         fix = (
             f"Fix the {error.get('type') or 'exception'} that rank {rank} raised"
-            f"{_where(error.get('frames') or []).replace(' (', ' at ', 1).rstrip(')')} (traceback in "
+            f"{raised_at.rstrip(')')} (traceback in "
             "the job's output and in this finding); the other ranks' errors are consequences of it."
         )
-        known = known_error(error)
+        loader = loader_site(run.ranks.get(rank))
+        known = known_error(error, loader)
         if known is not None:
             summary, fix = f"{summary}: {known[0]}", known[1]
             frames = [{"file": f[0], "line": f[1]} for f in reversed(error.get("frames") or [])]
-            details["place"] = user_frame(frames)
+            details["place"] = loader or user_frame(frames)
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
         summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}"
@@ -199,7 +232,8 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         details["end"] = {k: v for k, v in end.items() if k != "words"}
         details["dying_words"] = end.get("words") or []
         if end.get("words"):
-            summary += ". Its last stderr lines: " + " | ".join(w.strip() for w in end["words"][-3:])[-600:]
+            words = " | ".join(w.strip() for w in end["words"][-3:])[-600:]
+            summary += ". Its last stderr lines: " + words.rstrip(".")
     if others:
         doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(others.items(), key=lambda kv: int(kv[0])))
         summary += f". Others then: {doing}"

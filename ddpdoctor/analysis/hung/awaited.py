@@ -22,6 +22,9 @@ from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 from ddpdoctor.trace.stacktext import is_user_frame
 
+# Raised records of calls that are no sync point of the ledger's: a data wait, a constructor.
+_NOT_POINTS = (schema.DATA_WAIT, schema.DDP_INIT)
+
 
 @detector
 def awaited_work(run: Run) -> Iterable[Finding]:
@@ -86,7 +89,7 @@ def _last_wait(run: Run, rank: int, lg: Ledger) -> dict[str, Any] | None:
         return None
     point = lg.points[-1]
     seconds = None
-    raised = trace.meta.get(schema.RAISED, [])
+    raised = [r for r in trace.meta.get(schema.RAISED, []) if r[2].get("kind") not in _NOT_POINTS]
     if raised and (point.raised or point.died_in or point.in_flight):
         seconds = float(raised[-1][2].get("dur_us") or 0) / 1e6
     coll = trace.kind(schema.COLLECTIVE)
