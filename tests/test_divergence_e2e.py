@@ -58,6 +58,18 @@ def test_gradients_that_never_sync_are_named_with_their_size_and_cause(tmp_path:
     assert not [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
 
 
+def test_optimizer_steps_one_rank_skipped_name_it_as_the_root(tmp_path: Path) -> None:
+    """Every collective matched, nothing raised: rank 1 alone skipped three optimizer steps.
+    Its optimizer events say which; with two ranks the fingerprints alone cannot say who."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "skip_steps"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["severity"] == "error" and f["ranks"] == [1] and f["details"]["root_rank"] == 1, f
+    assert f["details"]["cause"] == "optimizer_steps_skipped", f
+    assert "rank 1 skipped optimizer.step() at 3 step(s) the others took (3, 10, 17)" in f["summary"]
+    assert "all_reduce a skip flag" in f["fix"]
+
+
 @pytest.mark.parametrize(
     "script",
     [

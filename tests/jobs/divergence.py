@@ -5,6 +5,7 @@ not_synced        a head unfrozen after wrapping, a parameter added after wrappi
 ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor broadcasts it)
 bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
 autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
+skip_steps        rank 1 skips optimizer.step() at steps 3, 10 and 17 by its own decision
 
 With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
 (the live test runs `ddpdoctor top` meanwhile).
@@ -61,6 +62,7 @@ def main(mode: str) -> None:
         side = nn.Linear(16, 4)
         params = list(model.parameters()) + list(side.parameters())
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    step = 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -69,7 +71,9 @@ def main(mode: str) -> None:
                 out = model(x) + (side(x) if side is not None else 0)
                 loss = nn.functional.cross_entropy(out.float(), y)
             loss.backward()
-            opt.step()
+            if not (mode == "skip_steps" and rank == 1 and step % 7 == 3):  # a rank-local skip
+                opt.step()
+            step += 1
             while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
                 time.sleep(0.05)
     dist.destroy_process_group()

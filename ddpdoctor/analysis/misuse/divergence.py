@@ -23,6 +23,7 @@ import numpy as np
 
 from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.misuse import stepped
 from ddpdoctor.analysis.misuse.models import ddp_models
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -306,6 +307,9 @@ def _weights(
     elif opt_odd:
         cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
         why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"
+    elif skipped := stepped.skipped_steps(run, head.last_equal[0] if head.last_equal else -1, head.first[0]):
+        cause, fix, why = "optimizer_steps_skipped", stepped.FIX, stepped.why(skipped)
+        odd = odd_ranks(head.groups, set(skipped))
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT
         why = "a rank-dependent update changed them during training (every gradient was all-reduced)"
