@@ -192,3 +192,56 @@ def test_the_side_inside_an_if_the_other_side_went_past_is_the_root(tmp_path: Pa
     assert took_branch({0: zero, 1: one, 2: zero}, [[0], [1, 2]]) is None  # a side's ranks differ
     gone = [(str(tmp_path / "gone.py"), n, f) for _, n, f in zero]
     assert took_branch({0: gone, 1: [gone[0], (gone[0][0], 17, "Trainer.fit")]}, [[0], [1]]) is None
+
+
+EARLY_STOP = """
+import torch.distributed as dist
+
+
+def fit(model, stopper, batches, evaluate):
+    for epoch in range(40):
+        for x in batches:
+            model(x).sum().backward()
+        if stopper.should_stop(evaluate(model)):
+            break
+    dist.barrier()
+
+
+def fit_while(model, batches, state):
+    while not state.done:
+        for x in batches:
+            model(x).sum().backward()
+    dist.barrier()
+
+
+def fit_plain(model, batches):
+    for x in batches:
+        model(x).sum().backward()
+    dist.barrier()
+
+
+def fit_two_ways(model, batches, a, b):
+    for x in batches:
+        model(x).sum().backward()
+        if a:
+            break
+        if b:
+            break
+    dist.barrier()
+"""
+
+
+def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
+    """The rank at the barrier left the loop the others still run at their backward: by the one
+    `break` of that loop, or a `while` condition; a `for` that ran out of items, two breaks, an
+    edited file or one that is gone give no answer (then the DataLoader-less rank ran out)."""
+    from ddpdoctor.analysis.failed.source import loop_left
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(EARLY_STOP)
+    assert loop_left(path, "fit", 8, 11) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
+    assert loop_left(path, "fit_while", 17, 18) == (15, "`while not state.done:` ending")
+    assert loop_left(path, "fit_plain", 23, 24) is None
+    assert loop_left(path, "fit_two_ways", 29, 34) is None
+    assert loop_left(path, "train", 8, 11) is None  # the function there has another name: edited
+    assert loop_left(str(tmp_path / "gone.py"), "fit", 8, 11) is None

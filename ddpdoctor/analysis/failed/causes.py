@@ -7,6 +7,7 @@ The other ranks' errors and the live hang verdict are symptoms of the cause foun
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,11 +28,13 @@ from ddpdoctor.analysis.failed.parting import (
     accumulation_differs,
     first_divergence,
     others_text,
+    parted_at,
     rank_only_call,
     rank_only_logs,
     skipped_sync,
 )
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
+from ddpdoctor.analysis.failed.source import loop_left
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
@@ -119,6 +122,35 @@ def _ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
     return not any(len(o.passes) > mine for o in others)
 
 
+def _left_by(root: Ledger, others: list[Ledger]) -> str:
+    """How a rank with no DataLoader on record left the training loop the others still run,
+    from the stacks and the source: "the `break` under `if stop:` (train.py:98)", or "" (a
+    ``for`` loop that ran out of its items, no stacks, no file)."""
+    if root.passes or not others:
+        return ""  # the DataLoader's passes say whether it ran out of batches
+    stacks = {lg.rank: lg.stack for lg in (root, *others)}
+    parted = parted_at(stacks, [[root.rank], [o.rank for o in others]])
+    if parted is None:
+        return ""
+    path, func, at_root, at_others = parted
+    found = loop_left(path, func, at_others, at_root)
+    return f"the {found[1]} ({os.path.basename(path)}:{found[0]})" if found else ""
+
+
+def _left_loop(root: Ledger, left: str, then: str, others: str, details: dict[str, Any]) -> Finding:
+    """A rank that left the training loop by its own decision while the others went on."""
+    details = {**details, "root_rank": root.rank, "left_by": left}
+    return Finding(
+        "rank_left_early",
+        "error",
+        [root.rank],
+        f"rank {root.rank} left the training loop after step {root.last_step} by {left} and {then}, "
+        f"while {others}: the ranks decided differently whether to go on",
+        fix=FIX_LEFT,
+        details=details,
+    )
+
+
 def _evidence(ledgers: dict[int, Ledger], ranks: Iterable[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in sorted(ranks):
@@ -158,6 +190,11 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
         return None  # its own exception: rank_failure names it, with the traceback
     if ending.how in ("signal", "vanished", "never_started"):
         return None  # killed outright: rank_failure names the rank, the signal and its fix
+    left = _left_by(root, others)
+    if left:
+        return _left_loop(
+            root, left, f"{'exited' if ending.how == 'clean_exit' else 'moved on'}{at}", where_others, details
+        )
     if _ran_out(root, others):
         return Finding(
             "uneven_inputs",
@@ -229,7 +266,12 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     if python and ddp:
         root = min(python)
         root_lg, others = ledgers[root], [ledgers[r] for r in ddp]
-        if _ran_out(root_lg, others) and all(o.last_step > root_lg.last_step for o in others):
+        ahead = all(o.last_step > root_lg.last_step for o in others)
+        left = _left_by(root_lg, others) if ahead else ""
+        if left:
+            waits = f"waits in {python[root].describe()}"
+            return _left_loop(root_lg, left, waits, others_text(points, root), {**details, "root_rank": root})
+        if _ran_out(root_lg, others) and ahead:
             return Finding(
                 "uneven_inputs",
                 "error",

@@ -236,6 +236,20 @@ def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple
     (file:line)"), from their stacks (outermost first) and the source. Below the calls both
     stacks share, the two sides must be in one function at different lines, each side's ranks
     at the same lines; else, or when the source cannot place the lines, None."""
+    parted = parted_at(stacks, sides)
+    if parted is None:
+        return None
+    path, func, a, b = parted
+    for inside, line, other in ((0, a, b), (1, b, a)):
+        found = branch_passed(path, func, line, other)
+        if found is not None:
+            return sorted(sides[inside]), f"`{found[1]}` ({os.path.basename(path)}:{found[0]})"
+    return None
+
+
+def parted_at(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple[str, str, int, int] | None:
+    """(path, function, side 0's line, side 1's line) where two sides' stacks (outermost first)
+    part: below the calls both share, one function at two lines, each side's ranks alike."""
     if len(sides) != 2 or not all(sides):
         return None
     a, b = (stacks.get(side[0]) or [] for side in sides)
@@ -244,11 +258,7 @@ def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None or a[k][0] != b[k][0] or a[k][2] != b[k][2]:
         return None  # not two lines of one function below the shared calls
-    for inside, line, other in ((0, a[k][1], b[k][1]), (1, b[k][1], a[k][1])):
-        found = branch_passed(a[k][0], a[k][2], line, other)
-        if found is not None:
-            return sorted(sides[inside]), f"`{found[1]}` ({os.path.basename(a[k][0])}:{found[0]})"
-    return None
+    return a[k][0], a[k][2], a[k][1], b[k][1]
 
 
 def _earlier(points: dict[int, Point]) -> dict[int, Point]:

@@ -152,6 +152,34 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
     return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
 
 
+def loop_left(path: str, func: str, line: int, other: int) -> tuple[int, str] | None:
+    """(the line, "`break` under `if <test>:`") of the way out of the loop that holds ``line``
+    but not ``other``, both lines in one function: a rank at ``other`` left the loop the ranks
+    at ``line`` still run. The one ``break`` of that loop's own iteration, or a ``while`` loop's
+    condition; None for a ``for`` loop without one (it ended when its items did), several
+    breaks (which one, the trace cannot say), a missing or edited file."""
+    mine, theirs = _chain(path, line), _chain(path, other)
+    scope = _scope(path, mine)
+    if scope is None or _scope(path, theirs) is not scope:
+        return None
+    name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
+    if func.rsplit(".", 1)[-1] != name:
+        return None
+    inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
+    left = [n for n in inner if isinstance(n, _LOOPS) and not n.lineno <= other <= (n.end_lineno or 0)]
+    if not left:
+        return None
+    loop = left[0]
+    breaks = [n for n in _walk_here(loop) if isinstance(n, ast.Break)]
+    if len(breaks) == 1:
+        ifs = [n for n in _chain(path, breaks[0].lineno) if isinstance(n, ast.If) and n.lineno > loop.lineno]
+        under = f" under `if {ast.unparse(ifs[-1].test)}:`" if ifs else ""
+        return breaks[0].lineno, f"`break`{under}"
+    if not breaks and isinstance(loop, ast.While):
+        return loop.lineno, f"`while {ast.unparse(loop.test)}:` ending"
+    return None
+
+
 def _scope(path: str, chain: list[ast.AST]) -> ast.AST | None:
     """The innermost function in ``chain``, else the module; None without the file."""
     functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
