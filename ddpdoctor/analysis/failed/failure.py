@@ -271,6 +271,9 @@ def _rank_end(
         text = f"at step {step}, in its forward"
     elif last < 0 and not in_step:
         step, text = 0, "before its first step"
+    elif finished and not in_step and spans and spans[-1].kind == schema.DATA_WAIT:
+        # Loading the next step's batch (its dataset or collate_fn raised, a worker died).
+        step, text = last + 1, f"at step {last + 1}, in its data wait (step {last}'s backward had finished)"
     elif finished and not in_step and any(s.kind != schema.USER_CODE for s in spans):
         # In a collective after its backward (a metrics all_reduce, a barrier): still step k.
         point = next(s.label for s in reversed(spans) if s.kind != schema.USER_CODE)

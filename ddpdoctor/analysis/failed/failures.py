@@ -22,7 +22,7 @@ from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import is_user_frame
+from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
 
 
 @detector
@@ -63,18 +63,39 @@ def _frame_text(frame: Any) -> str:
     return f"{os.path.basename(str(file))}:{line} in {func}"
 
 
+_WORKER_KILLED_FIX = (
+    "A worker killed by a signal is most often out of memory (the kernel's OOM killer sends "
+    "SIGKILL; SIGBUS means /dev/shm is full): lower num_workers or prefetch_factor, make each "
+    "sample smaller or load it lazily, avoid copying a large dataset object into every worker "
+    "(keep it in a file or memory map; persistent_workers=True keeps them from being forked "
+    "again each epoch), raise the container's memory or shared-memory limit (--shm-size); "
+    "dmesg | grep -i 'killed process' confirms the OOM killer."
+)
 # Errors whose text says what happened better than "fix the exception": (pattern over the
-# message and its chained causes, what it means, the fix). Each fix is the cause's own.
+# message and its chained causes, what it means, the fix). Each fix is the cause's own. A
+# worker's death surfaces as the SIGCHLD handler's "killed by signal", or, when the worker
+# died while the rank fetched the tensor it had shared (its file descriptor, through the
+# worker's connection), as that connection's error inside torch's rebuild_storage_fd.
 _KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str, str], ...] = (
     (
         re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([^.\n]+)"),
         "a DataLoader worker process{2} was killed by a signal ({0}){1}, not an error in the code",
-        "A worker killed by a signal is most often out of memory (the kernel's OOM killer sends "
-        "SIGKILL; SIGBUS means /dev/shm is full): lower num_workers or prefetch_factor, make each "
-        "sample smaller or load it lazily, avoid copying a large dataset object into every worker "
-        "(keep it in a file or memory map; persistent_workers=True keeps them from being forked "
-        "again each epoch), raise the container's memory or shared-memory limit (--shm-size); "
-        "dmesg | grep -i 'killed process' confirms the OOM killer.",
+        _WORKER_KILLED_FIX,
+    ),
+    (
+        re.compile(
+            r"dataloader\.py[^\n]*\n(?:.*\n)*?.*in rebuild_storage_\w+\n(?:.*\n)*?"
+            r"(ConnectionResetError|ConnectionRefusedError|EOFError|FileNotFoundError)\b"
+        ),
+        "a DataLoader worker process{2} died while the rank took a batch from it (its connection "
+        "ended: {0}), not an error in the code",
+        _WORKER_KILLED_FIX,
+    ),
+    (
+        re.compile(r"DataLoader worker \(pid\(s\) [^)]*\) (exited) unexpectedly"),
+        "a DataLoader worker process{2} {0} without a Python error (a signal, most often the OOM "
+        "killer's SIGKILL, or os._exit), not an error in the code",
+        _WORKER_KILLED_FIX,
     ),
 )
 _SIGNAL_TEXT = {
@@ -97,6 +118,14 @@ def known_error(error: dict[str, Any], loader: str = "") -> tuple[str, str] | No
             of = f" of the DataLoader iterated at {loader}" if loader else ""
             return meaning.format(name, f', "{said}"' if name != said else "", of), fix
     return None
+
+
+def _loading(error: dict[str, Any]) -> bool:
+    """Raised through the data probe's ``__next__`` and beyond it: in the dataset, the sampler or
+    the collate_fn (a DataLoader worker's error is re-raised there too)."""
+    frames = [list(f) for f in error.get("frames") or [] if isinstance(f, (list, tuple)) and len(f) >= 3]
+    at = next((i for i, f in enumerate(frames) if f[2] == "__next__" and is_doctor_frame(str(f[0]))), None)
+    return at is not None and at < len(frames) - 1
 
 
 def loader_site(trace: RankTrace | None) -> str:
@@ -203,6 +232,12 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             f"{raised_at.rstrip(')')} (traceback in "
             "the job's output and in this finding); the other ranks' errors are consequences of it."
         )
+        if _loading(error):
+            fix += (
+                " It was raised while loading a batch, most likely by a sample only in rank "
+                f"{rank}'s shard: find it, then fix or filter it where the data is prepared, or let "
+                "the dataset or collate_fn handle it (truncate, skip or drop the sample)."
+            )
         loader = loader_site(run.ranks.get(rank))
         known = known_error(error, loader)
         if known is not None:
