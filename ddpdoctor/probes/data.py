@@ -51,7 +51,7 @@ def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             try:
                 setattr(self, _PASS, (counted[0], counted[1] + 1))
                 info = {"id": getattr(self, _LOADER_ID, 0), "pass": counted[0], "batch": counted[1]}
-                info["digest"] = digest(batch)
+                info["digest"], info["elements"] = digest(batch)
                 c.meta(schema.BATCHES, info)
             except Exception as exc:
                 c.fail(PROBE, exc)
@@ -84,20 +84,22 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return __iter__
 
 
-def digest(batch: Any) -> str | None:
-    """A short hash of what a batch holds: each CPU tensor's dtype, shape and up to ``SAMPLE``
-    evenly spaced elements, and plain values (labels, paths). Two ranks that read the same
-    samples in the same order get the same digest. None when nothing in it can be read without
-    a device sync (tensors already on a GPU)."""
+def digest(batch: Any) -> tuple[str | None, int]:
+    """(a short hash of what a batch holds, its tensors' elements). The hash: each CPU tensor's
+    dtype, shape and up to ``SAMPLE`` evenly spaced elements, and plain values (labels, paths);
+    two ranks that read the same samples in the same order get the same digest; None when
+    nothing in it can be read without a device sync (tensors already on a GPU). The elements
+    say how much work the batch is (sequence lengths, image sizes that differ by rank)."""
     import torch
 
     h = hashlib.blake2b(digest_size=8)
-    seen = [0]
+    seen = [0, 0]  # values hashed, tensor elements
 
     def visit(x: Any, depth: int) -> None:
         if depth > 4 or seen[0] > 32:
             return
         if isinstance(x, torch.Tensor):
+            seen[1] += x.numel()
             if x.device.type != "cpu" or x.is_sparse:
                 return
             flat = x.detach().reshape(-1)
@@ -117,7 +119,7 @@ def digest(batch: Any) -> str | None:
             seen[0] += 1
 
     visit(batch, 0)
-    return h.hexdigest() if seen[0] else None
+    return (h.hexdigest() if seen[0] else None), seen[1]
 
 
 def describe_loader(loader: Any) -> dict[str, Any]:

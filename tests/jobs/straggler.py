@@ -1,6 +1,8 @@
-"""Rank SLOW (default 1) is slowed by DELAY ms per step in one phase.
+"""Rank SLOW (default 1) is slowed by DELAY ms per step in one phase; or, with ``longer``, its
+samples are sequences of DELAY rows where the others' are 4 (a sampler that deals the long
+sequences to one rank: more work per step, no sleep).
 
-Usage: straggler.py {none|data|forward|other} DELAY_MS [--steps N] [--slow RANK]
+Usage: straggler.py {none|data|forward|other|longer} DELAY_MS [--steps N] [--slow RANK]
 """
 
 import argparse
@@ -14,8 +16,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class Data(Dataset):
-    def __init__(self, n: int, delay_s: float) -> None:
-        self.x, self.y, self.delay_s = torch.randn(n, 64), torch.randint(0, 4, (n,)), delay_s
+    def __init__(self, n: int, delay_s: float, rows: int = 0) -> None:
+        shape = (n, rows, 64) if rows else (n, 64)
+        self.x, self.y, self.delay_s = torch.randn(*shape), torch.randint(0, 4, (n,)), delay_s
 
     def __len__(self) -> int:
         return len(self.x)
@@ -35,7 +38,7 @@ class Net(nn.Module):
     def forward(self, x):
         if self.delay_s:
             time.sleep(self.delay_s)
-        return self.body(x)
+        return self.body(x) if x.dim() == 2 else self.body(x).mean(dim=1)
 
 
 def main() -> None:
@@ -49,7 +52,8 @@ def main() -> None:
     slow = dist.get_rank() == args.slow
     delay = args.delay_ms / 1e3 if slow else 0.0
     batch = 8
-    data = Data(batch * args.steps * dist.get_world_size(), delay / batch if args.kind == "data" else 0)
+    rows = (int(args.delay_ms) if slow else 4) if args.kind == "longer" else 0
+    data = Data(batch * args.steps * dist.get_world_size(), delay / batch if args.kind == "data" else 0, rows)
     loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0))
     model = DDP(Net(delay if args.kind == "forward" else 0.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

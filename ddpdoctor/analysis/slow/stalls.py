@@ -1,5 +1,6 @@
 """Occasional stalls: the few steps that make a rank's lateness, the training time they cost,
-and the DataLoader a late rank read that its training steps never read (work only it does).
+the DataLoader a late rank read that its training steps never read (work only it does), and
+batches that are larger on the late rank (more work per step, the sampler's doing).
 
 Kept apart from the straggler rule (straggler.py), which uses them on the ranks it finds late
 now and then rather than on most steps.
@@ -14,6 +15,7 @@ from ddpdoctor.analysis.slow.phases import training_forwards
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
+LARGER = 2.0  # a late rank's sampled batches, each larger than any other rank's, this much on average
 COST_CORE = 0.8  # of an occasional straggler's lateness: the few steps that make it are the stalls
 
 OTHER_LOADER_FIX = (
@@ -22,6 +24,31 @@ OTHER_LOADER_FIX = (
     "all_reduce the metric), run it less often, or run it where nobody waits (after training, "
     "or in a separate process)."
 )
+
+
+LARGER_FIX = (
+    "Its batches hold more (longer sequences, larger images): balance the work the sampler "
+    "gives each rank, not only the sample count: interleave length-sorted indices across ranks "
+    "(index i to rank i % world_size), or bucket by length over the whole dataset and deal the "
+    "buckets round-robin, or cap the lengths, so every rank gets a similar number of tokens per "
+    "step. "
+)
+
+
+def larger_batches(run: Run, rank: int) -> dict[str, float] | None:
+    """The rank's batches against the others', in tensor elements, from the first batches of
+    each DataLoader pass (the data probe counts them): when every one of its batches was larger
+    than every batch of the others, by ``LARGER`` on average. None otherwise or unrecorded."""
+    sizes: dict[int, list[int]] = {}
+    for r, trace in run.ranks.items():
+        sizes[r] = [int(i["elements"]) for _, _, i in trace.meta.get(schema.BATCHES, []) if i.get("elements")]
+    mine, theirs = sizes.pop(rank, []), [n for v in sizes.values() for n in v]
+    if not mine or not theirs or min(mine) <= max(theirs):
+        return None
+    ratio = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs))
+    if ratio < LARGER:
+        return None
+    return {"elements": sum(mine) / len(mine), "others": sum(theirs) / len(theirs), "ratio": round(ratio, 2)}
 
 
 def training_span_us(run: Run, steps: np.ndarray) -> float:

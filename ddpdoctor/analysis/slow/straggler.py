@@ -15,8 +15,10 @@ import numpy as np
 from ddpdoctor.analysis.findings import Finding, large_detector, rank_list
 from ddpdoctor.analysis.slow.device import clock
 from ddpdoctor.analysis.slow.stalls import (
+    LARGER_FIX,
     OTHER_LOADER_FIX,
     costliest,
+    larger_batches,
     other_loader,
     training_span_us,
     where_time_went,
@@ -214,15 +216,25 @@ def stragglers(run: Run) -> Iterable[Finding]:
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
         starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
+        bigger = larger_batches(run, rank) if persistent and phase in ("forward", "backward") else None
+        larger = ""
+        if bigger is not None and not starved:
+            details["batch_elements"] = bigger
+            larger = (
+                f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
+                f"elements vs {bigger['others']:,.0f} on the others, in the first batches of each pass)"
+            )
         if persistent:
+            fix = _CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]
             yield Finding(
                 "straggler",
                 "warning",
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
-                f"{where_time_went(phase, reading)}; the job would run {speedup:.2f}x faster if it kept up",
-                fix=_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase],
+                f"{where_time_went(phase, reading)}{larger}; the job would run {speedup:.2f}x faster "
+                "if it kept up",
+                fix=LARGER_FIX + fix if larger else fix,
                 details=details,
             )
         elif n_late >= 2:
