@@ -47,8 +47,8 @@ def _signal_name(sig: int | None) -> str:
 
 
 def _where(frames: list[Any]) -> str:
-    """ " (train.py:40 in main)", or " (train.py:40 in main, inside serialization.py:828 in
-    __init__)" when it was raised in a library the user's line called."""
+    """Where it was raised: ' (train.py:40 in main)', or ' (train.py:40 in main, inside
+    serialization.py:828 in __init__)' when in a library the user's line called."""
     if not frames:
         return ""
     inner = _frame_text(frames[-1])
