@@ -193,6 +193,25 @@ def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None
     assert tr.look(statuses, 5.0, {0, 1}, alive)[1].idle_s == 0.0, "CPU work is progress"
 
 
+def test_a_rank_busy_at_the_first_look_that_then_waits_is_a_waiting_rank(tmp_path: Path) -> None:
+    """Rank 2 was between sync points at the episode's first look and joined the wait at the
+    next: the episode is ranks 1-2 waiting for rank 0, not rank-only work by ranks 0 and 2."""
+    notes = WaitNotes(tmp_path)
+    first = judge(
+        {0: st(0), 1: st(1, "collective", "barrier", seq=15, since=5), 2: st(2)}, {0: busy(), 2: busy()}, NOW
+    )
+    notes.update(first, NOW, threshold=60.0, report=lambda _: None)
+    assert notes.current is not None and notes.current["busy"] == [0, 2]
+    statuses = {
+        0: st(0),
+        1: st(1, "collective", "barrier", seq=15, since=6),
+        2: st(2, "collective", "barrier", seq=15),
+    }
+    notes.update(judge(statuses, {0: busy()}, NOW + 1), NOW + 1, threshold=60.0, report=lambda _: None)
+    assert (notes.current["waiting"], notes.current["busy"]) == ([1, 2], [0])
+    assert set(notes.current["phases"]) == {"1", "2"}
+
+
 def test_wait_notes_live_file_episode_and_the_final_finding(tmp_path: Path) -> None:
     lines = []
     notes = WaitNotes(tmp_path)

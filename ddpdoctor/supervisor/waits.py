@@ -46,7 +46,13 @@ class WaitNotes:
                 }
             cur["where"] = {str(r): w for r, w in sorted(verdict.where.items())}
             cur["wait_s"] = round(max(float(cur.get("wait_s", 0.0)), verdict.wait_s), 3)
-            cur["busy"] = sorted(set(cur["busy"]) | set(verdict.culprits))
+            # A rank busy at the first look that has since joined the wait only arrived late:
+            # it waits now, for the ranks still busy (it is no rank-only work of its own).
+            cur["waiting"] = sorted(set(cur["waiting"]) | set(verdict.waiting))
+            cur["busy"] = sorted((set(cur["busy"]) | set(verdict.culprits)) - set(verdict.waiting))
+            cur["phases"].update(
+                {str(r): p for r, p in verdict.phases.items() if str(r) not in cur["phases"]}
+            )
             cur["text"] = verdict.proof
             cur["updated_wall"] = now
             if not cur["printed"] and verdict.wait_s >= threshold:
