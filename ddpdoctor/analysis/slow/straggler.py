@@ -33,6 +33,9 @@ OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds 
 COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
 COST_WARNING_S = 0.5  # and in all: a few ms of stalls in a short job are not worth one
 CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
+# and late on this many steps at least: on a shared host one rank can be slower for a few steps
+# in a row (the chance model takes steps as independent; contention is not)
+MIN_LATE_STEPS = 10
 _FIX = {
     "data_wait": "Its DataLoader cannot keep up: raise num_workers, use pin_memory and "
     "persistent_workers, or move decoding/augmentation off the critical path; check the rank's "
@@ -63,9 +66,10 @@ def late_threshold_us(step_us: float) -> float:
 def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """The straggler rule, for the trace analysis and `top` alike: (the row latest at each step,
     per row whether it is a persistent straggler). Persistent: the latest, by more than
-    ``threshold``, on at least min(60 %, 3/world) of the steps; its typical lateness stands out
-    from the typical rank's by more than ``threshold`` (with many ranks someone is always a
-    little late); and it is the latest more often than chance makes a healthy rank (p < CHANCE)."""
+    ``threshold``, on at least min(60 %, 3/world) of the steps and on ``MIN_LATE_STEPS``; its
+    typical lateness stands out from the typical rank's by more than ``threshold`` (with many
+    ranks someone is always a little late); and it is the latest more often than chance makes
+    a healthy rank (p < CHANCE)."""
     n_ranks, n_steps = lateness.shape
     latest = column_argmax(lateness)
     standout = _standout(row_medians(lateness))
@@ -75,7 +79,8 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
         is_latest = latest == row
         n_late = int((is_latest & (lateness[row] > threshold)).sum())
         persistent[row] = (
-            n_late / n_steps >= needed
+            n_late >= MIN_LATE_STEPS
+            and n_late / n_steps >= needed
             and standout[row] > threshold
             and by_chance(int(is_latest.sum()), n_steps, n_ranks) < CHANCE
         )
