@@ -242,6 +242,9 @@ def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
     assert loop_left(path, "fit", 8, 11) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
     assert loop_left(path, "fit_while", 17, 18) == (15, "`while not state.done:` ending")
     assert loop_left(path, "fit_plain", 23, 24) is None
+    # a rank that has left the function (returned from it) left its every loop
+    assert loop_left(path, "fit", 8, None) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
+    assert loop_left(path, "fit_plain", 23, None) is None
     assert loop_left(path, "fit_two_ways", 29, 34) is None
     assert loop_left(path, "train", 8, 11) is None  # the function there has another name: edited
     assert loop_left(str(tmp_path / "gone.py"), "fit", 8, 11) is None

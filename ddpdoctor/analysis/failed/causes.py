@@ -123,17 +123,26 @@ def _ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
 
 
 def _left_by(root: Ledger, others: list[Ledger]) -> str:
-    """How a rank with no DataLoader on record left the training loop the others still run,
-    from the stacks and the source: "the `break` under `if stop:` (train.py:98)", or "" (a
-    ``for`` loop that ran out of its items, no stacks, no file)."""
-    if root.passes or not others:
-        return ""  # the DataLoader's passes say whether it ran out of batches
+    """How a rank left the training loop the others still run (it read no DataLoader, or left
+    its pass before the end), from the stacks and the source: "the `break` under `if stop:`
+    (train.py:98)", in the function where the stacks part or, when the root has left the
+    function the others are in, in that one; "" (a ``for`` loop that ran out of its items, no
+    stacks, no file)."""
+    if (root.passes and root.passes[-1].complete) or not others:
+        return ""  # it read its whole pass: it ran out of batches
     stacks = {lg.rank: lg.stack for lg in (root, *others)}
     parted = parted_at(stacks, [[root.rank], [o.rank for o in others]])
     if parted is None:
         return ""
     path, func, at_root, at_others = parted
     found = loop_left(path, func, at_others, at_root)
+    if found is None:  # the others are one call deeper, in a loop of a function the root left
+        theirs = others[0].stack
+        k = next((i for i, f in enumerate(theirs) if f == (path, at_others, func)), -1)
+        deeper = theirs[k + 1] if 0 <= k < len(theirs) - 1 else None
+        if deeper is not None and all(o.stack == theirs for o in others):
+            path, line, func = deeper
+            found = loop_left(path, func, line, None)
     return f"the {found[1]} ({os.path.basename(path)}:{found[0]})" if found else ""
 
 

@@ -152,21 +152,23 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
     return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
 
 
-def loop_left(path: str, func: str, line: int, other: int) -> tuple[int, str] | None:
+def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, str] | None:
     """(the line, "`break` under `if <test>:`") of the way out of the loop that holds ``line``
-    but not ``other``, both lines in one function: a rank at ``other`` left the loop the ranks
-    at ``line`` still run. The one ``break`` of that loop's own iteration, or a ``while`` loop's
-    condition; None for a ``for`` loop without one (it ended when its items did), several
-    breaks (which one, the trace cannot say), a missing or edited file."""
-    mine, theirs = _chain(path, line), _chain(path, other)
+    but not ``other``, both lines in one function (``other`` None: a rank that has left the
+    function, and so its every loop): a rank at ``other`` left the loop the ranks at ``line``
+    still run. The one ``break`` of that loop's own iteration, or a ``while`` loop's condition;
+    None for a ``for`` loop without one (it ended when its items did), several breaks (which
+    one, the trace cannot say), a missing or edited file."""
+    mine = _chain(path, line)
     scope = _scope(path, mine)
-    if scope is None or _scope(path, theirs) is not scope:
+    if scope is None or (other is not None and _scope(path, _chain(path, other)) is not scope):
         return None
     name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
     if func.rsplit(".", 1)[-1] != name:
         return None
     inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
-    left = [n for n in inner if isinstance(n, _LOOPS) and not n.lineno <= other <= (n.end_lineno or 0)]
+    holds_other = [n for n in inner if other is not None and n.lineno <= other <= (n.end_lineno or 0)]
+    left = [n for n in inner if isinstance(n, _LOOPS) and n not in holds_other]
     if not left:
         return None
     loop = left[0]
