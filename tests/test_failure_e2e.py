@@ -133,3 +133,77 @@ def test_an_error_between_sync_points_is_placed_in_the_users_line(tmp_path: Path
     assert "(save_fails.py:13 in <module>, inside serialization.py:" in failure["summary"], failure
     assert failure["fix"].startswith("Fix the RuntimeError that rank 1 raised at save_fails.py:13 in")
     assert "Others then: rank 0: at step 6, in its backward" in failure["summary"], failure
+
+
+BUDGET_BREAK = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Trainer:
+    def __init__(self, model, loader, budget):
+        self.model, self.loader, self.budget = model, loader, budget
+
+    def train_epoch(self):
+        seen = 0
+        for x, y in self.loader:
+            nn.functional.cross_entropy(self.model(x), y).backward()
+            seen += int(x.abs().sum() > 0) * (1 + dist.get_rank())  # rank 1 counts faster
+            if seen >= self.budget:
+                break
+
+
+dist.init_process_group("gloo")
+data = TensorDataset(torch.randn(320, 8), torch.randint(0, 2, (320,)))
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=False))
+Trainer(DDP(nn.Linear(8, 2)), loader, budget=12).train_epoch()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+COLLATE_RAISES = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def collate(batch):
+    x = torch.stack([b[0] for b in batch])
+    assert dist.get_rank() == 0 or x[0, 0] != 99, "a corrupt sample"
+    return x, torch.stack([b[1] for b in batch])
+
+
+dist.init_process_group("gloo")
+xs = torch.randn(160, 8)
+xs[2 * 8 * 5 + 1, 0] = 99  # rank 1's first sample of step 5 (no shuffle, 2 ranks, batches of 8)
+data = TensorDataset(xs, torch.randint(0, 2, (160,)))
+loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=False), collate_fn=collate)
+model = DDP(nn.Linear(8, 2))
+for x, y in loader:
+    nn.functional.cross_entropy(model(x), y).backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_per_rank_break_in_a_function_the_others_are_in_is_named(tmp_path: Path, write_script) -> None:
+    """Rank 1 breaks out of Trainer.train_epoch's loop on its own count after 6 of its 20
+    batches and waits in the barrier after the call; rank 0 is still in the loop. The finding
+    is the rank that left, by that break, not a rank-only barrier nor uneven inputs."""
+    script = write_script("budget.py", BUDGET_BREAK)
+    job = run_doctor(tmp_path, torchrun(2, script), "--hang-timeout", "6", "--on-hang", "kill", timeout=120)
+    assert job.returncode == 124, job.stderr
+    found = [f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] == "error"]
+    assert found[0]["kind"] == "rank_left_early" and found[0]["ranks"] == [1], found
+    assert "by the `break` under `if seen >= self.budget:` (budget.py:17)" in found[0]["summary"]
+
+
+def test_a_batch_that_raises_is_placed_in_the_next_steps_data_wait(tmp_path: Path, write_script) -> None:
+    job = run_doctor(tmp_path, torchrun(2, write_script("collate.py", COLLATE_RAISES)), timeout=120)
+    assert job.returncode == 1, job.stderr
+    doc = diagnose_json(job.run_dir)
+    r1 = doc["failure"]["ranks"]["1"]
+    assert r1["step_text"] == "at step 5, in its data wait (step 4's backward had finished)", r1
+    (f,) = [f for f in doc["findings"] if f["kind"] == "rank_failure"]
+    assert f["ranks"] == [1] and "collate.py:9 in collate" in f["summary"], f
+    assert "raised while loading a batch" in f["fix"] and "rank 1's shard" in f["fix"]

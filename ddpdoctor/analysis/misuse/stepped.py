@@ -42,7 +42,8 @@ def skipped_steps(run: Run, after: int, upto: int) -> dict[int, list[int]]:
 
 
 def why(skipped: dict[int, list[int]]) -> str:
-    """ "rank 1 skipped optimizer.step() at 5 steps the others took (22, 31, 40, 49, 58): ..."""
+    """What the skips were: 'rank 1 skipped optimizer.step() at 5 step(s) the others took (22,
+    31, 40, 49, 58): ...'."""
     parts = []
     for rank, steps in sorted(skipped.items()):
         shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")

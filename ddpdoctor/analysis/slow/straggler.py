@@ -221,16 +221,16 @@ def stragglers(run: Run) -> Iterable[Finding]:
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
         starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
-        bigger = larger_batches(run, rank) if persistent and phase in ("forward", "backward") else None
-        larger = ""
-        if bigger is not None and not starved:
-            details["batch_elements"] = bigger
-            larger = (
-                f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
-                f"elements vs {bigger['others']:,.0f} on the others, in the first batches of each pass)"
-            )
         if persistent:
             fix = _CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]
+            bigger = larger_batches(run, rank) if phase in ("forward", "backward") and not starved else None
+            larger = ""
+            if bigger is not None:
+                details["batch_elements"] = bigger
+                larger = (
+                    f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
+                    f"elements vs {bigger['others']:,.0f} on the others, in the first batches of each pass)"
+                )
             yield Finding(
                 "straggler",
                 "warning",
