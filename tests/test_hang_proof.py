@@ -143,6 +143,13 @@ def test_waiting_on_a_busy_rank_is_not_a_hang_and_names_where_it_is() -> None:
     assert v.proof == "rank(s) 1 wait in barrier #7 for busy rank 0 in evaluate() train.py:27"
 
 
+def test_a_busy_rank_before_its_first_step_is_placed_in_words() -> None:
+    statuses = {0: st(0) | {"step": -1}, 1: st(1, "ddp_init", "init", seq=0, since=5)}
+    v = judge(statuses, {0: busy(frame=""), 1: Activity(True, 2.0, 0.0)}, NOW)
+    assert v.state == "busy" and v.culprits == [0]
+    assert "user code before step 0" in v.proof and "step -1" not in v.proof
+
+
 def test_a_rank_that_does_not_move_is_stalled_and_unmeasured_ranks_say_so() -> None:
     idle = Activity(True, 31.0, 0.0, "wait() train.py:9")
     v = judge({0: st(0), 1: st(1, "collective", "barrier", since=31)}, {0: idle}, NOW)

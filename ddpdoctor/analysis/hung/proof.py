@@ -288,6 +288,8 @@ def _outside(status: RankStatus) -> str:
         return "DataLoader.__next__"
     if phase.get("name") in COMPOUND:
         return point(phase)
+    if status.step < 0:
+        return "user code before step 0"
     return f"user code after step {status.step}"
 
 
