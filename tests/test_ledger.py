@@ -256,6 +256,35 @@ def test_a_rank_aborted_by_the_backend_in_a_collective_its_peer_raised_out_of_is
     assert "collective mismatch" in f["details"]["backend_said"]
 
 
+def test_the_signature_of_the_call_a_rank_died_in_is_the_one_described_after_its_last_record(
+    tmp_path: Path,
+) -> None:
+    """The probe writes a call's signature just before the call: rank 0, aborted inside
+    all_reduce #6 before its record, left a float32 signature no record names, newer than its
+    last collective; rank 1 raised out of it with an int64 one. The dtypes differ, and that is
+    what the finding and its fix say. An older signature (named by a record) is not taken."""
+    site = ["site", 3400, 0, 2, {"id": 1, "file": "/job/train.py", "line": 61, "func": "sync"}]
+    old = ["signature", 3000, 0, 2, {"id": 0, "dtype": "float32", "numel": 8, "root": -1, "ranks": ""}]
+    used = ["collective", 3100, 10, 2, "all_reduce", 32, "WORLD", 2, 5, 0, 1, 0]
+    zero = [*_steps(3, loader=False), site, old, used]
+    float32 = ["signature", 3450, 0, 2, {"id": 1, "dtype": "float32", "numel": 2, "root": -1, "ranks": ""}]
+    _write(tmp_path, 0, [*zero, float32], end=False)
+    int64 = ["signature", 3450, 0, 2, {"id": 1, "dtype": "int64", "numel": 2, "root": -1, "ranks": ""}]
+    raised = {"kind": "collective", "fields": ["all_reduce", 16, "WORLD", 2, 6, 0, 1, 1]}
+    error = ["rank_error", 3600, 0, 2, PEER_ERROR]
+    _write(tmp_path, 1, [*zero, int64, ["raised", 3500, 0, 2, raised], error], end=False)
+    abort = _stack((C10D, 3252, "all_reduce"), ("/job/train.py", 61, "sync"))
+    _ends(tmp_path, {"0": {"how": "signal", "signal": "SIGABRT", "stack": abort, "words": GLOO_WORDS}})
+    f = _kinds(tmp_path)["collective_mismatch"]
+    said = "ranks disagree on the all_reduce's dtype at collective #6: rank 0 float32, rank 1 int64"
+    assert said in f["summary"], f["summary"]
+    assert "dtype=torch.float32" in f["fix"] and "int64" in f["fix"]
+    # Without the newer signature, rank 0's call is only known by its stack: nothing compared.
+    _write(tmp_path, 0, zero, end=False)
+    f = _kinds(tmp_path)["collective_mismatch"]
+    assert "dtype" not in f["summary"] and "float32" not in f["summary"]
+
+
 def test_a_rank_killed_outside_any_collective_stays_a_rank_failure(tmp_path: Path) -> None:
     """os.abort() in the user's own code: no sync point in its stack, so nothing diverged first."""
     _write(tmp_path, 0, _steps(5, loader=False), end=False)

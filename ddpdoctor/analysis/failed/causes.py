@@ -19,9 +19,7 @@ from ddpdoctor.analysis.failed.ledger import (
     Ledger,
     Point,
     build,
-    death_stack,
     forward_site,
-    user_frame,
 )
 from ddpdoctor.analysis.failed.parting import (
     Divergence,
@@ -35,6 +33,7 @@ from ddpdoctor.analysis.failed.parting import (
 )
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.source import loop_left
+from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 

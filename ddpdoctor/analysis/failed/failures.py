@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.endings import is_consequence, last_step_started
-from ddpdoctor.analysis.failed.ledger import user_frame
+from ddpdoctor.analysis.failed.stacks import user_frame
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.misuse import frameworks

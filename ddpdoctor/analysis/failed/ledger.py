@@ -12,7 +12,6 @@ first part ways is ``parting.first_divergence``.
 from __future__ import annotations
 
 import os
-import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,21 +21,26 @@ import numpy as np
 
 from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_started, merged_watch
 from ddpdoctor.analysis.failed.passes import Pass, passes
+from ddpdoctor.analysis.failed.stacks import (
+    Frame,
+    death_stack,
+    error_frames,
+    hang_frames,
+    last_frames,
+    user_frame,
+    user_frames,
+)
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import is_user_frame
 
 # DDP's own sync points, as ledger ops: the live phases' names in the user's words.
 GRAD_ALLREDUCE = LivePhase.BACKWARD.label
 BUFFERS = LivePhase.SYNC_BUFFERS.label
 FORWARD = LivePhase.FORWARD.label
-
-
-Frame = tuple[str, int, str]  # a stack's frame: (path, line, function as the stack names it)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,9 @@ class Ledger:
     # the user's frames where it was last seen (a hang's stack, its death's, its exception's):
     # (path, line, function), outermost first
     stack: list[Frame] = field(default_factory=list)
+    # The signature the probe wrote for a call after the rank's last recorded collective and
+    # used by no record: the call it died in (a signal kills it before the record is written).
+    unfinished: dict[str, Any] | None = None
 
     @cached_property
     def grad_forwards(self) -> Counter[int]:
@@ -123,35 +130,6 @@ def sites_of(trace: RankTrace) -> dict[int, str]:
         for _, _, info in trace.meta.get(schema.SITE, [])
         if isinstance(info.get("id"), int)
     }
-
-
-_STDLIB = (sysconfig.get_paths().get("stdlib") or "/nonexistent") + os.sep
-
-
-def user_frame(frames: list[dict[str, Any]]) -> str:
-    """The innermost frame of the user's code in a stack (innermost first), as file:line."""
-    for frame in frames:
-        if _is_users(str(frame.get("file", ""))):
-            return f"{os.path.basename(str(frame.get('file', '')))}:{frame.get('line')}"
-    return ""
-
-
-def user_frames(frames: list[dict[str, Any]]) -> list[Frame]:
-    """The user's frames of a stack (innermost first) as (path, line, function), outermost first."""
-    return [
-        (
-            str(f.get("file", "")),
-            int(f["line"]) if isinstance(f.get("line"), int) else -1,
-            str(f.get("function", "")),
-        )
-        for f in reversed(frames)
-        if _is_users(str(f.get("file", "")))
-    ]
-
-
-def _is_users(file: str) -> bool:
-    path = os.path.abspath(file)
-    return is_user_frame(path) and not path.startswith(_STDLIB)
 
 
 def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
@@ -181,27 +159,6 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
         root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
     return point, place
-
-
-def hang_frames(summary: dict[str, Any], rank: int) -> list[dict[str, Any]]:
-    """A rank's main-thread frames (innermost first) in a hang summary's stacks, or []."""
-    threads = ((summary.get("stacks") or {}).get(str(rank)) or {}).get("threads") or []
-    for thread in threads:
-        if thread.get("name") == "MainThread" or len(threads) == 1:
-            return list(thread.get("frames") or [])
-    return []
-
-
-def error_frames(ledger: Ledger) -> list[dict[str, Any]]:
-    """The traceback of what the rank raised (innermost first), [] if it raised nothing."""
-    if ledger.ending.how != "exception" or not ledger.ending.error:
-        return []
-    raw = ledger.ending.error.get("frames") or []
-    return [
-        {"file": str(f[0]), "line": f[1], "function": str(f[2])}
-        for f in reversed(raw)
-        if isinstance(f, (list, tuple)) and len(f) >= 3
-    ]
 
 
 _C10D = ("torch/distributed/distributed_c10d.py",)
@@ -239,19 +196,17 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     seq = max(seqs) + 1 if seqs else -1
     site = place if op != GRAD_ALLREDUCE else (ledger.forwards[-1][3] or place)
     step = max(ledger.last_step, max((p.step for p in ledger.points), default=-1))
-    return Point(seq, op, 0, "WORLD", step, site, in_flight=True, died_in=True), place
+    point = Point(seq, op, 0, "WORLD", step, site, in_flight=True, died_in=True)
+    if op != GRAD_ALLREDUCE:
+        _sign(point, ledger.unfinished)
+    return point, place
 
 
-def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
-    """The main thread's frames (innermost first) in the stack a rank left as it died, or []."""
-    end = run.ends.get(rank) or {}
-    if not end.get("stack"):
-        return []
-    from ddpdoctor.trace.stacktext import parse_faulthandler
-
-    threads = parse_faulthandler(str(end["stack"]))
-    main = next((t for t in threads if t.get("name") == "MainThread"), None)
-    return list(main.get("frames") or []) if main else []
+def _sign(point: Point, sig: dict[str, Any] | None) -> None:
+    """Give a point the rest of its signature (dtype, element count, root, group members)."""
+    if sig is not None:
+        point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
+        point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
 
 
 def build(run: Run) -> dict[int, Ledger]:
@@ -273,7 +228,7 @@ def _build(run: Run) -> dict[int, Ledger]:
         trace = run.ranks.get(rank)
         if trace is not None:
             _fill(ledger, trace, world)
-        ledger.stack = user_frames(_last_frames(run, rank, ledger))
+        ledger.stack = user_frames(last_frames(run, rank, ledger))
         flight, place = _in_flight(run, rank)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
@@ -290,15 +245,6 @@ def _build(run: Run) -> dict[int, Ledger]:
             ledger.place = ledger.forwards[-1][3]
         ledgers[rank] = ledger
     return ledgers
-
-
-def _last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
-    """Where the rank was last seen: the last hang's stack, else the stack it died with, else
-    its exception's traceback (innermost first)."""
-    frames = hang_frames(run.hangs[-1], rank) if run.hangs else []
-    if not frames and (run.ends.get(rank) or {}).get("how") == "signal":
-        frames = death_stack(run, rank)
-    return frames or error_frames(ledger)
 
 
 # Points kept per kind, from the end: a divergence that broke the job is near its end, and a
@@ -323,10 +269,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
         site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
         point = Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts)
-        sig = sigs.get(f[7]) if len(f) > 7 else None  # the whole signature (older traces: none)
-        if sig is not None:
-            point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
-            point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
+        _sign(point, sigs.get(f[7]) if len(f) > 7 else None)  # older traces: no signature
         points.append(point)
     fwd = trace.kind(schema.FORWARD)
     ledger.forwards_from = max(0, len(fwd) - TAIL)
@@ -353,8 +296,12 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             site, op, nbytes, group, seq = "", BUFFERS, 0, "WORLD", int(fields[0])
         else:
             continue
-        points.append(Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True))
+        point = Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True)
+        if len(fields) > 7:
+            _sign(point, sigs.get(fields[7]))
+        points.append(point)
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
+    ledger.unfinished = _unfinished(trace, coll)
     ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
@@ -365,6 +312,23 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         sid = info.get("site")
         if isinstance(sid, int) and sid in sites:
             ledger.sync_logs.add((f"{sites[sid]} in {funcs.get(sid)}", str(info.get("name"))))
+
+
+def _unfinished(trace: RankTrace, coll: Any) -> dict[str, Any] | None:
+    """The signature described for a collective call whose record was never written: the probe
+    writes a new signature just before the call, so one newer than every collective record
+    and raised record, and named by none, is the call's the rank was in when it died."""
+    last, used = -1, set()
+    if len(coll):
+        last = int(coll.ts[-1])
+        used = {f[7] for f in coll.fields if len(f) > 7}
+    for ts, _, info in trace.meta.get(schema.RAISED, []):
+        fields = info.get("fields") or []
+        if info.get("kind") == schema.COLLECTIVE:
+            last = max(last, ts)
+            used.update(fields[7:8])
+    newer = [i for ts, _, i in trace.meta.get(schema.SIGNATURE, []) if ts > last and i.get("id") not in used]
+    return newer[-1] if newer else None
 
 
 def forward_site(trace: RankTrace, step: int | None = None) -> str:

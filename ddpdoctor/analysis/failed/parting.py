@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Frame, Ledger, Point
+from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Ledger, Point
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
 from ddpdoctor.analysis.failed.source import branch_passed, exits_after, no_sync_schedule
+from ddpdoctor.analysis.failed.stacks import Frame
 from ddpdoctor.analysis.findings import Finding, rank_list
 
 FIX_BRANCH = (

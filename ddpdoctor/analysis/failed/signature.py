@@ -142,6 +142,15 @@ def fix_for(differ: Disagreement, op: str) -> str:
             "Call dist.new_group(...) on every rank, with the same ranks and in the same order, "
             "even on ranks that will not be members of the new group."
         )
+    if differ.field == "dtype":
+        return (
+            f"Give the {op}'s tensor one dtype on every rank: create it with an explicit dtype "
+            "(torch.tensor(values, dtype=torch.float32)) or cast it (.float()) before the call. "
+            "torch.tensor infers the dtype from the values: Python ints give int64, floats "
+            "float32, so a rank whose values are all ints (a sum still 0 on an empty shard) "
+            "sends another dtype. When one line issues several collectives in a loop, iterate "
+            "in the same order on every rank."
+        )
     return (
         f"Make the {op}'s {differ.name} the same on every rank: pad per-rank tensors to one size "
         "(all_gather the sizes first), cast to one dtype, and keep the group the same; when one "

@@ -1,0 +1,87 @@
+"""Where a rank was last seen in the user's code: its hang's stack, the stack it left as a
+signal killed it (faulthandler), or its exception's traceback."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import TYPE_CHECKING, Any
+
+from ddpdoctor.trace.reader import Run
+from ddpdoctor.trace.stacktext import is_user_frame
+
+if TYPE_CHECKING:
+    from ddpdoctor.analysis.failed.ledger import Ledger
+
+Frame = tuple[str, int, str]  # a stack's frame: (path, line, function as the stack names it)
+
+
+def user_frame(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame of the user's code in a stack (innermost first), as file:line."""
+    for frame in frames:
+        if _is_users(str(frame.get("file", ""))):
+            return f"{os.path.basename(str(frame.get('file', '')))}:{frame.get('line')}"
+    return ""
+
+
+def user_frames(frames: list[dict[str, Any]]) -> list[Frame]:
+    """The user's frames of a stack (innermost first) as (path, line, function), outermost first."""
+    return [
+        (
+            str(f.get("file", "")),
+            int(f["line"]) if isinstance(f.get("line"), int) else -1,
+            str(f.get("function", "")),
+        )
+        for f in reversed(frames)
+        if _is_users(str(f.get("file", "")))
+    ]
+
+
+_STDLIB = (sysconfig.get_paths().get("stdlib") or "/nonexistent") + os.sep
+
+
+def _is_users(file: str) -> bool:
+    path = os.path.abspath(file)
+    return is_user_frame(path) and not path.startswith(_STDLIB)
+
+
+def hang_frames(summary: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """A rank's main-thread frames (innermost first) in a hang summary's stacks, or []."""
+    threads = ((summary.get("stacks") or {}).get(str(rank)) or {}).get("threads") or []
+    for thread in threads:
+        if thread.get("name") == "MainThread" or len(threads) == 1:
+            return list(thread.get("frames") or [])
+    return []
+
+
+def error_frames(ledger: Ledger) -> list[dict[str, Any]]:
+    """The traceback of what the rank raised (innermost first), [] if it raised nothing."""
+    if ledger.ending.how != "exception" or not ledger.ending.error:
+        return []
+    raw = ledger.ending.error.get("frames") or []
+    return [
+        {"file": str(f[0]), "line": f[1], "function": str(f[2])}
+        for f in reversed(raw)
+        if isinstance(f, (list, tuple)) and len(f) >= 3
+    ]
+
+
+def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
+    """The main thread's frames (innermost first) in the stack a rank left as it died, or []."""
+    end = run.ends.get(rank) or {}
+    if not end.get("stack"):
+        return []
+    from ddpdoctor.trace.stacktext import parse_faulthandler
+
+    threads = parse_faulthandler(str(end["stack"]))
+    main = next((t for t in threads if t.get("name") == "MainThread"), None)
+    return list(main.get("frames") or []) if main else []
+
+
+def last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
+    """Where the rank was last seen: the last hang's stack, else the stack it died with, else
+    its exception's traceback (innermost first)."""
+    frames = hang_frames(run.hangs[-1], rank) if run.hangs else []
+    if not frames and (run.ends.get(rank) or {}).get("how") == "signal":
+        frames = death_stack(run, rank)
+    return frames or error_frames(ledger)
