@@ -24,6 +24,12 @@ an ``EXPECT`` may say more (case-insensitive; every key optional):
     python benchmarks/diagnosis_accuracy.py --zoo DIR   # score another folder of cases
     python benchmarks/diagnosis_accuracy.py --keep runs/      # keep every case's run directory
     python benchmarks/diagnosis_accuracy.py --rejudge runs/   # diagnose kept runs again, no jobs
+    python benchmarks/diagnosis_accuracy.py --nodes 2   # each rank on its own node (see below)
+
+``--nodes 2`` runs every plain-DDP case as a two-node job on this machine: two launchers,
+``torchrun --nnodes 2 --node_rank K --nproc_per_node 1 --master_addr 127.0.0.1``, each under
+its own ``ddpdoctor run --out nK``, then ``diagnose n0 n1``: the verdict has to come from
+what both nodes recorded (the framework cases pick their own topology and are left out).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import ast
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -95,6 +102,7 @@ def load_cases(only: list[str] | None = None, zoo: Path = ZOO) -> list[Case]:
 
 
 CODE = [REPO]  # the ddpdoctor checkout that runs and diagnoses (--code: a baseline's)
+NODES = [1]  # --nodes: one launcher per node, one rank per node when more than one
 
 
 def job_env() -> dict[str, str]:
@@ -107,6 +115,8 @@ def job_env() -> dict[str, str]:
 
 def run_case(case: Case, workdir: Path) -> tuple[dict[str, Any] | None, int | None, str]:
     """Run the case under `ddpdoctor run`, then `diagnose --json`: (diagnosis, exit code, error)."""
+    if NODES[0] > 1:
+        return _run_nodes(case, workdir, NODES[0])
     run_dir = workdir / "run"
     options = list((case.expect or {}).get("options") or [])
     command = [
@@ -126,10 +136,49 @@ def run_case(case: Case, workdir: Path) -> tuple[dict[str, Any] | None, int | No
     return diag, job.returncode, error
 
 
-def diagnose_json(run_dir: Path, env: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
-    """`ddpdoctor diagnose --json RUN_DIR`: (the object, or None and why)."""
+def _run_nodes(case: Case, workdir: Path, nodes: int) -> tuple[dict[str, Any] | None, int | None, str]:
+    """One launcher per node, each under its own `ddpdoctor run --out nK`, as on a cluster;
+    the job's exit code is the first node's that is not 0 (0 when every node's is)."""
+    options = list((case.expect or {}).get("options") or [])
+    with socket.socket() as probe:  # a free port for the rendezvous (released before use)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = job_env()
+    procs = []
+    for node in range(nodes):
+        command = [
+            sys.executable, "-m", "ddpdoctor", "run", "--out", str(workdir / f"n{node}"), *options, "--",
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", str(case.script),
+        ]  # fmt: skip
+        out = open(workdir / f"job-n{node}.out", "w", encoding="utf-8")  # noqa: SIM115
+        procs.append((subprocess.Popen(command, cwd=workdir, stdout=out, stderr=out, env=env), out))
+    codes: list[int | None] = []
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    for proc, out in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+        out.close()
+    if time.monotonic() > deadline:
+        return None, None, f"the job ran past {JOB_TIMEOUT_S} s"
+    diag, error = diagnose_json([workdir / f"n{node}" for node in range(nodes)], env)
+    return diag, next((c for c in codes if c), 0), error
+
+
+def run_dirs(kept: Path) -> list[Path]:
+    """A kept case's run directories: ``run``, or one ``nK`` per node."""
+    nodes = sorted(kept.glob("n[0-9]*"), key=lambda p: int(p.name[1:]))
+    return [p for p in nodes if p.is_dir()] or [kept / "run"]
+
+
+def diagnose_json(run_dir: Path | list[Path], env: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
+    """`ddpdoctor diagnose --json RUN_DIR...`: (the object, or None and why)."""
+    dirs = [str(d) for d in (run_dir if isinstance(run_dir, list) else [run_dir])]
     diag = subprocess.run(
-        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", str(run_dir)],
+        [sys.executable, "-m", "ddpdoctor", "diagnose", "--json", *dirs],
         cwd=CODE[0],  # `python -m` looks in the working directory first
         capture_output=True,
         text=True,
@@ -199,7 +248,7 @@ def _mentions(text: str, words: list[str]) -> bool:
 def rejudge(case: Case, kept: Path) -> Result:
     """Judge a kept run again with today's analysis (no job is run)."""
     t0 = time.monotonic()
-    diag, error = diagnose_json(kept / case.name / "run", job_env())
+    diag, error = diagnose_json(run_dirs(kept / case.name), job_env())
     if diag is None:
         return Result(case, False, error, "-", None, time.monotonic() - t0)
     right, why, got = judge(case, diag)
@@ -264,10 +313,16 @@ def main() -> None:
     parser.add_argument("--rejudge", default="", help="diagnose the runs kept here again instead")
     parser.add_argument("--code", default="", help="diagnose with the ddpdoctor checkout here instead")
     parser.add_argument("--zoo", default=str(ZOO), help="the folder of cases (default tests/zoo)")
+    parser.add_argument("--nodes", type=int, default=1, help="launchers (nodes), one rank on each")
     args = parser.parse_args()
     if args.code:
         CODE[0] = Path(args.code).resolve()
+    if args.nodes < 1:
+        parser.error("--nodes must be at least 1")
+    NODES[0] = args.nodes
     cases = load_cases([w for w in args.only.split(",") if w] or None, Path(args.zoo).resolve())
+    if args.nodes > 1:  # the framework cases choose their own devices and nodes
+        cases = [c for c in cases if c.framework == "ddp"]
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
