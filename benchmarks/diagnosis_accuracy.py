@@ -38,6 +38,7 @@ import argparse
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "tests" / "zoo"
 PLACE_MARK = "# zoo: place"
 JOB_TIMEOUT_S = 240
+LINGER_S = 20.0  # --nodes: a node still running this long after another ended is interrupted
 
 
 @dataclass
@@ -138,7 +140,8 @@ def run_case(case: Case, workdir: Path) -> tuple[dict[str, Any] | None, int | No
 
 def _run_nodes(case: Case, workdir: Path, nodes: int) -> tuple[dict[str, Any] | None, int | None, str]:
     """One launcher per node, each under its own `ddpdoctor run --out nK`, as on a cluster;
-    the job's exit code is the first node's that is not 0 (0 when every node's is)."""
+    the job's exit code is the first node's that is not 0 (0 when every node's is). A node
+    that outlives another by LINGER_S is interrupted (SIGINT, which the doctor forwards)."""
     options = list((case.expect or {}).get("options") or [])
     with socket.socket() as probe:  # a free port for the rendezvous (released before use)
         probe.bind(("127.0.0.1", 0))
@@ -153,8 +156,20 @@ def _run_nodes(case: Case, workdir: Path, nodes: int) -> tuple[dict[str, Any] | 
         ]  # fmt: skip
         out = open(workdir / f"job-n{node}.out", "w", encoding="utf-8")  # noqa: SIM115
         procs.append((subprocess.Popen(command, cwd=workdir, stdout=out, stderr=out, env=env), out))
-    codes: list[int | None] = []
     deadline = time.monotonic() + JOB_TIMEOUT_S
+    first_end: float | None = None
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if first_end is None and any(p.poll() is not None for p, _ in procs):
+            first_end = time.monotonic()
+        if first_end is not None and time.monotonic() - first_end > LINGER_S:
+            # torchrun's exit barrier keeps a node whose ranks succeeded for 300 s when another
+            # node failed: interrupt it, as its user would (Ctrl-C), once the doctor said so.
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            first_end = float("inf")
+    codes: list[int | None] = []
     for proc, out in procs:
         try:
             codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))

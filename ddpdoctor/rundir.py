@@ -26,6 +26,9 @@ class RunDir:
 
     RUN_META = "run.json"  # the supervisor: command, hosts, exit code (launch.py)
     INTERRUPTED_HUNG = "interrupted_hung_ns"  # run.json: when a Ctrl-C made ddpdoctor end the hung ranks
+    # run.json: when a Ctrl-C made ddpdoctor stop a launcher whose ranks had all exited cleanly
+    # (torchrun's exit barrier, waiting for a node that failed: supervisor/lingering.py)
+    STOPPED_LINGERING = "stopped_lingering_ns"
     WATCH = "watch.json"  # the supervisor's hang watch: hangs, rank exits and errors (watch.py)
     WAITING = "waiting.json"  # while ranks wait on a busy rank: who, on whom, where (waits.py)
     ERROR_LOG = "probe-errors.log"  # probes that switched themselves off, and why

@@ -206,6 +206,33 @@ def test_a_lost_node_is_named_by_the_survivors(tmp_path: Path) -> None:
     assert "when rank 0 lost its peers (RuntimeError" in said  # what the survivors saw
 
 
+def test_a_node_left_in_torchruns_exit_barrier_says_so_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """Node 1's rank fails after training, node 0's exits 0: torchrun keeps node 0's launcher in
+    its exit barrier (300 s) for an agent that never comes, and ignores Ctrl-C until then. Node
+    0's doctor says so within seconds, with what node 1's rank did, settles its run dir, and
+    stops the launcher on Ctrl-C; its own summary blames no rank of its own, and both run dirs
+    together name rank 1's error."""
+    nodes = Nodes(tmp_path, 1, [], "--mode", "failend", "--steps", "5")
+    assert nodes.procs[1].wait(timeout=180) != 0
+    deadline = time.time() + 60
+    while "every rank on this node has ended" not in nodes.err(0) and time.time() < deadline:
+        time.sleep(0.2)
+    said = " ".join(nodes.err(0).split())
+    assert "every rank on this node has ended (rank 0 exited)" in said, said
+    assert "rank 1 (node 1) raised OSError" in said and "exit barrier" in said
+    assert (tmp_path / "n0" / "ends.json").is_file()  # settled while the launcher waits
+    assert nodes.procs[0].poll() is None  # torchrun still waits: only the doctor spoke
+    nodes.procs[0].send_signal(signal.SIGINT)
+    code = nodes.procs[0].wait(timeout=30)
+    assert code == 128 + signal.SIGKILL, code  # the launcher, stopped; its rank had exited 0
+    own = nodes.err(0)
+    assert "rank_failure" not in own and "stopped on Ctrl-C" in " ".join(own.split()), own
+    diag = diagnose_json(*nodes.dirs())
+    top = [f for f in diag["findings"] if f["severity"] == "error"]
+    assert top and top[0]["kind"] == "rank_failure" and top[0]["ranks"] == [1], top
+    assert "OSError" in top[0]["summary"]
+
+
 def test_a_node_never_heard_from_is_named_once_every_other_rank_waits(tmp_path: Path) -> None:
     """Node 1 runs without a doctor (as a node lost before its doctor first reported): its
     rank never reports. When rank 0 has waited past the threshold for it, node 0 declares the

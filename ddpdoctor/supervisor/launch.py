@@ -109,6 +109,11 @@ def run_job(
             # Ranks blocked in a collective only act on SIGINT once it returns: end them now.
             meta.setdefault(RunDir.INTERRUPTED_HUNG, time.time_ns())  # the user's Ctrl-C ended them
             threading.Thread(target=watcher.kill_job, args=(watcher.rank_pids(),), daemon=True).start()
+        elif signum == signal.SIGINT and watcher is not None and watcher.lingering:
+            # Its ranks are gone and torchrun waits in its exit barrier, where it acts on SIGINT
+            # only when the store's wait returns: stop the launcher (no rank pid to reuse).
+            meta.setdefault(RunDir.STOPPED_LINGERING, time.time_ns())
+            threading.Thread(target=watcher.kill_job, args=([],), daemon=True).start()
         try:
             if signum == signal.SIGINT:
                 os.killpg(proc.pid, signum)

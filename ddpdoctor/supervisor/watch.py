@@ -38,6 +38,7 @@ from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
+from ddpdoctor.supervisor.lingering import Lingering
 from ddpdoctor.supervisor.stacks import render_stack
 from ddpdoctor.supervisor.statuses import (
     DEFAULT_FLOOR_S,
@@ -106,6 +107,7 @@ class Watcher:
         self._hang_payload: dict[str, Any] | None = None
         self._state: dict[str, Any] = {}
         self._view = JobView({})
+        self._lingering = Lingering(run_dir, report)
         self._lost: dict[int, dict[str, Any]] = {}
         self._nodes: dict[str, Any] = {}  # the job's node map, as the leader last posted it
         self._layout_v = 0
@@ -129,6 +131,11 @@ class Watcher:
     def hung(self) -> bool:
         """A hang was reported and the job has not moved since."""
         return bool(self.hangs) and not self.hangs[-1]["recovered"]
+
+    @property
+    def lingering(self) -> bool:
+        """Every rank of this node exited cleanly and the launcher still runs (lingering.py)."""
+        return self._lingering.said
 
     def job_layout(self) -> dict[str, Any]:
         """Which node held which ranks (run.json's ``job``), as the board last showed it."""
@@ -185,6 +192,8 @@ class Watcher:
             )
             running = any(a and not statuses[r].exited for r, a in alive.items())
             self._view = self.board.exchange(mine, now, running)
+            if self.board.layout.multi_node:
+                self._lingering.look(statuses, alive, self._view, now)
             if self.board.leading:
                 state = self._decide(self._view, now, detect)
                 self.board.post_state(state)

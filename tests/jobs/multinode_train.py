@@ -7,6 +7,8 @@
 * ``longeval``: healthy: rank 0 evaluates ``model.module`` for ``--eval-s`` seconds (busy)
   while the others wait in a barrier, then every rank trains on and exits 0.
 * ``healthy``: trains ``--steps`` steps, with ``--step-s`` of work per step.
+* ``failend``: trains, then the last rank raises after ``destroy_process_group`` (writing its
+  results) while the others exit 0: their launcher waits in torchrun's exit barrier.
 """
 
 import argparse
@@ -70,6 +72,8 @@ def main() -> None:
     if rank == 0:
         print("done", flush=True)
     dist.destroy_process_group()
+    if args.mode == "failend" and rank == world - 1:
+        raise OSError(f"could not write results-rank{rank}.json: No space left on device")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,8 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     if not candidates and not code:
         return
     unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
+    if not candidates and not unclean and any(m.get(RunDir.STOPPED_LINGERING) for m in run.metas):
+        return  # every rank here exited cleanly; the user's Ctrl-C stopped the lingering launcher
     last_step = {str(r): last_step_started(t) for r, t in run.ranks.items()}
     details: dict[str, Any] = {"exit_code": code, "unclean_ranks": unclean, "last_step": last_step}
     if not candidates:
