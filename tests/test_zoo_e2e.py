@@ -85,6 +85,20 @@ def test_zoo_case(name: str, tmp_path: Path) -> None:
         assert diag["run"]["exit_code"] == 124
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["monitored_barrier_timeout", "uneven_exit"])
+def test_zoo_case_across_two_nodes(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank on a node of its own (two launchers, two doctors), judged from both run dirs.
+    Across nodes nobody stops the rank the others waited for before it raises too, and the node
+    whose rank finished waits in torchrun's exit barrier until interrupted."""
+    monkeypatch.setitem(zoo.NODES, 0, 2)
+    case = CASES[name]
+    diag, code, error = zoo.run_case(case, tmp_path)
+    assert diag is not None, error
+    right, why, got = zoo.judge(case, diag)
+    assert right, f"{name} on two nodes: {why} (found: {got})"
+
+
 def test_diagnose_json_prints_an_error_object_when_nothing_can_be_read(tmp_path: Path) -> None:
     proc = diagnose_proc(tmp_path)
     assert proc.returncode == 2

@@ -34,17 +34,20 @@ def awaited_work(run: Run) -> Iterable[Finding]:
     if not waiting:
         return
     busy = _busy_records(run)
+    late = _came_late(waiting, busy)
+    for rank in late:
+        del waiting[rank]
     for rank, lg in sorted(ledgers.items()):
         if rank in waiting or (lg.ending.how == "exception" and not lg.ending.consequence):
             continue  # a waiter, or a rank that failed on its own (rank_failure names it)
-        work = _doing(run, rank, lg, busy)
+        work = _doing(run, rank, lg, busy, late)
         if work is None:
             continue
         waits = {w: _last_wait(run, w, ledgers[w]) for w in waiting}
         waits = {w: v for w, v in waits.items() if v is not None}
         if not waits:
             continue
-        yield _finding(run, rank, work, waits, ledgers)
+        yield _finding(run, rank, work, waits, ledgers, late=rank in late)
         return
 
 
@@ -60,7 +63,18 @@ def _busy_records(run: Run) -> dict[int, str]:
     return out
 
 
-def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, str] | None:
+def _came_late(waiting: dict[int, Ledger], busy: dict[int, str]) -> set[int]:
+    """Ranks that raised a peer's error too, but only after the watcher saw them busy in their
+    own code while the others waited: they reached the sync point late, when the others had
+    given up (on another node nobody stops them first). One such rank, among ranks that were
+    never seen busy, is the one they waited for; more than one, and nothing tells which."""
+    seen = {r for r in waiting if r in busy}
+    return seen if len(seen) == 1 and len(waiting) > 1 else set()
+
+
+def _doing(
+    run: Run, rank: int, lg: Ledger, busy: dict[int, str], late: set[int] = frozenset()
+) -> dict[str, str] | None:
     """What the rank was doing outside every sync point when it was stopped: {function, place},
     from the stack it left (a signal) or the watcher's busy record; None when it was waiting too."""
     if lg.ending.how == "signal":
@@ -74,7 +88,7 @@ def _doing(run: Run, rank: int, lg: Ledger, busy: dict[int, str]) -> dict[str, s
                 place = f"{os.path.basename(str(frame.get('file')))}:{frame.get('line')}"
                 return {"function": str(frame.get("function")), "place": place}
     where = busy.get(rank)
-    if where and lg.ending.how in ("stopped_on_hang", "running"):
+    if where and (lg.ending.how in ("stopped_on_hang", "running") or rank in late):
         function, _, place = where.partition("() ")
         return {"function": function, "place": place or where}
     return None
@@ -116,11 +130,40 @@ def _worked_s(run: Run, rank: int) -> float | None:
     return max(0.0, float(end) - start)
 
 
+def _late_worked_s(run: Run, rank: int, lg: Ledger) -> float | None:
+    """The longest stretch outside every recorded event between the rank's previous sync point
+    and the one it reached late (its raised record): the work the others waited for."""
+    trace = run.ranks.get(rank)
+    raised = [
+        ts
+        for ts, _, i in (trace.meta.get(schema.RAISED, []) if trace else [])
+        if i.get("kind") not in _NOT_POINTS
+    ]  # noqa: E501
+    if trace is None or not raised or len(lg.points) < 2:
+        return None
+    since, until = lg.points[-2].ts, raised[-1]
+    spans = []
+    for kind in schema.KINDS:
+        ev = trace.kind(kind)
+        if len(ev):
+            keep = (ev.ts >= since) & (ev.ts < until)
+            spans += list(zip(ev.ts[keep].tolist(), (ev.ts + ev.dur)[keep].tolist(), strict=True))
+    gap, reached = 0, since
+    for start, end in sorted(spans):
+        gap, reached = max(gap, start - reached), max(reached, end)
+    return max(gap, until - reached) / 1e6
+
+
 def _finding(
-    run: Run, rank: int, work: dict[str, str], waits: dict[int, dict[str, Any]], ledgers: dict[int, Ledger]
+    run: Run,
+    rank: int,
+    work: dict[str, str],
+    waits: dict[int, dict[str, Any]],
+    ledgers: dict[int, Ledger],
+    late: bool = False,
 ) -> Finding:
     longest = max(w["s"] for w in waits.values())
-    worked = _worked_s(run, rank)
+    worked = _late_worked_s(run, rank, ledgers[rank]) if late else _worked_s(run, rank)
     function, place = work["function"], work["place"]
     sides = "; ".join(
         f"rank {w} waited {v['s']:.1f} s in {v['op']} #{v['seq']}"
@@ -129,6 +172,8 @@ def _finding(
         for w, v in sorted(waits.items())
     )
     ran = f" (it had run {worked:.1f} s since its last sync point when it was stopped)" if worked else ""
+    if late and worked:
+        ran = f" for {worked:.1f} s, and reached the sync point only after the others had given up,"
     summary = (
         f"rank {rank} was running {function}() at {place}{ran} while the others waited for it: "
         f"{sides}. Their errors are consequences: the cause is the work on rank {rank}"
