@@ -91,7 +91,7 @@ def test_zoo_case_across_two_nodes(name: str, tmp_path: Path, monkeypatch: pytes
     """Each rank on a node of its own (two launchers, two doctors), judged from both run dirs.
     Across nodes nobody stops the rank the others waited for before it raises too, and the node
     whose rank finished waits in torchrun's exit barrier until interrupted."""
-    monkeypatch.setitem(zoo.NODES, 0, 2)
+    monkeypatch.setattr(zoo, "NODES", [2])
     case = CASES[name]
     diag, code, error = zoo.run_case(case, tmp_path)
     assert diag is not None, error
