@@ -160,6 +160,23 @@ def test_a_parameter_added_or_unfrozen_after_wrapping_is_marked_unsynced() -> No
     assert outside["numels"] == [4, 2]
 
 
+def test_a_module_wrapped_again_is_checked_through_the_new_wrapper_only() -> None:
+    """Re-wrapped after unfreezing layers: the old wrapper may live on in a reference cycle, but
+    what the job syncs is what the new one registered."""
+    c = _Collector()
+    old, registered = _model()
+    f = fp.Fingerprints(c, interval=4)
+    f.add(old, 0, registered[:4])  # the last Linear frozen at the first wrap
+    new = _Wrapper(old.module)
+    f.add(new, 1, registered)  # unfrozen, wrapped again: every parameter registered
+    for p in registered:
+        p.grad = torch.zeros_like(p)
+    c.step = 0
+    f.after_step(torch.optim.SGD(registered, lr=0.1))
+    checked = [r[4] for r in c.records if r[4].get("at") == "step"]
+    assert [r["model"] for r in checked] == [1] and "unsynced" not in checked[0]
+
+
 def test_the_interval_keeps_the_cost_within_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(0, 10**12, 10**6))  # every reading of the clock: 1 ms later
     monkeypatch.setattr(fp, "_now", lambda: next(clock))

@@ -48,6 +48,7 @@ class Collector:
         # next micro-batch (gradient accumulation), not a new step.
         self.accumulating = False
         self.optimizer_t0 = 0
+        self.optimizer_outer: Any = None  # weakref to the optimizer whose step began (optimizer.py)
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far
         self.step_model: Any = None  # the DDP model state of the last grad-mode forward

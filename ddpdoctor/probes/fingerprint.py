@@ -159,6 +159,11 @@ class Fingerprints:
 
     def add(self, ddp: Any, index: int, registered: list[Any]) -> None:
         model = _Model(ddp, index, registered)
+        # A new wrapper of a module already wrapped (re-wrapped after unfreezing layers, say)
+        # supersedes the old one, which may live on in a reference cycle until the collector
+        # runs: its registered parameters are no longer what the job syncs.
+        module = getattr(ddp, "module", None)
+        self.models = [m for m in self.models if (old := m.ref()) is not None and old.module is not module]
         self.models.append(model)
         self.check([model], "init")
         if not self.last[1]:  # the first step's time, construction included, sets the first interval

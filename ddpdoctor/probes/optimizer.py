@@ -1,11 +1,16 @@
 """Optimizer steps, through torch's global step hooks (no method is patched).
 
 A probe of its own, so a failure elsewhere (say, in the DataLoader probe) never silences it.
+An optimizer that steps another inside its own step (``ZeroRedundancyOptimizer``, Lookahead,
+a framework's wrapper) fires the hooks twice, nested: only the outer step is the step. Its
+record spans the whole of it, and the fingerprint after it sees the parameters once the wrapper
+has synchronised them (ZeRO broadcasts each rank's shard after the inner step).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
@@ -27,6 +32,11 @@ def install() -> None:
 def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     c = _c.ACTIVE
     if c is not None:
+        # Inside another optimizer's step: not a step of its own. The same optimizer again: its
+        # last step raised before its post hook, so this one starts afresh.
+        if c.optimizer_t0 and c.optimizer_outer is not None and c.optimizer_outer() is not optimizer:
+            return
+        c.optimizer_outer = weakref.ref(optimizer)
         c.optimizer_t0 = _now()
         timer = _ct.ACTIVE
         if timer is not None:
@@ -37,7 +47,9 @@ def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
     c = _c.ACTIVE
     if c is None or PROBE in c.disabled or not c.optimizer_t0:
         return
-    t0, c.optimizer_t0 = c.optimizer_t0, 0
+    if c.optimizer_outer is not None and c.optimizer_outer() is not optimizer:
+        return  # an inner optimizer's step: the outer one's post hook records the step
+    t0, c.optimizer_t0, c.optimizer_outer = c.optimizer_t0, 0, None
     c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)
     timer = _ct.ACTIVE
     if timer is not None and timer.optimizer_span is not None:
