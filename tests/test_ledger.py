@@ -285,6 +285,28 @@ def test_the_signature_of_the_call_a_rank_died_in_is_the_one_described_after_its
     assert "dtype" not in f["summary"] and "float32" not in f["summary"]
 
 
+def test_gathered_sizes_that_differ_where_the_backend_aborted_name_the_rank_whose_size_changed(
+    tmp_path: Path,
+) -> None:
+    """all_gather into a list may take sizes that differ on some backends, so its element count
+    is not compared by itself; once gloo aborts on it, it is the mismatch. Rank 1's count at
+    that line changed from its own earlier calls (a batch short by one sample): the root."""
+    site = ["site", 3000, 0, 2, {"id": 1, "file": "/job/train.py", "line": 97, "func": "gather"}]
+    full = ["signature", 3001, 0, 2, {"id": 0, "dtype": "float32", "numel": 2048, "root": -1, "ranks": ""}]
+    before = ["collective", 3100, 10, 2, "all_gather", 8192, "WORLD", 2, 5, 0, 1, 0]
+    zero = [*_steps(3, loader=False), site, full, before]
+    at6 = ["collective", 3500, 10, 2, "all_gather", 8192, "WORLD", 2, 6, 0, 1, 0]
+    _write(tmp_path, 0, [*zero, at6, ["rank_error", 3600, 0, 2, PEER_ERROR]], end=False)
+    short = ["signature", 3450, 0, 2, {"id": 1, "dtype": "float32", "numel": 1984, "root": -1, "ranks": ""}]
+    _write(tmp_path, 1, [*zero, short], end=False)
+    abort = _stack((C10D, 3252, "all_gather"), ("/job/train.py", 97, "gather"))
+    _ends(tmp_path, {"1": {"how": "signal", "signal": "SIGABRT", "stack": abort, "words": GLOO_WORDS}})
+    f = _kinds(tmp_path)["collective_mismatch"]
+    said = "rank 0 2,048 elements, rank 1 1,984 elements; rank 1's earlier calls from that line had 2,048"
+    assert said in f["summary"], f["summary"]
+    assert f["details"]["root_rank"] == 1 and "rank_failure" not in _kinds(tmp_path)
+
+
 def test_a_rank_killed_outside_any_collective_stays_a_rank_failure(tmp_path: Path) -> None:
     """os.abort() in the user's own code: no sync point in its stack, so nothing diverged first."""
     _write(tmp_path, 0, _steps(5, loader=False), end=False)

@@ -260,6 +260,8 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
             return alone
         differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))
         text = div.evidence.get("disagreement") or f"the ranks disagree at collective #{seq}"
+        if div.evidence.get("changed"):
+            text += f"; {div.evidence['changed']}"
         op = next(iter(points.values())).op
         return Finding(
             "collective_mismatch",
@@ -267,7 +269,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
             sorted(points),
             f"{text} ({said})",
             fix=fix_for(differ, op) if differ is not None and differ.field != "op" else FIX_MISMATCH,
-            details={**details, "root_rank": None, "differs": div.evidence.get("differs")},
+            details={**details, "root_rank": div.root, "differs": div.evidence.get("differs")},
         )
     if forward_side and len(forward_side) < len(points):
         return forward_cause(forward_side, points, ledgers, details)

@@ -74,6 +74,9 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
             differ = None if same else disagreement(sigs, _op_of, f"collective #{seq}")
             if differ is None:
                 said = _backend_says_mismatch(present, have)
+                sized = _sizes_differ(have, present, seq) if said else None
+                if sized is not None:
+                    return sized
                 # completed on no rank (each in it, or raised out of it when the peer died)
                 if said and all(p.in_flight or p.raised for p in have.values()):
                     evidence = {"seq": seq, "differs": "size", "backend": said}
@@ -90,6 +93,30 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
             gone = min(missing, key=lambda r: (present[r].last_step, r))
             return Divergence("left", gone, sorted(have), dict(at), {"seq": seq})
     return None
+
+
+def _sizes_differ(have: dict[int, Point], ledgers: dict[int, Ledger], seq: int) -> Divergence | None:
+    """Element counts that differ at one sequence number of an op whose sizes some backends let
+    differ (``all_gather`` into a list): a mismatch once the backend said so. The root is the one
+    rank whose count departs from what its own earlier calls from that line had, when exactly
+    one does (a batch short by a dropped sample, say)."""
+    counts = {r: p.numel for r, p in have.items() if p.numel > 0}
+    if len(counts) < 2 or len(set(counts.values())) == 1:
+        return None
+    op = next(iter(have.values())).op
+    parts = ", ".join(f"rank {r} {n:,} elements" for r, n in sorted(counts.items()))
+    text = f"ranks disagree on the {op}'s element count at collective #{seq}: {parts}"
+    before = {
+        r: {p.numel for p in ledgers[r].points if p.site == have[r].site and p.seq < seq and p.numel > 0}
+        for r in counts
+    }
+    changed = [r for r, n in counts.items() if before[r] and n not in before[r]]
+    root = changed[0] if len(changed) == 1 else None
+    evidence = {"seq": seq, "differs": "size", "disagreement": text, "field": "element count"}
+    if root is not None:
+        was = " or ".join(f"{n:,}" for n in sorted(before[root]))
+        evidence["changed"] = f"rank {root}'s earlier calls from that line had {was} elements"
+    return Divergence("mismatch", root, [r for r in have if r != root], dict(have), evidence)
 
 
 # DDP's own sync points: issued once per step on every rank, so the step they carry is comparable.
