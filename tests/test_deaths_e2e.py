@@ -103,6 +103,11 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: 
         assert f"rank {rank} was killed by {sig}" in failure["summary"], failure["summary"]
     if mode != "raise":  # an exception's finding quotes its traceback instead
         assert word in failure["summary"], failure["summary"]
+    if mode == "os_exit":  # the line that called it: the probe keeps its caller's stack
+        source = (JOBS / "dying_train.py").read_text().splitlines()
+        line = next(n for n, text in enumerate(source, 1) if text.strip() == "os._exit(7)")
+        assert f"(dying_train.py:{line} in die)" in failure["summary"], failure["summary"]
+        assert failure["details"]["place"] == f"dying_train.py:{line}"
 
 
 def test_sigterm_from_the_launcher_is_a_consequence_not_the_root(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
@@ -88,7 +89,11 @@ def _os_exit(c: _c.Collector) -> None:
     def _exit(code: int) -> None:
         if os.getpid() == pid:
             with contextlib.suppress(Exception), open(path, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps({"how": "os._exit", "code": code, "wall_ns": time.time_ns()}))
+                # who called it (outermost first): the line a finding can point at
+                stack = traceback.extract_stack(sys._getframe(1), 16)
+                frames = [(f.filename, f.lineno, f.name) for f in stack]
+                record = {"how": "os._exit", "code": code, "wall_ns": time.time_ns(), "frames": frames}
+                fh.write(json.dumps(record))
         real(code)
 
     _exit.__ddpdoctor__ = True  # type: ignore[attr-defined]

@@ -191,6 +191,7 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
     elif exit_info.get("how") == "os._exit":
         end.update(how="os_exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
         end["source"] = "os._exit() in the rank"
+        end["frames"] = exit_info.get("frames") or []  # its caller's stack, outermost first
     elif clean:
         end.update(how="exit", at_wall=_mtime(RunDir(run_dir).trace(rank, header.get("restart", 0))))
     return end

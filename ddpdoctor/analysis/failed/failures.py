@@ -248,8 +248,16 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             details["place"] = loader or user_frame(frames)
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
-        summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}"
-        fix = "os._exit skips every cleanup: find why the rank exits there (its last stderr lines below)."
+        frames = ends[str(rank)].get("frames") or []
+        where = _where(frames)
+        summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}{where}"
+        fix = (
+            f"os._exit skips every cleanup, and the other ranks lose their peer: find why rank {rank} "
+            f"exits there{where} (its last stderr lines below), and raise an exception instead, "
+            "so that the launcher stops the job with a traceback."
+        )
+        if frames:
+            details["place"] = user_frame([{"file": f[0], "line": f[1]} for f in reversed(frames)])
     else:
         end = ends.get(str(rank), {})
         sig = _signal_number(end) or sig  # the rank's own record beats the watcher's glimpse
