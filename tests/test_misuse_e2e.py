@@ -77,7 +77,8 @@ def test_missing_distributed_sampler(tmp_path: Path) -> None:
     assert f["kind"] == "missing_distributed_sampler" and f["ranks"] == [0, 1]
     assert f["details"]["sampler"] == "RandomSampler" and f["details"]["dataset_len"] == 96
     # Judged by effect: each rank's pass gives 12 batches of 8, the whole 96-sample dataset.
-    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == "misuse.py:62"
+    loop = f"misuse.py:{_line('misuse.py', 'for x, y in loader:')}"
+    assert f["details"]["batches_per_rank"] == 12 and f["details"]["place"] == loop
     assert f["details"]["same_batches"] is True  # one seed everywhere: the same order on each rank
 
 
@@ -86,13 +87,35 @@ def test_missing_set_epoch(tmp_path: Path) -> None:
     assert code == 0
     (f,) = serious(found)
     assert f["kind"] == "missing_set_epoch"
+    created = _line("misuse.py", "sampler = DistributedSampler(data, shuffle=True, seed=0)")
     assert f["details"] == {
         "epoch": 0,
         "passes": 2,
         "ranks": [0, 1],
-        "place": "misuse.py:62",
+        "place": f"misuse.py:{created}",  # the sampler that was never set_epoch'd
+        "loop": f"misuse.py:{_line('misuse.py', 'for x, y in loader:')}",
         "same_batches": True,  # each epoch began with the same batches, not only the same epoch
+        "set_epoch_elsewhere": None,
     }
+
+
+def test_set_epoch_on_another_sampler_names_both(tmp_path: Path) -> None:
+    """The name reused for a validation sampler: set_epoch is called every epoch, on that one."""
+    _, found = findings(tmp_path, "shadowed")
+    (f,) = serious(found)
+    train = _line("misuse.py", "sampler = DistributedSampler(data, shuffle=True, seed=0)")
+    other = _line("misuse.py", "sampler = DistributedSampler(data, shuffle=False)")
+    call = _line("misuse.py", "sampler.set_epoch(epoch)")
+    said = " ".join(f["summary"].split())
+    assert f["kind"] == "missing_set_epoch" and f"created at misuse.py:{train}" in said, said
+    called = f"set_epoch was called at misuse.py:{call}, but on another DistributedSampler"
+    assert f"{called} created at misuse.py:{other}" in said, said
+    assert f["details"]["place"] == f"misuse.py:{train}" and "train_loader.sampler.set_epoch" in f["fix"]
+
+
+def _line(script: str, text: str) -> int:
+    lines = (JOBS / script).read_text().splitlines()
+    return next(n for n, t in enumerate(lines, 1) if t.strip().startswith(text))
 
 
 def test_what_each_rank_read_decides_sharding_not_the_sampler(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """DataLoader waits and DataLoader passes (sampler, epoch, batch size, what the first batches
-held)."""
+held), and where each DistributedSampler was created and had ``set_epoch`` called: a training
+loop that calls ``set_epoch`` on another sampler (a name reused for the validation one) is then
+told where both are (called once per sampler or epoch: a stack walk each)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,47 @@ _PASS = "_ddpdoctor_pass"  # on the iterator: (pass number, batches given so far
 DIGESTED = 2  # first batches of each pass digested: enough to tell orders and ranks apart
 SAMPLE = 4096  # elements of each tensor hashed, evenly spaced: microseconds, whatever its size
 _NEXT = LivePhase.DATA.op
+_SITE = "_ddpdoctor_site"  # on a DistributedSampler: the user's line that created it
+_SET_EPOCH = "_ddpdoctor_set_epoch"  # on it: (set_epoch calls, the last call's line)
+_LAST_SET_EPOCH: list[tuple[int, str, str] | None] = [None]  # (sampler id, its line, the call's)
 
 
 def install() -> None:
-    from torch.utils.data import dataloader
+    from torch.utils.data import dataloader, distributed
 
     patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
     patch(dataloader.DataLoader, "__iter__", _wrap_iter)
+    patch(distributed.DistributedSampler, "__init__", _wrap_sampler_init)
+    patch(distributed.DistributedSampler, "set_epoch", _wrap_set_epoch)
+
+
+def _wrap_sampler_init(init: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if _c.ACTIVE is not None and not hasattr(self, _SITE):  # a subclass's super(): its caller's
+            try:
+                where = _caller()
+                setattr(self, _SITE, where[0].split(" ")[0] if where else "")
+            except Exception as exc:
+                guard.passthrough(exc)
+
+    return __init__
+
+
+def _wrap_set_epoch(set_epoch: Callable[..., None]) -> Callable[..., None]:
+    def wrapped(self: Any, epoch: int) -> None:
+        set_epoch(self, epoch)
+        if _c.ACTIVE is not None:
+            try:
+                where = _caller()
+                site = where[0].split(" ")[0] if where else ""
+                calls = getattr(self, _SET_EPOCH, (0, ""))[0]
+                setattr(self, _SET_EPOCH, (calls + 1, site))
+                _LAST_SET_EPOCH[0] = (id(self), str(getattr(self, _SITE, "")), site)
+            except Exception as exc:
+                guard.passthrough(exc)
+
+    return wrapped
 
 
 def _wrap_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -150,7 +186,23 @@ def describe_loader(loader: Any) -> dict[str, Any]:
         "num_workers": int(loader.num_workers),
         "dataset_len": dataset_len,
         "batch_sampler": type(loader.batch_sampler).__name__ if loader.batch_sampler else None,
+        **_sampler_sites(sampler),
     }
+
+
+def _sampler_sites(sampler: Any) -> dict[str, Any]:
+    """Where a DistributedSampler was created, its set_epoch calls, and the last set_epoch on
+    another sampler when it had none."""
+    if not hasattr(sampler, _SITE):
+        return {}
+    calls, site = getattr(sampler, _SET_EPOCH, (0, ""))
+    out: dict[str, Any] = {"sampler_site": getattr(sampler, _SITE), "set_epoch_calls": calls}
+    if site:
+        out["set_epoch_site"] = site
+    last = _LAST_SET_EPOCH[0]
+    if not calls and last is not None and last[0] != id(sampler):
+        out["set_epoch_elsewhere"] = {"site": last[2], "sampler_site": last[1]}
+    return out
 
 
 def _caller() -> list[str]:

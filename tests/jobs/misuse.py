@@ -1,7 +1,10 @@
 """Small DDP jobs with one classic mistake each (or none).
 
 Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch|two_models|
-                  presplit|same_shard|reseeded}
+                  presplit|same_shard|reseeded|shadowed}
+
+``shadowed``: the name ``sampler`` is reused for a validation sampler, so ``set_epoch`` reaches
+that one and never the training loader's.
 """
 
 import sys
@@ -46,6 +49,8 @@ def main() -> None:
     else:
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=8, sampler=sampler)
+    if mode == "shadowed":
+        sampler = DistributedSampler(data, shuffle=False)  # for validation, under the same name
     model = DDP(Net(), find_unused_parameters=mode in ("branch", "unneeded"))
     params = list(model.parameters())
     critic = None

@@ -114,24 +114,40 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
         )
     if no_epoch:
         info = next(iter(no_epoch.values()))
+        created = f" created at {info['sampler_site']}" if info.get("sampler_site") else ""
+        elsewhere = info.get("set_epoch_elsewhere") or {}
+        other = ""
+        fix = "Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader."
+        if elsewhere.get("site"):
+            mine = f" (the one{created})" if created else ""
+            of = f" created at {elsewhere['sampler_site']}" if elsewhere.get("sampler_site") else ""
+            other = f"; set_epoch was called at {elsewhere['site']}, but on another DistributedSampler{of}"
+            fix = (
+                f"Call set_epoch on the training loader's sampler{mine}: the call at "
+                f"{elsewhere['site']} reaches another sampler{of} (a name reused, or the "
+                "validation loader's). Keep a separate name for each sampler, or call "
+                "train_loader.sampler.set_epoch(epoch)."
+            )
         yield Finding(
             "missing_set_epoch",
             "warning",
             sorted(no_epoch),
-            f"the shuffling {info.get('sampler')} "
+            f"the shuffling {info.get('sampler')}{created} "
             + (
                 f"began {info['passes']} passes over the data with the same batches"
                 if info["proven"]
                 else f"stayed at epoch {info.get('epoch')} for all {info['passes']} passes over the data"
             )
-            + ": every epoch replays the same order",
-            fix="Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
+            + f": every epoch replays the same order{other}",
+            fix=fix,
             details={
                 "epoch": info.get("epoch"),
                 "passes": info["passes"],
                 "ranks": sorted(no_epoch),
-                "place": info.get("site"),
+                "place": info.get("sampler_site") or info.get("site"),
+                "loop": info.get("site"),
                 "same_batches": info["proven"],  # False: judged by the sampler's epoch alone
+                "set_epoch_elsewhere": elsewhere or None,
             },
         )
 
