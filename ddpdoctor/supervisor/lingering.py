@@ -31,13 +31,14 @@ class Lingering:
         self, mine: Mapping[int, RankStatus], alive: Mapping[int, bool], view: JobView | None, now: float
     ) -> bool:
         """Say it once, GRACE_S after the last of this node's ranks exited, every one cleanly
-        (a rank that failed ends its agent, or has it restart the workers); True when it did."""
+        (a rank that failed ends its agent, or has it restart the workers), and once a rank on
+        another node failed or was lost (a node still training will arrive); True when it did."""
         if self.said or not mine or any(alive.values()) or not all(_clean(st) for st in mine.values()):
             self.since = None
             return False
         if self.since is None:
             self.since = now
-        if now - self.since < GRACE_S:
+        if now - self.since < GRACE_S or not _failed_elsewhere(mine, view):
             return False
         self.said = True
         from ddpdoctor.supervisor.ends import settle
@@ -66,6 +67,11 @@ def text(mine: Mapping[int, RankStatus], view: JobView | None, run_dir: Path) ->
         dirs += [v.run_dir for _, v in sorted(view.nodes.items()) if v.run_dir and v.run_dir not in dirs]
     lines.append(f"  This node's records are complete: ddpdoctor diagnose {' '.join(dirs)}")
     return "\n".join(lines)
+
+
+def _failed_elsewhere(mine: Mapping[int, RankStatus], view: JobView | None) -> bool:
+    others = [st for r, st in (view.statuses.items() if view is not None else ()) if r not in mine]
+    return any(st.error or st.lost for st in others)
 
 
 def _clean(st: RankStatus) -> bool:

@@ -138,7 +138,7 @@ def _late_worked_s(run: Run, rank: int, lg: Ledger) -> float | None:
         ts
         for ts, _, i in (trace.meta.get(schema.RAISED, []) if trace else [])
         if i.get("kind") not in _NOT_POINTS
-    ]  # noqa: E501
+    ]
     if trace is None or not raised or len(lg.points) < 2:
         return None
     since, until = lg.points[-2].ts, raised[-1]
