@@ -22,16 +22,16 @@ from ddpdoctor.analysis.failed.ledger import (
     forward_site,
 )
 from ddpdoctor.analysis.failed.parting import (
+    FIX_BRANCH,
     Divergence,
-    accumulation_differs,
     first_divergence,
     others_text,
     parted_at,
     rank_only_call,
     rank_only_logs,
-    skipped_sync,
 )
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
+from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.source import loop_left
 from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
@@ -64,10 +64,6 @@ FIX_LEFT = (
     "Keep every rank in the loop until every rank stops: a return, break or sys.exit() decided on "
     "one rank (or an exception caught and swallowed there) must become a decision every rank "
     "shares (all_reduce a stop or error flag, then stop together), or re-raise the exception."
-)
-FIX_BRANCH = (
-    "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
-    "the rank-only work without a collective."
 )
 FIX_MISMATCH = (
     "Every rank must issue the same collectives in the same order with the same op and size: "
