@@ -43,8 +43,7 @@ def _wrap_sampler_init(init: Callable[..., None]) -> Callable[..., None]:
         init(self, *args, **kwargs)
         if _c.ACTIVE is not None and not hasattr(self, _SITE):  # a subclass's super(): its caller's
             try:
-                where = _caller()
-                setattr(self, _SITE, where[0].split(" ")[0] if where else "")
+                setattr(self, _SITE, _caller_site())
             except Exception as exc:
                 guard.passthrough(exc)
 
@@ -56,8 +55,7 @@ def _wrap_set_epoch(set_epoch: Callable[..., None]) -> Callable[..., None]:
         set_epoch(self, epoch)
         if _c.ACTIVE is not None:
             try:
-                where = _caller()
-                site = where[0].split(" ")[0] if where else ""
+                site = _caller_site()
                 calls = getattr(self, _SET_EPOCH, (0, ""))[0]
                 setattr(self, _SET_EPOCH, (calls + 1, site))
                 _LAST_SET_EPOCH[0] = (id(self), str(getattr(self, _SITE, "")), site)
@@ -205,7 +203,13 @@ def _sampler_sites(sampler: Any) -> dict[str, Any]:
     return out
 
 
-def _caller() -> list[str]:
+def _caller_site() -> str:
+    """The user's line (file:line) that called the wrapper calling this, "" when none."""
+    where = _caller(3)
+    return where[0].split(" ")[0] if where else ""
+
+
+def _caller(depth: int = 2) -> list[str]:
     """ "file:line func" of the user's loop over the loader and of up to two user frames that
     called it (once per pass, so a plain stack walk): a loop inside a helper is named with the
     line that called the helper."""
@@ -214,7 +218,7 @@ def _caller() -> list[str]:
 
     from ddpdoctor.trace.stacktext import is_user_frame
 
-    frame, found = sys._getframe(2), []
+    frame, found = sys._getframe(depth), []
     for _ in range(64):
         if frame is None or len(found) == 3:
             break

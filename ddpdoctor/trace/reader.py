@@ -93,6 +93,12 @@ class Run:
         return []
 
     @property
+    def stopped_lingering(self) -> bool:
+        """A node's launcher, left in torchrun's exit barrier after its ranks exited cleanly,
+        was stopped on the user's Ctrl-C (supervisor/lingering.py)."""
+        return any(m.get(RunDir.STOPPED_LINGERING) for m in self.metas)
+
+    @property
     def exit_code(self) -> int | None:
         """The first non-zero exit code among the nodes, 0 if all succeeded, None if unknown."""
         codes = [m.get("exit_code") for m in self.metas if m.get("exit_code") is not None]

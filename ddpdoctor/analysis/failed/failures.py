@@ -58,6 +58,11 @@ def _where(frames: list[Any]) -> str:
     return f" ({_frame_text(user)}, inside {inner})"
 
 
+def _place(frames: list[Any]) -> str:
+    """The user's innermost line (file:line) of recorded frames (file, line, function), outermost first."""
+    return user_frame([{"file": f[0], "line": f[1]} for f in reversed(frames)])
+
+
 def _frame_text(frame: Any) -> str:
     file, line, func = (list(frame) + ["?", "?", "?"])[:3]
     return f"{os.path.basename(str(file))}:{line} in {func}"
@@ -190,7 +195,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     if not candidates and not code:
         return
     unclean = [r for r, t in sorted(run.ranks.items()) if not t.ended_cleanly]
-    if not candidates and not unclean and any(m.get(RunDir.STOPPED_LINGERING) for m in run.metas):
+    if not candidates and not unclean and run.stopped_lingering:
         return  # every rank here exited cleanly; the user's Ctrl-C stopped the lingering launcher
     last_step = {str(r): last_step_started(t) for r, t in run.ranks.items()}
     details: dict[str, Any] = {"exit_code": code, "unclean_ranks": unclean, "last_step": last_step}
@@ -244,8 +249,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         known = known_error(error, loader)
         if known is not None:
             summary, fix = f"{summary}: {known[0]}", known[1]
-            frames = [{"file": f[0], "line": f[1]} for f in reversed(error.get("frames") or [])]
-            details["place"] = loader or user_frame(frames)
+            details["place"] = loader or _place(error.get("frames") or [])
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
         frames = ends[str(rank)].get("frames") or []
@@ -257,7 +261,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             "so that the launcher stops the job with a traceback."
         )
         if frames:
-            details["place"] = user_frame([{"file": f[0], "line": f[1]} for f in reversed(frames)])
+            details["place"] = _place(frames)
     else:
         end = ends.get(str(rank), {})
         sig = _signal_number(end) or sig  # the rank's own record beats the watcher's glimpse
@@ -337,8 +341,7 @@ def model_differs(run: Run) -> Iterable[Finding]:
             if info.get("error") == "ddp_init" and isinstance(info.get("shapes"), list):
                 shapes[rank] = info["shapes"]
         for _, _, err in trace.meta.get(schema.RANK_ERROR, [])[:1]:
-            frames = [{"file": f[0], "line": f[1]} for f in reversed(err.get("frames") or [])]
-            places[rank] = user_frame(frames)
+            places[rank] = _place(err.get("frames") or [])
     if len(shapes) < 2:
         return
     ranks = sorted(shapes)

@@ -16,7 +16,6 @@ from typing import Any
 
 from ddpdoctor.analysis.failed.endings import is_consequence
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace.reader import Run
 
 SILENT_S = 1.5  # a node reports every 0.25 s, its ranks dead or alive: silent this long, it is gone
@@ -32,7 +31,7 @@ def other_nodes(run: Run) -> Iterable[Finding]:
     for rank, where in elsewhere.items():
         nodes.setdefault(where, []).append(rank)
     text = "; ".join(f"rank(s) {rank_list(rs)} on {where}" for where, rs in nodes.items())
-    if any(m.get(RunDir.STOPPED_LINGERING) for m in run.metas):
+    if run.stopped_lingering:
         text += (
             f". Every rank read here exited cleanly; the launcher, left in torchrun's exit barrier "
             f"waiting for the other nodes, was stopped on Ctrl-C (exit code {run.exit_code})"

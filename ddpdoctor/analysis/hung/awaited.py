@@ -104,7 +104,7 @@ def _last_wait(run: Run, rank: int, lg: Ledger) -> dict[str, Any] | None:
         return None
     point = lg.points[-1]
     seconds = None
-    raised = [r for r in trace.meta.get(schema.RAISED, []) if r[2].get("kind") not in _NOT_POINTS]
+    raised = _raised(trace)
     if raised and (point.raised or point.died_in or point.in_flight):
         seconds = float(raised[-1][2].get("dur_us") or 0) / 1e6
     coll = trace.kind(schema.COLLECTIVE)
@@ -113,6 +113,11 @@ def _last_wait(run: Run, rank: int, lg: Ledger) -> dict[str, Any] | None:
     if seconds is None:
         return None
     return {"op": point.op, "seq": point.seq, "s": seconds, "place": point.site}
+
+
+def _raised(trace: Any) -> list[tuple[int, int, dict[str, Any]]]:
+    """The rank's raised records of sync points (not a data wait's, not a constructor's)."""
+    return [r for r in trace.meta.get(schema.RAISED, []) if r[2].get("kind") not in _NOT_POINTS]
 
 
 def _worked_s(run: Run, rank: int) -> float | None:
@@ -134,11 +139,7 @@ def _late_worked_s(run: Run, rank: int, lg: Ledger) -> float | None:
     """The longest stretch outside every recorded event between the rank's previous sync point
     and the one it reached late (its raised record): the work the others waited for."""
     trace = run.ranks.get(rank)
-    raised = [
-        ts
-        for ts, _, i in (trace.meta.get(schema.RAISED, []) if trace else [])
-        if i.get("kind") not in _NOT_POINTS
-    ]
+    raised = [ts for ts, _, _ in _raised(trace)] if trace is not None else []
     if trace is None or not raised or len(lg.points) < 2:
         return None
     since, until = lg.points[-2].ts, raised[-1]
