@@ -39,6 +39,7 @@ CI_SUBSET = (
     "mismatch_val_meter_dtype_heldout",  # aborted inside: the dtype its probe wrote before the call
     "healthy_zero_consolidate_all_ranks_heldout",  # ZeRO's inner step is not the step: no divergence
     "mismatch_contrastive_gather_heldout",  # an all_gather gloo refused: the rank whose count changed
+    "healthy_unfreeze_rewrap_heldout",  # re-wrapped after unfreezing: the new wrapper is what syncs
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)
