@@ -177,6 +177,30 @@ def test_a_module_wrapped_again_is_checked_through_the_new_wrapper_only() -> Non
     assert [r["model"] for r in checked] == [1] and "unsynced" not in checked[0]
 
 
+def test_a_wrapper_freed_before_exit_is_checked_as_it_goes() -> None:
+    """A main() that returns frees its wrapper before the interpreter exits (only a comm hook's
+    reference cycle kept it alive): its final state is checked as it goes, once."""
+    c = _Collector()
+    f = fp.Fingerprints(c, interval=4)
+
+    def train() -> list[int]:
+        ddp, registered = _model()
+        f.add(ddp, 0, registered)
+        opt = torch.optim.SGD(registered, lr=0.1)
+        for step in range(6):
+            c.step = step
+            f.after_step(opt)
+        with torch.no_grad():
+            registered[0].add_(1.0)  # a rank's own edit after the last scheduled check
+        return fp.hashes(list(ddp.module.parameters()) + list(ddp.module.buffers()))
+
+    final = train()
+    f.at_exit()
+    records = [r for r in c.records if r[0] == schema.FINGERPRINT]
+    assert [(r[3], r[4]["at"]) for r in records] == [(-1, "init"), (0, "step"), (3, "step"), (5, "exit")]
+    assert records[-1][4]["values"] == final
+
+
 def test_the_interval_keeps_the_cost_within_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(0, 10**12, 10**6))  # every reading of the clock: 1 ms later
     monkeypatch.setattr(fp, "_now", lambda: next(clock))

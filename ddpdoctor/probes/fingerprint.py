@@ -165,6 +165,10 @@ class Fingerprints:
         module = getattr(ddp, "module", None)
         self.models = [m for m in self.models if (old := m.ref()) is not None and old.module is not module]
         self.models.append(model)
+        # A wrapper that dies before the interpreter does (a main() that returns) leaves no model
+        # for the exit check: check its module as the wrapper goes (the finalizer holds only the
+        # module, which the wrapper holds anyway, and lets it go once it has run).
+        weakref.finalize(ddp, self.released, model, module).atexit = False
         self.check([model], "init")
         if not self.last[1]:  # the first step's time, construction included, sets the first interval
             self.last = (self.c.step, _now())
@@ -204,26 +208,42 @@ class Fingerprints:
         one lucky one sets the interval."""
         return sorted(self.costs)[len(self.costs) // 2] if self.costs else 0
 
+    def released(self, model: _Model, module: Any) -> None:
+        """A model's wrapper was freed: its final state, as ``at_exit`` would have checked it."""
+        c = self.c
+        if model not in self.models or PROBE in c.disabled or module is None:
+            return  # superseded by a new wrapper of the module, or fingerprinting is off
+        try:
+            step = c.step
+            if c.live and step != self.checked and step == self.stepped and step >= 0:
+                self.checked = step
+                self._check_module(model, module, "exit")
+        except Exception as exc:
+            c.fail(PROBE, exc)
+
     def check(self, models: list[_Model], at: str) -> None:
         for model in models:
             ddp = model.ref()
-            if ddp is None:
-                continue
-            named = list(ddp.module.named_parameters()) + list(ddp.module.named_buffers())
-            n_params = sum(1 for _ in ddp.module.parameters())
-            info: dict[str, Any] = {"model": model.index, "at": at}
-            names = [n for n, _ in named]
-            if names != model.names:
-                model.names = names
-                info.update(names=names, n_params=n_params, numels=[t.numel() for _, t in named])
-            unsynced = [
-                i
-                for i, (_, p) in enumerate(named[:n_params])
-                if p.requires_grad and p.grad is not None and id(p) not in model.registered
-            ]
-            if unsynced:
-                info["unsynced"] = unsynced
-            self._submit([t for _, t in named], info)
+            if ddp is not None:
+                self._check_module(model, ddp.module, at)
+
+    def _check_module(self, model: _Model, module: Any, at: str) -> None:
+        """Hash one model's parameters and buffers, and name those it trains outside DDP."""
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        n_params = sum(1 for _ in module.parameters())
+        info: dict[str, Any] = {"model": model.index, "at": at}
+        names = [n for n, _ in named]
+        if names != model.names:
+            model.names = names
+            info.update(names=names, n_params=n_params, numels=[t.numel() for _, t in named])
+        unsynced = [
+            i
+            for i, (_, p) in enumerate(named[:n_params])
+            if p.requires_grad and p.grad is not None and id(p) not in model.registered
+        ]
+        if unsynced:
+            info["unsynced"] = unsynced
+        self._submit([t for _, t in named], info)
 
     def _check_optimizer(self, optimizer: Any) -> None:
         """Parameters this optimizer trains that belong to no DDP model: never all-reduced."""
