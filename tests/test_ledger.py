@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.failed.ledger import build
+from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
 from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.slow.periodic import period_of
 from ddpdoctor.analysis.slow.phases import exclusive_durations
@@ -351,6 +351,55 @@ def test_a_sync_point_matched_across_steps_is_the_first_divergence_and_names_the
     f = _kinds(tmp_path)["skipped_gradient_sync"]
     assert f["details"]["root_rank"] == 1 and f["details"]["step"] == 2
     assert "rank 1 ran step 2's forward at train.py:21 but no gradient all-reduce" in f["summary"]
+
+
+def _untimed(records: list[list]) -> list[list]:
+    """The same steps with their buckets untimed (DDPDOCTOR_BUCKET_TIMING): no all-reduce
+    records; each training forward holds the sequence number it found, as the probe records it."""
+    out, seq = [], 3
+    reductions = {rec[3]: rec[6] for rec in records if rec[0] == "allreduce"}
+    for rec in records:
+        if rec[0] == "allreduce":
+            continue
+        if rec[0] == "forward":
+            rec = [*rec[:6], seq, *rec[7:]]
+            seq += rec[3] in reductions
+        out.append(rec)
+    return out
+
+
+def test_untimed_buckets_are_the_gaps_in_the_sequence_numbers_and_part_the_ranks_the_same_way(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path, 0, _untimed(_skipping(6, skipped=-1)), end=False)
+    _write(tmp_path, 1, _untimed(_skipping(6, skipped=2)), end=False)
+    ledgers = build(load_run([tmp_path]))
+    grads = {
+        r: [(p.seq, p.step) for p in lg.points if p.op == "gradient all-reduce"] for r, lg in ledgers.items()
+    }
+    # The last step, with no recorded call after it, uses as many numbers as the step before.
+    assert grads[0] == [(3, 0), (4, 1), (5, 2), (6, 3), (7, 4), (8, 5)]
+    assert grads[1] == [(3, 0), (4, 1), (5, 3), (6, 4), (7, 5)]
+    div = first_divergence(ledgers)
+    assert div is not None and div.what == "steps" and div.root == 1
+    assert div.evidence == {"seq": 5, "steps": {0: 2, 1: 3}}
+    f = _kinds(tmp_path)["skipped_gradient_sync"]
+    assert f["details"]["root_rank"] == 1 and f["details"]["step"] == 2
+
+
+def test_a_recorded_collective_keeps_its_number_among_untimed_buckets(tmp_path: Path) -> None:
+    records = _untimed(_skipping(4, skipped=-1))
+    for k, rec in enumerate(records):  # step 1 also calls all_reduce after its backward
+        if rec[0] == "optimizer" and rec[3] == 1:
+            records.insert(k, ["collective", rec[1] - 5, 3, 1, "all_reduce", 4, "WORLD", 2, 5, 0])
+            break
+    for rec in records:  # ... so the forwards after it find numbers one higher
+        if rec[0] == "forward" and rec[3] >= 2:
+            rec[6] += 1
+    _write(tmp_path, 0, records)
+    points = [(p.seq, p.op) for p in build(load_run([tmp_path]))[0].points]
+    expected = [(3, GRAD_ALLREDUCE), (4, GRAD_ALLREDUCE), (5, "all_reduce"), (6, GRAD_ALLREDUCE)]
+    assert points == [*expected, (7, GRAD_ALLREDUCE)]
 
 
 def test_the_same_schedule_on_every_rank_is_no_divergence(tmp_path: Path) -> None:

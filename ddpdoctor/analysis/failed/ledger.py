@@ -300,6 +300,8 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         if len(fields) > 7:
             _sign(point, sigs.get(fields[7]))
         points.append(point)
+    if not len(red):  # buckets untimed (DDPDOCTOR_BUCKET_TIMING): their numbers are the gaps
+        points.extend(_untimed_reductions(trace, fwd, points, fwd_site))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
     ledger.unfinished = _unfinished(trace, coll)
     ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
@@ -312,6 +314,62 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         sid = info.get("site")
         if isinstance(sid, int) and sid in sites:
             ledger.sync_logs.add((f"{sites[sid]} in {funcs.get(sid)}", str(info.get("name"))))
+
+
+# More unrecorded numbers than this in one step are not DDP's buckets: something else ran there.
+_MAX_UNTIMED = 256
+# DDP reduces step 0 in its constructor's bucket layout and rebuilds the buckets in step 1's
+# forward (two broadcasts): the steps from this one on issue the same C++ collectives each.
+_REBUILT = 2
+
+
+def _untimed_reductions(
+    trace: RankTrace, fwd: Any, points: list[Point], fwd_site: dict[int, str]
+) -> list[Point]:
+    """DDP's gradient all-reduces of steps whose buckets were not timed. Every collective
+    advances its group's sequence number and a training forward records the number it found,
+    so a step's range runs from its forward's number to the next forward's (or to the rank's
+    last recorded call; a last step with none after it uses as many numbers as the step
+    before, from the third on). Numbers in it that no recorded call holds are DDP's C++ work: the bucket
+    all-reduces, last, and before them what the forward's buffer broadcast and DDP's bucket
+    rebuild issued. So the last ``buckets`` of them, in steps with a backward; their bytes are
+    unknown (0: not compared between ranks)."""
+    if not len(fwd):
+        return []
+    grad = fwd.ints(0) == 1
+    steps, seqs = fwd.step[grad].tolist(), fwd.ints(2)[grad].tolist()
+    if not steps:
+        return []
+    bwd = trace.kind(schema.BACKWARD)
+    backward_ts = dict(zip(bwd.step.tolist(), bwd.ts.tolist(), strict=True))
+    taken = {p.seq for p in points if p.group == "WORLD" and p.seq >= 0}
+    ends = seqs[1:] + [max(taken, default=-1) + 1]
+    buckets, usual = _buckets(trace), 0
+    derived = []
+    for i, (step, first, end) in enumerate(zip(steps, seqs, ends, strict=True)):
+        ts = backward_ts.get(step)
+        if ts is None or first < 0:
+            continue
+        if i == len(steps) - 1 and end <= first and usual:  # nothing recorded after: as before
+            gaps = [q for q in range(first, first + _MAX_UNTIMED) if q not in taken][:usual]
+        elif 0 < end - first <= _MAX_UNTIMED:
+            gaps = [q for q in range(first, end) if q not in taken]
+            usual = len(gaps) if step >= _REBUILT else usual  # not step 0's layout nor 1's rebuild
+        else:
+            continue
+        site = fwd_site.get(step, "")
+        derived += [Point(q, GRAD_ALLREDUCE, 0, "WORLD", step, site, ts) for q in gaps[-buckets:]]
+    return derived
+
+
+def _buckets(trace: RankTrace) -> int:
+    """How many buckets DDP reduces a step: what the automatic bucket timing counted, else the
+    constructor's layout."""
+    for _, _, info in trace.meta.get(schema.COMM_HOOK, []):
+        if isinstance(info.get("auto"), dict) and int(info["auto"].get("buckets", 0)) > 0:
+            return int(info["auto"]["buckets"])
+    inits = [f[0] for f in trace.kind(schema.DDP_INIT).fields if isinstance(f[0], dict)]
+    return max(1, len(inits[-1].get("buckets") or [])) if inits else 1
 
 
 def _unfinished(trace: RankTrace, coll: Any) -> dict[str, Any] | None:
