@@ -11,9 +11,11 @@ BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before
 FLUSH_INTERVAL_S = 0.25
 BUFFER_EVENTS_N = 65536  # the ring's slots (128 bytes each: 8 MiB)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
-# "off": no timing comm hook in DDP's slot (no per-bucket spans; a Python hook costs a GIL trip
-# per bucket, about what torch's own Python allreduce_hook costs)
+# Per-bucket all-reduce spans need a comm hook in Python (a GIL trip per bucket, as torch's own
+# Python allreduce_hook): "on" (the default) always, "auto" only where the steps are long enough
+# to carry it (probes/commhook.py), "off" never.
 BUCKET_TIMING = "DDPDOCTOR_BUCKET_TIMING"
+BUCKET_TIMING_MODES = ("on", "auto", "off")
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
 PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)
@@ -35,6 +37,16 @@ def number(name: str, default: float, *, integer: bool = False) -> float:
         kind = "a positive whole number" if integer else "a positive number of seconds"
         raise ValueError(f"{name}={raw!r}: must be {kind}")
     return value
+
+
+def bucket_timing() -> str:
+    """``DDPDOCTOR_BUCKET_TIMING`` ("on" when unset), or a ValueError naming what it may be."""
+    import os
+
+    raw = os.environ.get(BUCKET_TIMING, "").strip().lower() or BUCKET_TIMING_MODES[0]
+    if raw not in BUCKET_TIMING_MODES:
+        raise ValueError(f"{BUCKET_TIMING}={raw!r}: must be one of {', '.join(BUCKET_TIMING_MODES)}")
+    return raw
 
 
 def writer_settings() -> tuple[float, int]:

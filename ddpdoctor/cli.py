@@ -128,6 +128,7 @@ def _watch_options(hang_timeout: str, on_hang: str) -> object:
     try:  # the ranks' settings too: a bad value stops here, in one line, not in every rank
         floor = _env.number(_env.HANG_FLOOR, 0.0) or None
         _env.writer_settings()
+        _env.bucket_timing()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     return WatchOptions(timeout, on_hang, floor)

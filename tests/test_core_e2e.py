@@ -80,10 +80,12 @@ def test_bucket_records_name_their_parameters(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("hook", ["none", "user"])
 def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: str) -> None:
-    """Three ranks, so the gradient average is not a power-of-two division."""
+    """Three ranks, so the gradient average is not a power-of-two division. Buckets timed from
+    the first step (the default): our timing hook's reduction against DDP's own, every step."""
     plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", f"--hook={hook}"))
     assert plain.returncode == 0, plain.stderr
-    job = run_doctor(tmp_path, torchrun(3, JOBS / "seeded_train.py", "doc.pt", f"--hook={hook}"))
+    command = torchrun(3, JOBS / "seeded_train.py", "doc.pt", f"--hook={hook}")
+    job = run_doctor(tmp_path, command)
     assert job.returncode == 0, job.stderr
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
     assert a.keys() == b.keys()
@@ -94,6 +96,49 @@ def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: 
     if hook == "user":
         assert "user_hook" in hooks[-1]["name"]
     assert sum(1 for r in records if r[0] == "allreduce") >= 20  # 2 epochs x 10 steps
+
+
+def test_bucket_timing_auto_times_long_steps_from_the_fifth_and_keeps_the_weights(tmp_path: Path) -> None:
+    """``auto``: the timer goes into DDP's hook slot only once a few steps have shown it is
+    cheap: mid-run, from DDP's C++ reduction to ours, which must sum bit for bit the same."""
+    args = ("--epochs=1", "--sleep-ms=60")  # 10 steps of 60 ms or more: their bucket can be timed
+    plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", *args))
+    assert plain.returncode == 0, plain.stderr
+    command = torchrun(3, JOBS / "seeded_train.py", "doc.pt", *args)
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    assert job.returncode == 0, job.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for rank in range(3):
+        records = read_lines(job.run_dir / f"trace-rank{rank}.jsonl")
+        (hook,) = [r for r in records if r[0] == "comm_hook"]
+        assert hook[3] == 4 and hook[4]["auto"]["step_ms"] >= 60 and "timed" not in hook[4]
+        steps = {r[3] for r in records if r[0] == "allreduce"}
+        assert steps == set(range(4, 10))  # decided at step 4's forward, from 3 step intervals
+    assert [f["kind"] for f in diagnose_json(job.run_dir)["findings"] if f["severity"] != "info"] == []
+
+
+def test_bucket_timing_auto_leaves_millisecond_steps_to_ddp_and_still_knows_their_reductions(
+    tmp_path: Path,
+) -> None:
+    # 12 buckets in steps of a few ms: timing them would need steps of 240 ms (0.5 % of a step
+    # for 100 µs a bucket), a margin no load on the test machine closes.
+    command = torchrun(2, JOBS / "seeded_train.py", "doc.pt", "--epochs=1", "--deep=15")
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    assert job.returncode == 0, job.stderr
+    records = read_lines(job.run_dir / "trace-rank1.jsonl")
+    (hook,) = [r for r in records if r[0] == "comm_hook"]
+    assert hook[4]["timed"] is False and hook[4]["auto"]["buckets"] >= 8
+    assert hook[4]["auto"]["step_ms"] < 40
+    assert not any(r[0] == "allreduce" for r in records)
+    from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
+    from ddpdoctor.trace.reader import load_run
+
+    ledger = build(load_run([job.run_dir]))[1]
+    per_step = [p.step for p in ledger.points if p.op == GRAD_ALLREDUCE]
+    assert set(per_step) == set(range(15))  # the last step's: before the epoch's barrier
+    # Step 0 reduces in DDP's construction-time layout; then a number per bucket every step.
+    assert {per_step.count(step) for step in range(1, 15)} == {hook[4]["auto"]["buckets"]}
 
 
 def test_bucket_timing_off_leaves_the_reduction_to_ddp(tmp_path: Path) -> None:

@@ -11,7 +11,12 @@ from conftest import job_env
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("DDPDOCTOR_HANG_FLOOR_S", "abc"), ("DDPDOCTOR_FLUSH_S", "-1"), ("DDPDOCTOR_BUFFER_EVENTS", "1.5")],
+    [
+        ("DDPDOCTOR_HANG_FLOOR_S", "abc"),
+        ("DDPDOCTOR_FLUSH_S", "-1"),
+        ("DDPDOCTOR_BUFFER_EVENTS", "1.5"),
+        ("DDPDOCTOR_BUCKET_TIMING", "sometimes"),
+    ],
 )
 def test_a_bad_environment_value_is_one_line_and_no_job(tmp_path, name: str, value: str) -> None:
     marker = tmp_path / "ran"

@@ -4,15 +4,20 @@ equal DDP's default (gradients pre-divided by the world size, then summed); a ho
 registers, before or after, is timed instead of replaced.
 
 Any hook written in Python costs a GIL trip per bucket and one for its completion: about what
-torch's own Python ``allreduce_hook`` costs (``benchmarks/overhead.py``: ``bucket_us`` next to
-``python_hook_bucket_us``). The timing hook adds one record to that. ``DDPDOCTOR_BUCKET_TIMING=off``
-leaves DDP's C++ reduction (or the user's hook) alone: no bucket spans, none of that cost.
+torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core host
+(``benchmarks/hook_cost.py``), several per cent of a millisecond step. ``DDPDOCTOR_BUCKET_TIMING``:
+``on`` (the default) registers the timer at the model's first forward; ``auto`` lets the first
+steps run on DDP's C++ reduction and registers it only if their median step can carry it
+(``affordable``); ``off`` never: DDP's C++ reduction (or the user's hook) alone. Untimed, the
+gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
+``analysis/failed/ledger.py``); each bucket's duration is lost, and with it the straggler
+table's lateness (docs/overhead.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,12 +25,72 @@ from typing import Any
 from ddpdoctor import _env
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes import guard
 from ddpdoctor.probes.ddp_model import ModelState, state_of
 from ddpdoctor.trace import schema
 
 PROBE = "comm_hook"
 _now = time.monotonic_ns
 _BUCKET = schema.ALLREDUCE
+HOOK_COST_S = 100e-6  # what timing costs a step, per bucket (benchmarks/hook_cost.py, overhead.py: 25-130 µs)
+STEP_SHARE = 0.005  # of the median step: the most bucket timing may cost it (issue 25: big jobs 1.005x)
+DECIDE_AFTER = 3  # step intervals measured before deciding (not the first step: DDP rebuilds buckets)
+
+
+def mode() -> str:
+    """``DDPDOCTOR_BUCKET_TIMING``: ``ddpdoctor run`` refuses a bad value; a rank started some
+    other way takes the default."""
+    try:
+        return _env.bucket_timing()
+    except ValueError:
+        return _env.BUCKET_TIMING_MODES[0]
+
+
+def affordable(step_s: float, buckets: int) -> bool:
+    """Can a step of ``step_s`` seconds carry the timing of ``buckets`` buckets?"""
+    return max(buckets, 1) * HOOK_COST_S <= STEP_SHARE * step_s
+
+
+def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
+    """A training forward of a model whose buckets are neither timed nor left untimed yet:
+    the timer goes in now (``on``), never (``off``), or once the steps say it is cheap."""
+    if not model.timing:
+        model.timing = mode()
+    if model.timing != "auto":
+        register_timer(ddp, model, None, None)
+        return
+    if c.step == model.last_step_seen:
+        return
+    model.last_step_seen = c.step
+    model.step_marks.append(_now())
+    if len(model.step_marks) < DECIDE_AFTER + 2:
+        return
+    marks = model.step_marks[1:]
+    step_s = statistics.median(b - a for a, b in zip(marks, marks[1:])) / 1e9
+    buckets = bucket_count(ddp)
+    info = {"step_ms": round(step_s * 1e3, 3), "buckets": buckets, "cost_us": HOOK_COST_S * 1e6}
+    info["share"] = STEP_SHARE
+    model.step_marks.clear()
+    if affordable(step_s, buckets):
+        register_timer(ddp, model, None, None, decided=info)
+    else:
+        model.untimed = True
+        name = "ddp default (allreduce average)"
+        c.meta(schema.COMM_HOOK, {"name": name, "user": False, "timed": False, "auto": info})
+
+
+def bucket_count(ddp: Any) -> int:
+    """How many gradient buckets DDP reduced in its last step (its count after the rebuild at
+    the first step, where it says no more); 1 if it does not say."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        if int(data.get("num_buckets_reduced", 0)) > 0:
+            return int(data["num_buckets_reduced"])
+        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+        return max(1, sum(1 for s in sizes.split(",") if s.strip()))
+    except Exception as exc:
+        guard.passthrough(exc)
+        return 1
 
 
 def install() -> None:
@@ -72,8 +137,9 @@ def _hook_name(hook: Any) -> str:
     return f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
 
 
-def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any) -> None:
-    """Put our timing hook in DDP's comm hook slot, around ``hook`` (DDP's default if None)."""
+def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any, decided: dict | None = None) -> None:
+    """Put our timing hook in DDP's comm hook slot, around ``hook`` (DDP's default if None);
+    ``decided``: what the automatic choice measured (``at_forward``), for the record."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpdoctor.probes.patching import original
@@ -86,7 +152,9 @@ def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any) -> None:
         return
     info = {"name": _hook_name(hook) if hook is not None else "ddp default (allreduce average)"}
     info["user"] = hook is not None
-    if os.environ.get(_env.BUCKET_TIMING) == "off":  # DDP's own reduction, not a Python hook
+    if decided is not None:
+        info["auto"] = decided
+    if mode() == "off":  # DDP's own reduction, not a Python hook
         model.untimed = True
         info["timed"] = False
         if hook is not None:

@@ -141,7 +141,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.awaiting_backward = True
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.untimed:
-                    commhook.register_timer(self, state, None, None)
+                    commhook.at_forward(self, state, c)
             if state is not None:  # the model's group: looked up once, its number read now
                 if state.group_named is None:
                     state.group_named = group_info(state.group, c)[:3]

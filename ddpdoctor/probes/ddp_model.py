@@ -35,6 +35,9 @@ class ModelState:
         # DDP's hook slot holds what we cannot or must not time: a C++ builtin hook, a hook
         # registered before we were watching, or bucket timing switched off.
         self.untimed = False
+        self.timing = ""  # DDPDOCTOR_BUCKET_TIMING, read at the model's first training forward
+        self.step_marks: list[int] = []  # training forwards' starts, until bucket timing is decided
+        self.last_step_seen = -1
         self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
         self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
 

@@ -1,10 +1,14 @@
 """Seeded DDP training that saves its final parameters: the bit-identity check's patient.
 
-Usage: seeded_train.py OUT.pt [--hook user|none] [--steps N]
+Usage: seeded_train.py OUT.pt [--hook user|none] [--epochs N] [--sleep-ms MS] [--deep N]
+
+--sleep-ms: each step also waits that long (a step long enough for bucket timing).
+--deep: N more 64x64 layers, a gradient bucket each (many buckets in a millisecond step).
 """
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--hook", default="none")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--sleep-ms", type=float, default=0.0)
+    parser.add_argument("--deep", type=int, default=0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -31,8 +37,9 @@ def main() -> None:
     data = TensorDataset(torch.randn(480, 20), torch.randint(0, 5, (480,)))
     sampler = DistributedSampler(data, shuffle=True, seed=7)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
-    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 5))
-    ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
+    deep = [nn.Linear(64, 64) for _ in range(args.deep)]
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), *deep, nn.Linear(64, 5))
+    ddp = DDP(model, bucket_cap_mb=0.016 if deep else 0.005)  # --deep: a bucket per 64x64 layer
     if args.hook == "user":
         ddp.register_comm_hook(None, user_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -42,6 +49,7 @@ def main() -> None:
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
+            time.sleep(args.sleep_ms / 1e3)
         dist.barrier()
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
