@@ -38,6 +38,20 @@ class FakeStream:
         return _now() >= self.busy_until
 
 
+class StreamView:
+    """What ``torch.cuda.current_stream()`` returns: a new Python object at every call, for the
+    same stream (``stream_id`` and ``device_index`` are what stay the same; ``cuda_stream``,
+    the raw handle, is 0 for every device's default stream)."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.stream_id, self.device_index = id(stream), 0
+        self.cuda_stream = 0 if stream.name == "default" else id(stream)
+
+    def __getattr__(self, name: str) -> Any:  # query, launch, wait_until: the stream's own
+        return getattr(self.stream, name)
+
+
 class FakeEvent:
     def __init__(self, cuda: FakeCuda, enable_timing: bool = False) -> None:
         self.cuda = cuda
@@ -45,8 +59,9 @@ class FakeEvent:
         self.done_at: int | None = None
         cuda.events_created += 1
 
-    def record(self, stream: FakeStream | None = None) -> None:
+    def record(self, stream: FakeStream | StreamView | None = None) -> None:
         stream = stream or self.cuda.current_stream()
+        stream = stream.stream if isinstance(stream, StreamView) else stream
         with stream.lock:
             self.done_at = max(_now() + self.cuda.record_lag_ns, stream.busy_until)
             stream.busy_until = self.done_at
@@ -80,8 +95,8 @@ class FakeCuda:
     def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802  (torch's name)
         return FakeEvent(self, enable_timing)
 
-    def current_stream(self, device: Any = None) -> FakeStream:
-        return getattr(self.local, "stream", None) or self.default
+    def current_stream(self, device: Any = None) -> StreamView:
+        return StreamView(getattr(self.local, "stream", None) or self.default)
 
     def set_stream(self, stream: FakeStream | None) -> None:
         self.local.stream = stream

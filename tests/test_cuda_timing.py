@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -95,6 +96,35 @@ def test_events_are_pooled_and_recycled() -> None:
     timer.stop()
     assert cuda.records >= 30 * 8
     assert cuda.events_created <= 16  # 8 per step in flight, an anchor, the reference
+
+
+def test_one_stream_is_one_stream_however_often_it_is_asked_for() -> None:
+    """``current_stream()`` returns a new object at every call: the streams the resolver takes
+    anchors on are counted by handle (by ``id`` they grew by one a span: thousands of anchor
+    records per poll, the resolver holding the GIL against the training thread)."""
+    cuda, out = FakeCuda(), []
+    timer = DeviceTimer(out.append, "cuda:0", cuda, poll_s=0.001)
+    comm = FakeStream("nccl")
+    for step in range(10):
+        one_step(timer, cuda, comm, step)
+    wait_for(lambda: len(out) == 40)
+    timer.stop()
+    assert len(timer.streams) == 1  # spans begin on the default stream (by id: 41 of them)
+
+
+def test_the_offset_is_the_largest_bound_in_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_timing, "WINDOW_NS", 50)
+    timer = DeviceTimer([].append, "cuda:0", FakeCuda(), poll_s=60.0)
+    timer.stop(flush=False)
+    timer.bounds.clear()
+    rng = random.Random(3)
+    seen: list[tuple[int, float]] = []
+    for t in range(1, 2000, 3):
+        device_ns = rng.uniform(0, 100)
+        timer._bound(t, device_ns)
+        seen.append((t, t - device_ns))
+        assert timer.offset() == max(b for tc, b in seen if tc >= t - 50)
+    assert len(timer.bounds) <= 17  # at most the window's bounds, most of them dropped sooner
 
 
 def test_memory_is_bounded_and_drops_counted(monkeypatch: pytest.MonkeyPatch) -> None:

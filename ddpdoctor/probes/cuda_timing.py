@@ -45,6 +45,14 @@ ACTIVE: DeviceTimer | None = None  # set while a CUDA DDP model is being timed i
 CAPTURING = 0
 
 
+def _handle(stream: Any) -> tuple[int, int]:
+    """The CUDA stream behind a ``torch.cuda.Stream``: ``current_stream()`` returns a new
+    Python object at each call, so its ``id`` would name one stream many times (and the
+    default stream's ``cuda_stream`` is 0 on every device)."""
+    sid = getattr(stream, "stream_id", None)
+    return (int(getattr(stream, "device_index", 0) or 0), int(sid)) if sid is not None else (-1, id(stream))
+
+
 class _Span:
     __slots__ = ("kind", "start", "end", "t_start", "t_end", "step", "fields")
 
@@ -74,14 +82,16 @@ class DeviceTimer:
         self.dropped = 0
         self.pending: deque[_Span] = deque()
         self.anchors: deque[tuple[Any, int]] = deque()  # (event, cpu ns just before its record)
-        self.streams: dict[int, Any] = {}  # id -> stream: where the resolver takes anchors
-        self.bounds: deque[tuple[int, float]] = deque()  # (cpu ns, cpu ns - device ns)
+        self.streams: dict[tuple[int, int], Any] = {}  # handle -> stream: where the resolver takes anchors
+        # (cpu ns, cpu ns - device ns), the bounds falling left to right: the offset (the largest
+        # in the window) is the first; a bound below a later one can never be it, and is dropped.
+        self.bounds: deque[tuple[int, float]] = deque()
         self.failed: BaseException | None = None
         self.on_error = on_error
         self.optimizer_span: _Span | None = None  # between the optimizer's pre and post hooks
         # Device times are measured from this event (its own, never recycled).
         stream = cuda.current_stream(device)
-        self.streams[id(stream)] = stream
+        self.streams[_handle(stream)] = stream
         self.ref = cuda.Event(enable_timing=True)
         self.ref_cpu = _now()
         self.ref.record(stream)
@@ -118,8 +128,8 @@ class DeviceTimer:
         stream = self.cuda.current_stream(self.device)
         t = _now()
         ev.record(stream)
-        if id(stream) not in self.streams:
-            self.streams[id(stream)] = stream
+        if _handle(stream) not in self.streams:
+            self.streams[_handle(stream)] = stream
         return _Span(kind, ev, t, step, fields)
 
     def _finish(self, span: _Span) -> None:
@@ -204,7 +214,7 @@ class DeviceTimer:
 
     def offset(self) -> float:
         """Add to a device time (ns since ``ref``) to get this rank's monotonic ns."""
-        return max(b for _, b in self.bounds) if self.bounds else float(self.ref_cpu)
+        return self.bounds[0][1] if self.bounds else float(self.ref_cpu)
 
     def _anchor(self) -> None:
         """On each idle stream, record an event now: it completes (almost) at once, so its
@@ -222,9 +232,15 @@ class DeviceTimer:
             self.anchors.append((ev, t))
 
     def _bound(self, t_cpu: int, device_ns: float) -> None:
-        self.bounds.append((t_cpu, t_cpu - device_ns))
-        while self.bounds and self.bounds[0][0] < t_cpu - WINDOW_NS:
-            self.bounds.popleft()
+        """Add a bound (amortised O(1): the resolver adds two per span and one per anchor, and
+        a scan of 30 s of them per poll held the GIL against the training thread)."""
+        bounds, bound = self.bounds, t_cpu - device_ns
+        t = max(t_cpu, bounds[-1][0]) if bounds else t_cpu  # spans resolve about in order
+        while bounds and bounds[-1][1] <= bound:
+            bounds.pop()
+        bounds.append((t, bound))
+        while bounds[0][0] < t - WINDOW_NS:
+            bounds.popleft()
 
     def stop(self, flush: bool = True, wait_s: float = 2.0) -> None:
         """Stop the resolver; with ``flush``, emit the spans the device completes within
