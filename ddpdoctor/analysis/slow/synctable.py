@@ -41,26 +41,33 @@ class SyncTable:
     # (ranks, steps): the training thread's run-queue delay since the previous step's backward
     # ended (probes/cpuwait.py), NaN where unknown: time it was ready to run and had no CPU.
     cpu_wait: np.ndarray | None = None
+    untimed: bool = False  # lateness at the start of backward: the run has no bucket timings
 
 
-def _rank_rows(trace: RankTrace, grid: StepGrid) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+def _rank_rows(
+    trace: RankTrace, grid: StepGrid, untimed: bool
+) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
     """(the grid steps this rank has everything for, its per-step values in µs on the grid:
-    PHASES and "last_dur"); None without forwards, backwards or bucket timings."""
+    PHASES and "last_dur"); None without forwards or backwards, or bucket timings unless the
+    run has none (``untimed``)."""
     fwd = training_forwards(trace)
     bwd = trace.kind(schema.BACKWARD)
     ar = trace.kind(schema.ALLREDUCE)
-    if not len(fwd) or not len(bwd) or not len(ar):
+    if not len(fwd) or not len(bwd) or not (len(ar) or untimed):
         return None
     fdur, has_fwd = grid.put(fwd.step, fwd.dur)  # a repeated step keeps its last forward
     start, has_bwd = grid.put(bwd.step, bwd.ts)
     end, _ = grid.put(bwd.step, bwd.end)
-    # The step's last bucket (highest index: DDP fills buckets from the output layers back)
-    # is the one the whole step waits for; the first event of that index if it repeats.
-    step, index = ar.step, ar.ints(0, default=0)
-    top, _ = grid.put(step, index.astype(np.float64), np.maximum)
-    is_top = np.flatnonzero(index == top[np.clip(step - grid.lo, 0, grid.n - 1)])
-    ready, has_ar = grid.put(*first_per_step(step[is_top], ar.ts[is_top]))
-    last_dur, _ = grid.put(*first_per_step(step[is_top], ar.dur[is_top]))
+    if untimed:  # every rank leaves backward as the last reduction ends: its time in backward
+        ready, has_ar, last_dur = start, has_bwd, end - start  # is the wait, compute included
+    else:
+        # The step's last bucket (highest index: DDP fills buckets from the output layers back)
+        # is the one the whole step waits for; the first event of that index if it repeats.
+        step, index = ar.step, ar.ints(0, default=0)
+        top, _ = grid.put(step, index.astype(np.float64), np.maximum)
+        is_top = np.flatnonzero(index == top[np.clip(step - grid.lo, 0, grid.n - 1)])
+        ready, has_ar = grid.put(*first_per_step(step[is_top], ar.ts[is_top]))
+        last_dur, _ = grid.put(*first_per_step(step[is_top], ar.dur[is_top]))
     prev_end, has_prev = np.roll(end, 1), np.roll(has_bwd, 1)
     has_prev[0] = False  # the step before the grid
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
@@ -93,8 +100,12 @@ def sync_table(run: Run) -> SyncTable | None:
     matrices = {name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur")}
     cpu_wait = None  # allocated at the first rank whose kernel said (NaN rows before it)
     common = np.ones(grid.n, bool)
+    # Buckets untimed on some rank (DDPDOCTOR_BUCKET_TIMING): every rank's arrival is then
+    # taken at the start of its backward, so that all are measured alike; a rank slow inside
+    # its backward is not seen.
+    untimed = any(not len(run.ranks[r].kind(schema.ALLREDUCE)) for r in ranks)
     for i, r in enumerate(ranks):
-        rows = _rank_rows(run.ranks[r], grid)
+        rows = _rank_rows(run.ranks[r], grid, untimed)
         if rows is None:
             return None
         complete, values = rows
@@ -114,7 +125,8 @@ def sync_table(run: Run) -> SyncTable | None:
     lateness = lateness_from_waits(last_dur, out=last_dur)
     cpu_wait = cpu_wait[:, shared] if cpu_wait is not None else None
     known = cpu_wait is not None and not np.isnan(cpu_wait).all()
-    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait if known else None)
+    cpu_wait = cpu_wait if known else None
+    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait, untimed)
 
 
 def _columns(common: np.ndarray) -> slice | np.ndarray:

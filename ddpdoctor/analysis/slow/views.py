@@ -21,6 +21,11 @@ LATENESS_AT_LAST_BUCKET = (
     "how much later than the earliest rank each rank got its last gradient bucket ready, per "
     "step (the wait the straggler finding measures)"
 )
+LATENESS_AT_UNTIMED_SYNC = (
+    "how much later than the earliest rank each rank started its backward, per step, measured "
+    "by its shorter backward (every rank leaves backward as the last reduction ends; no bucket "
+    "timings in this run: a rank slow inside its backward is not seen)"
+)
 LATENESS_AT_BACKWARD = (
     "how much later than the earliest rank each rank started its backward, per step, on the "
     "aligned clocks (no bucket timings in this run)"
@@ -49,7 +54,8 @@ def lateness(run: Run, tb: TimeBase) -> Lateness:
     ranks = sorted(run.ranks)
     table = sync_lateness(run)
     if table is not None:
-        return Lateness(table.ranks, table.steps.tolist(), table.lateness / 1e3, LATENESS_AT_LAST_BUCKET)
+        what = LATENESS_AT_UNTIMED_SYNC if table.untimed else LATENESS_AT_LAST_BUCKET
+        return Lateness(table.ranks, table.steps.tolist(), table.lateness / 1e3, what)
     grid = StepGrid.spanning(run.ranks[r].kind(schema.BACKWARD).step for r in ranks)
     z = np.full((len(ranks), grid.n), np.nan)
     for i, rank in enumerate(ranks):
