@@ -10,8 +10,8 @@ torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core hos
 steps run on DDP's C++ reduction and registers it only if their median step can carry it
 (``affordable``); ``off`` never: DDP's C++ reduction (or the user's hook) alone. Untimed, the
 gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
-``analysis/failed/ledger.py``); each bucket's duration is lost, and with it the straggler
-table's lateness (docs/overhead.md).
+``analysis/failed/ledger.py``) and the straggler table measures each rank's time in backward
+(``analysis/slow/synctable.py``); each bucket's own span is lost (docs/overhead.md).
 """
 
 from __future__ import annotations
