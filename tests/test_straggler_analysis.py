@@ -28,6 +28,25 @@ def test_persistent_straggler_rank_and_phase(phase: str, rank: int) -> None:
     assert f.details["what_if_speedup"] == pytest.approx(step_ms / (step_ms - delay), rel=0.05)
 
 
+@pytest.mark.parametrize("phase", ["data_wait", "forward", "optimizer", "other"])
+def test_without_bucket_timings_a_straggler_is_measured_by_its_time_in_backward(phase: str) -> None:
+    """Untimed, every rank still leaves backward as the last reduction ends: the shortest
+    backward is the latest arrival. What a rank does before its backward is seen."""
+    delay = 0.10 * STEP_MS
+    run = simulate_run(world=4, steps=40, slow=Slowdown(2, phase, delay), seed=1, timed_buckets=False)
+    (f,) = stragglers(run)
+    assert (f.kind, f.ranks, f.details["phase"]) == ("straggler", [2], phase)
+    assert f.details["excess_ms_per_step"] == pytest.approx(delay, rel=0.25)
+    assert "started its backward" in diagnose(run).lateness.definition
+
+
+def test_without_bucket_timings_a_rank_slow_inside_its_backward_is_not_blamed_on_another() -> None:
+    run = simulate_run(world=4, steps=40, slow=Slowdown(2, "backward", 3.0), seed=1, timed_buckets=False)
+    assert all(f.ranks == [2] for f in stragglers(run))  # not seen, or seen as itself
+    for seed in range(5):
+        assert stragglers(simulate_run(world=8, steps=60, seed=seed, timed_buckets=False)) == []
+
+
 def test_healthy_run_has_no_straggler() -> None:
     for seed in range(5):
         assert stragglers(simulate_run(world=8, steps=60, seed=seed)) == []

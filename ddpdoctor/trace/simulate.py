@@ -45,6 +45,7 @@ def simulate_run(
     transfer_ms: float = 1.0,
     seed: int = 0,
     ranks_per_host: int = 0,  # 0: every rank on one host
+    timed_buckets: bool = True,  # False: no bucket all-reduce records (DDPDOCTOR_BUCKET_TIMING)
 ) -> Run:
     rng = random.Random(seed)
     base = dict(BASE_MS if base_ms is None else base_ms)
@@ -82,7 +83,7 @@ def simulate_run(
         for b in range(1, buckets):
             done[b] = max(done[b], done[b - 1] + transfer_ms)
         for r in range(world):
-            for b in range(buckets):
+            for b in range(buckets if timed_buckets else 0):
                 add(r, schema.ALLREDUCE, ready[r, b], done[b] - ready[r, b], step, b, 1 << 20, step)
             end = done[-1] + 0.05
             add(r, schema.BACKWARD, bwd_start[r], end - bwd_start[r], step, int(runq[r] * 1e3))
