@@ -69,7 +69,7 @@ def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
     step_s = statistics.median(b - a for a, b in zip(marks, marks[1:])) / 1e9
     buckets = bucket_count(ddp)
     info = {"step_ms": round(step_s * 1e3, 3), "buckets": buckets, "cost_us": HOOK_COST_S * 1e6}
-    info["share"] = STEP_SHARE
+    info.update(share=STEP_SHARE)
     model.step_marks.clear()
     if affordable(step_s, buckets):
         register_timer(ddp, model, None, None, decided=info)

@@ -128,8 +128,9 @@ class DeviceTimer:
         stream = self.cuda.current_stream(self.device)
         t = _now()
         ev.record(stream)
-        if _handle(stream) not in self.streams:
-            self.streams[_handle(stream)] = stream
+        key = _handle(stream)
+        if key not in self.streams:
+            self.streams[key] = stream
         return _Span(kind, ev, t, step, fields)
 
     def _finish(self, span: _Span) -> None:

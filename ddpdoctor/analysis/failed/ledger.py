@@ -330,10 +330,10 @@ def _untimed_reductions(
     advances its group's sequence number and a training forward records the number it found,
     so a step's range runs from its forward's number to the next forward's (or to the rank's
     last recorded call; a last step with none after it uses as many numbers as the step
-    before, from the third on). Numbers in it that no recorded call holds are DDP's C++ work: the bucket
-    all-reduces, last, and before them what the forward's buffer broadcast and DDP's bucket
-    rebuild issued. So the last ``buckets`` of them, in steps with a backward; their bytes are
-    unknown (0: not compared between ranks)."""
+    before, from the third on). Numbers in it that no recorded call holds are DDP's C++ work:
+    the bucket all-reduces, last, and before them what the forward's buffer broadcast and
+    DDP's bucket rebuild issued. So the last ``buckets`` of them, in steps with a backward;
+    their bytes are unknown (0: not compared between ranks)."""
     if not len(fwd):
         return []
     grad = fwd.ints(0) == 1
