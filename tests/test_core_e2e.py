@@ -131,6 +131,9 @@ def test_bucket_timing_auto_leaves_millisecond_steps_to_ddp_and_still_knows_thei
     assert hook[4]["timed"] is False and hook[4]["auto"]["buckets"] >= 8
     assert hook[4]["auto"]["step_ms"] < 40
     assert not any(r[0] == "allreduce" for r in records)
+    layout = [r[4] for r in records if r[0] == "bucket"]  # from DDP's logging data, untimed
+    assert [b["index"] for b in layout] == list(range(hook[4]["auto"]["buckets"]))
+    assert sorted(p for b in layout for p in b["params"])[:2] == ["0.bias", "0.weight"]
     from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
     from ddpdoctor.trace.reader import load_run
 

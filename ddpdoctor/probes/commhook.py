@@ -77,6 +77,25 @@ def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
         model.untimed = True
         name = "ddp default (allreduce average)"
         c.meta(schema.COMM_HOOK, {"name": name, "user": False, "timed": False, "auto": info})
+        record_layout(ddp, model, c)
+
+
+def record_layout(ddp: Any, model: ModelState, c: _c.Collector) -> None:
+    """The buckets as DDP rebuilt them after the first step, which parameters in which (what
+    the timing hook records as it sees each bucket), from DDP's own logging data."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = [int(x) for x in str(data.get("rebuilt_bucket_sizes", "")).split(",") if x.strip()]
+        indices = str(data.get("rebuilt_per_bucket_param_indices", "")).split(",")
+        if not sizes or len(indices) != len(sizes):
+            return
+        names = model.param_names
+        for index, (nbytes, members) in enumerate(zip(sizes, indices, strict=True)):
+            params = [names[int(i)] if 0 <= int(i) < len(names) else "?" for i in members.split()]
+            model.layout[index] = nbytes
+            c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": params})
+    except Exception as exc:
+        guard.passthrough(exc)
 
 
 def bucket_count(ddp: Any) -> int:
