@@ -54,3 +54,16 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False, schema: str 
             click.echo(json.dumps(json_report.error(str(exc), run_dirs), indent=2))
             sys.exit(EXIT_BAD_INPUT)
         fail(str(exc), as_json, schema, run_dirs=list(run_dirs))
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with ``code`` once the output is written, without the interpreter's teardown: it
+    would free every object of the run one at a time (0.4 s at 1,024 ranks x 10,000 steps),
+    and a command that read a run holds nothing else to close (its files are written and
+    closed, its reader's worker processes joined)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a reader that went away (``| head``): exit as Python would
+        sys.exit(code)
+    os._exit(code)
