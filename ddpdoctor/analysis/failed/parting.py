@@ -61,9 +61,9 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
         at = {r: m.get(seq) for r, m in by_seq.items()}
         have = {r: p for r, p in at.items() if p is not None}
         if len(have) == len(at):
-            sigs = {r: p.signature() for r, p in have.items()}
             # the usual sync point: every rank's the same, nothing to compare field by field
-            same = len({tuple(s.values()) for s in sigs.values()}) == 1
+            same = len({p.signature_key() for p in have.values()}) == 1
+            sigs = {} if same else {r: p.signature() for r, p in have.items()}
             differ = None if same else disagreement(sigs, _op_of, f"collective #{seq}")
             if differ is None:
                 said = _backend_says_mismatch(present, have)
