@@ -17,7 +17,6 @@ import numpy as np
 from ddpdoctor.analysis.findings import Finding, detector
 from ddpdoctor.analysis.slow.device import clock, device_timed
 from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period, narrow_periods
-from ddpdoctor.analysis.slow.threads import map_threads
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -148,11 +147,10 @@ def bucket_stats(run: Run) -> list[dict[str, Any]]:
     waits, _, buckets = found
     tables = [waits[j][:, 1:] if waits.shape[2] > 1 else waits[j] for j in range(len(buckets))]  # skip step 0
     # Without a missing cell (the usual run) the NaN-aware reductions are the plain ones: the
-    # same values, without their NaN masks and copies of 40 MB per bucket; and those buckets'
-    # medians of all their cells (10 million at 1,024 ranks) are taken two at a time.
-    nans = [bool(np.isnan(w).any()) for w in tables]
-    whole = iter(map_threads(np.median, [w for w, nan in zip(tables, nans, strict=True) if not nan]))
-    for b, w, nan in zip(buckets, tables, nans, strict=True):
+    # same values, without their NaN masks and copies of 40 MB per bucket. (Not two buckets'
+    # medians at a time in threads: their two 40 MB copies took the peak past 1 GB.)
+    for b, w in zip(buckets, tables, strict=True):
+        nan = bool(np.isnan(w).any())
         info = layout.get(b, {})
         with warnings.catch_warnings():  # a step where no rank has this bucket stays NaN, unsaid
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -164,7 +162,7 @@ def bucket_stats(run: Run) -> list[dict[str, Any]]:
                 "index": b,
                 "bytes": info.get("bytes"),
                 "params": info.get("params", []),
-                "reduce_ms_p50": round(float(median(w) if nan else next(whole)) / 1e3, 3),
+                "reduce_ms_p50": round(float(median(w)) / 1e3, 3),
                 "transfer_ms_p50": round(float(median(transfer)) / 1e3, 3),
                 "arrival_skew_ms_p50": round(float(median(skew)) / 1e3, 3),
             }
