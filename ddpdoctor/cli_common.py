@@ -38,6 +38,7 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False, schema: str 
     object on stdout too when the caller scripts against JSON: ``schema`` names the command's
     own, the diagnosis' by default)."""
     from ddpdoctor.analysis import diagnose as diagnose_run
+    from ddpdoctor.analysis.diagnosis import fewer_collections
     from ddpdoctor.supervisor.ends import settle_unsupervised
     from ddpdoctor.trace.reader import TraceError, load_run
 
@@ -45,7 +46,8 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False, schema: str 
         if os.path.isdir(run_dir):
             settle_unsupervised(Path(run_dir))
     try:
-        return diagnose_run(load_run(run_dirs))
+        with fewer_collections():  # the reading too: its ranks' columns live as long as the run
+            return diagnose_run(load_run(run_dirs))
     except TraceError as exc:
         if as_json and not schema:
             from ddpdoctor.reports import json_report
