@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import ddpdoctor
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail  # noqa: F401
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail, leave  # noqa: F401
 from ddpdoctor.cli_common import load_run_dirs as _load
 from ddpdoctor.rundir import RunDir
 
@@ -221,7 +221,7 @@ def diagnose(run_dirs: tuple[str, ...], as_json: bool) -> None:
     else:
         existing = Path(run_dirs[0]) / RunDir.REPORT
         click.echo(terminal.render(diag, report=str(existing) if existing.is_file() else None))
-    sys.exit(EXIT_FINDINGS if diag.has_errors else 0)
+    leave(EXIT_FINDINGS if diag.has_errors else 0)
 
 
 EXIT_NOT_FOUND = 127  # as a shell exits for a command it cannot find
@@ -266,6 +266,7 @@ def _report(run_dirs: tuple[str, ...], output: str | None, fmt: str | None, as_j
         click.echo(json.dumps({"schema": _REPORT_SCHEMA, "format": fmt, "path": str(path)}))
     else:
         click.echo(f"ddpdoctor: wrote {path}")
+    leave(0)
 
 
 @main.command()

@@ -68,3 +68,24 @@ def test_regular_columns_are_stored_without_an_array_per_event() -> None:
     for name in ("pattern broken at the end", "noise", "falling once", "rising with a wide step"):
         packed = Packed.of(cols[name])
         assert packed.data is not None and not packed.rising, name
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.arange(40_000 - 128, 40_000),  # a ledger's tail: summed from the steps before it
+        np.arange(0, 40_000),
+        np.arange(7, 8),
+        np.arange(5, 9, dtype=np.int32),
+        np.arange(-5, 0),  # from the end, as an array's
+        np.arange(3, 10, 2),
+        np.array([39_999, 0]),
+        np.zeros(0, np.int64),
+    ],
+)
+def test_a_rising_columns_selection_reads_its_values(index: np.ndarray) -> None:
+    values = np.cumsum(np.random.default_rng(0).integers(0, 5, 40_000)) + 12_345
+    col = Packed.of(values)
+    assert col.rising
+    got = col.select(index).values()
+    assert got.dtype == np.int64 and got.tolist() == values[index].tolist()

@@ -194,8 +194,26 @@ class Packed:
                 return Packed(0, index * stride + int(pattern[0]))
             return Packed(0, pattern[index % len(pattern)] + index // len(pattern) * stride)
         if self.rising:
-            return Packed(0, self.values()[index])
+            return Packed(0, self._rising_values(np.asarray(index)))
         return Packed(self.base, self.data[index], self.table)
+
+    def _rising_values(self, index: np.ndarray) -> np.ndarray:
+        """``values()[index]``; for a run of positions in order (a ledger's tail), the sum of
+        the steps before it and its own, not the whole column's running sum."""
+        assert self.data is not None
+        if (
+            index.dtype.kind not in "iu"
+            or len(index) < 2
+            or index[0] < 0
+            or index[-1] - index[0] != len(index) - 1
+        ):
+            return self.values()[index]
+        lo, hi = int(index[0]), int(index[-1]) + 1
+        if hi > self.n or (np.diff(index) != 1).any():
+            return self.values()[index]
+        out = np.cumsum(self.data[lo:hi], dtype=np.int64)
+        out += self.base + int(self.data[:lo].sum(dtype=np.int64))
+        return out
 
 
 class Strings:

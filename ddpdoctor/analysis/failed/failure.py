@@ -20,6 +20,7 @@ died at step 7.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -97,9 +98,11 @@ class FailureView:
 
 
 def failure_view(
-    run: Run, findings: list[Finding], tb: TimeBase, steps: dict[int, tuple[float, float]]
+    run: Run, findings: list[Finding], tb: TimeBase, steps: Callable[[], dict[int, tuple[float, float]]]
 ) -> FailureView | None:
-    """The failure of a hung or failed run, or None for a run that went well (or still runs)."""
+    """The failure of a hung or failed run, or None for a run that went well (or still runs).
+    ``steps`` gives the steps' spans, read for a failure's window only (a healthy run's
+    diagnosis computes none)."""
     hang = _live_hang(run, findings)
     if hang is None and not any(endings.how_it_ended(run, r).how in _FAILED for r in run.ranks):
         return None  # a healthy run (the common case) pays for no ledger
@@ -151,7 +154,7 @@ def failure_view(
         view.markers.append(Marker(t, label, "death", rank, f"rank {rank} died"))
     view.stacks = stack_groups(stacks, {r: e.open_point or "user code" for r, e in view.ranks.items()})
     view.parting = parting_table(books, view.open_spans)
-    view.window_s = _window(steps, view)
+    view.window_s = _window(steps(), view)
     return view
 
 

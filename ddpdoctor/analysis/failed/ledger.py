@@ -76,6 +76,11 @@ class Point:
             "ranks": self.ranks,
         }
 
+    def signature_key(self) -> tuple[Any, ...]:
+        """``signature()``'s values as a tuple: what ``first_divergence`` compares at every
+        sequence number of every rank (230,000 points at 1,024 ranks), without a dict each."""
+        return (self.op, 0 if self.in_flight else self.nbytes, self.dtype, self.numel, self.root, self.ranks)
+
     def describe(self) -> str:
         named = self.site and self.func and not self.func.startswith("<")  # not <module>
         where = f" at {self.site}" + (f" in {self.func}()" if named else "") if self.site else ""

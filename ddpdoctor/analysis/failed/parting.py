@@ -57,13 +57,14 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
     }
     seqs = sorted(set().union(*[set(m) for m in by_seq.values()]))
     last = {r: max(m, default=-1) for r, m in by_seq.items()}
+    batches: dict[int, dict[int, int | None]] = {}  # step -> every rank's micro-batches in it
     for seq in seqs:
         at = {r: m.get(seq) for r, m in by_seq.items()}
         have = {r: p for r, p in at.items() if p is not None}
         if len(have) == len(at):
-            sigs = {r: p.signature() for r, p in have.items()}
             # the usual sync point: every rank's the same, nothing to compare field by field
-            same = len({tuple(s.values()) for s in sigs.values()}) == 1
+            same = len({p.signature_key() for p in have.values()}) == 1
+            sigs = {} if same else {r: p.signature() for r, p in have.items()}
             differ = None if same else disagreement(sigs, _op_of, f"collective #{seq}")
             if differ is None:
                 said = _backend_says_mismatch(present, have)
@@ -74,7 +75,7 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
                 if said and all(p.in_flight or p.raised for p in have.values()):
                     evidence = {"seq": seq, "differs": "size", "backend": said}
                     return Divergence("mismatch", None, [], dict(at), evidence)
-                apart = _steps_apart(have) or _accumulation_apart(have, present)
+                apart = _steps_apart(have) or _accumulation_apart(have, present, batches)
                 if apart is not None:
                     return apart
                 continue
@@ -141,17 +142,28 @@ def micro_batches(ledger: Ledger, step: int) -> int | None:
     return steps.get(step) or None
 
 
-def _accumulation_apart(have: dict[int, Point], ledgers: dict[int, Ledger]) -> Divergence | None:
+def _accumulation_apart(
+    have: dict[int, Point],
+    ledgers: dict[int, Ledger],
+    batches: dict[int, dict[int, int | None]] | None = None,
+) -> Divergence | None:
     """One gradient all-reduce, matched in the same step, that averages a different number of
     micro-batches on each rank: their accumulation schedules (no_sync()) differ. The rank that
-    ran more forwards per all-reduce skipped the all-reduces the others made."""
+    ran more forwards per all-reduce skipped the all-reduces the others made. ``batches`` keeps
+    each step's counts for the step's other buckets, where ``have`` holds every ledger's rank
+    (every all-reduce of a step asks the same: 4 buckets x 1,024 ranks per step at scale)."""
     if any(p.in_flight or p.op != GRAD_ALLREDUCE for p in have.values()):
         return None
     steps = {p.step for p in have.values()}
     if len(steps) != 1:
         return None
     step = steps.pop()
-    counts = {r: micro_batches(ledgers[r], step) for r in have}
+    every = batches is not None and have.keys() == ledgers.keys()
+    counts = batches.get(step) if every and batches is not None else None
+    if counts is None:
+        counts = {r: micro_batches(ledgers[r], step) for r in have}
+        if every and batches is not None:
+            batches[step] = counts
     if any(n is None for n in counts.values()) or len(set(counts.values())) < 2:
         return None
     most = max(n for n in counts.values() if n is not None)

@@ -24,6 +24,7 @@ from ddpdoctor.analysis.slow.stalls import (
     where_time_went,
 )
 from ddpdoctor.analysis.slow.synctable import SyncTable, judged_table
+from ddpdoctor.analysis.slow.threads import map_threads
 from ddpdoctor.trace.reader import Run
 
 LATE_FRACTION = 0.05  # of the step time: below this a rank is on time
@@ -88,10 +89,11 @@ def persistent_stragglers(lateness: np.ndarray, threshold: float) -> tuple[np.nd
 
 
 def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, float]:
-    """Median excess (µs) of each phase on the late rank over the others, on its late steps."""
-    excess = {}
+    """Median excess (µs) of each phase on the late rank over the others, on its late steps
+    (the phases two at a time: their gathers and partitions release the GIL)."""
     rest = np.delete(np.arange(len(table.ranks)), row)
-    for phase, values in table.phases.items():
+
+    def phase_excess(values: np.ndarray) -> float:
         # Steps as rows of contiguous copies, partitioned in place: the median partitions
         # contiguous memory; a few MB of steps at a time, not one 40 MB copy at 1,024 ranks.
         step = max(1, CHUNK_CELLS // len(rest))
@@ -100,8 +102,9 @@ def attribute(table: SyncTable, row: int, late_steps: np.ndarray) -> dict[str, f
             for i in range(0, len(late_steps), step)
         ]
         diff = values[row, late_steps] - np.concatenate(medians)
-        excess[phase] = float(np.median(diff))
-    return excess
+        return float(np.median(diff))
+
+    return dict(zip(table.phases, map_threads(phase_excess, list(table.phases.values())), strict=True))
 
 
 CHUNK_CELLS = 1 << 20  # cells of a (ranks, steps) table copied at a time for a median
