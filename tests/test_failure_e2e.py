@@ -91,9 +91,13 @@ def test_a_dying_rank_is_drawn_to_its_death_at_the_loops_step(tmp_path: Path, mo
     assert dead["mark"] == ("RuntimeError" if mode == "raise" else "SIGKILL")
     death = next(m for m in view["markers"] if m["kind"] == "death")
     assert death["rank"] == 1 and death["time_s"] == pytest.approx(dead["end_s"], abs=1e-3)
-    # The survivor's wait for its dead peer: its step 7 backward, which did not finish.
+    # The survivor's wait for its dead peer: its step 7 backward, which did not finish. Which
+    # reaches it first is a race outside our code: gloo's error (the backward raised: the span
+    # its raised record names) or torchrun's SIGTERM (its death stack in the backward: the
+    # live phase's spans, the gradient all-reduce on the comm lane too, seen in CI once).
     survivor = [s for s in view["open_spans"] if s["rank"] == 0]
-    assert [s["kind"] for s in survivor] == ["backward"] and survivor[0]["step"] == 7
+    assert [s["kind"] for s in survivor] in (["backward"], ["backward", "allreduce"])
+    assert {s["step"] for s in survivor} == {7}
     assert view["ranks"]["0"]["step_text"].startswith("at step 7, in its backward")
     assert survivor[0]["seconds"] > 0 and dead["end_s"] < survivor[0]["end_s"]
     # Where they parted: rank 0 entered the next gradient all-reduce, rank 1 never issued it.
