@@ -16,6 +16,9 @@ DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
 # to carry it (probes/commhook.py), "off" never.
 BUCKET_TIMING = "DDPDOCTOR_BUCKET_TIMING"
 BUCKET_TIMING_MODES = ("on", "auto", "off")
+# "1": the probes' hot paths run in Python even where their C module (probes/_fast.c) is built
+# (A/B measurements, and tests that check both paths record the same).
+PURE_PYTHON = "DDPDOCTOR_PURE_PYTHON"
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
 PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)

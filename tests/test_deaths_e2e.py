@@ -249,7 +249,10 @@ def test_a_worker_killed_while_the_rank_computes_names_the_loader(tmp_path: Path
     assert failure["details"]["place"] == "killed_worker.py:36" and "num_workers" in failure["fix"]
     r1 = doc["failure"]["ranks"]["1"]
     assert r1["step_text"] == "at step 0, in its forward", r1
-    assert r1["user_frame"] in ("forward() killed_worker.py:28", "forward() killed_worker.py:29"), r1
+    # the handler runs where the main thread is: in its loop, or (a rank descheduled right after
+    # it made the file, on a loaded machine) still on the line that made it
+    lines = ("26", "27", "28", "29")
+    assert r1["user_frame"] in [f"forward() killed_worker.py:{n}" for n in lines], r1
 
 
 def test_a_worker_killed_while_the_rank_waits_for_its_batch_is_a_data_wait(tmp_path: Path) -> None:

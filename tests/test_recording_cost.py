@@ -1,7 +1,9 @@
 """What the cheap recording path keeps per call site must never change what is recorded: a
 collective's bytes and signature follow its tensor from call to call on one line, and a call
-made from inside a library is placed at each of its own callers. A real one-rank gloo process
-group in a subprocess (the probes patch torch, so never in the test process)."""
+made from inside a library is placed at each of its own callers. Both recording paths, the C
+module's (``probes/_fast.c``, a call site seen before) and Python's, record the same. A real
+one-rank gloo process group in a subprocess (the probes patch torch, so never in the test
+process)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import job_env, read_lines
 
 JOB = """
@@ -17,7 +20,8 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DDPDOCTOR_RU
 import ddpdoctor.probes as probes
 probes.install()
 import torch, torch.distributed as dist
-from ddpdoctor.probes import callsite
+from ddpdoctor.probes import callsite, fastpath
+print("c path:", fastpath.module() is not None)
 dist.init_process_group("gloo", rank=0, world_size=1)
 lib_dir = sys.argv[3]
 callsite._skip = callsite._prefixes() + (lib_dir + os.sep,)  # frames there are not the user's
@@ -31,12 +35,22 @@ for k in range(3):
     fakelib.sync(torch.ones(2, dtype=torch.float64))  # THIRD_CALLER
 for _ in range(2):
     dist.all_reduce(torch.ones(3), async_op=True).wait()  # ASYNC_LINE
-try:
-    dist.broadcast(torch.ones(3), src=5)  # RAISES_LINE: no rank 5 in a world of one
-except Exception as exc:
-    print("raised:", type(exc).__name__)
-else:
-    raise SystemExit("broadcast from a missing rank did not raise")
+for _ in range(2):
+    try:
+        dist.broadcast(torch.ones(3), src=5)  # RAISES_LINE: no rank 5 in a world of one
+    except Exception as exc:
+        print("raised:", type(exc).__name__)
+    else:
+        raise SystemExit("broadcast from a missing rank did not raise")
+for _ in range(3):
+    dist.all_reduce(torch.ones(2, dtype=torch.int64) * 2**40)  # BIG_LINE
+    dist.broadcast(torch.ones(2), 0)  # ROOT_LINE
+    dist.all_reduce(torch.ones(2), group=None, op=dist.ReduceOp.SUM)  # KEYWORD_LINE
+from ddpdoctor.probes import collector
+collector.ACTIVE.step = 2**33  # a value its field cannot hold: the slot is voided, not left unwritten
+for _ in range(2):
+    dist.all_reduce(torch.ones(1))  # ODD_LINE
+collector.ACTIVE.step = -1
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -52,7 +66,26 @@ def _line(source: str, marker: str) -> int:
     return next(i for i, text in enumerate(source.splitlines(), 1) if marker in text)
 
 
-def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: Path) -> None:
+def _events(records: list[list]) -> list[list]:
+    """The records but their times (t0, duration, a raised call's), the end record's
+    measurements and the directory of each site's file."""
+    out = []
+    for r in records:
+        if r[0] == "site":
+            r = [*r[:4], dict(r[4], file=Path(r[4]["file"]).name)]
+        if r[0] == "raised":
+            r = [*r[:4], dict(r[4], dur_us=0)]
+        if r[0] not in ("end", "header", "clock"):
+            out.append([r[0], *r[3:]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pure_python_records(tmp_path_factory: pytest.TempPathFactory) -> list[list]:
+    return _record(tmp_path_factory.mktemp("python"), "1")
+
+
+def _record(tmp_path: Path, pure_python: str) -> list[list]:
     from conftest import free_port
 
     lib = tmp_path / "lib"
@@ -62,10 +95,19 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: P
     script.write_text(JOB)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(script), str(free_port()), str(run_dir), str(lib)]
-    proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=120)
+    env = job_env(DDPDOCTOR_PURE_PYTHON=pure_python)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # CI builds the C module (pyproject's ext-modules): its path must be the one measured here
+    assert f"c path: {pure_python != '1'}" in proc.stdout, proc.stdout
+    return read_lines(run_dir / "trace-rank0.jsonl")
 
-    records = read_lines(run_dir / "trace-rank0.jsonl")
+
+@pytest.mark.parametrize("pure_python", ["0", "1"], ids=["c", "python"])
+def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
+    tmp_path: Path, pure_python: str, pure_python_records: list[list]
+) -> None:
+    records = _record(tmp_path, pure_python)
     sites = {r[4]["id"]: r[4]["line"] for r in records if r[0] == "site"}
     sigs = {r[4]["id"]: r[4] for r in records if r[0] == "signature"}
     calls = [r for r in records if r[0] == "collective" and r[4] == "all_reduce"]
@@ -78,19 +120,72 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(tmp_path: P
     assert [sigs[r[11]]["numel"] for r in loop] == [1, 4, 1, 4, 16]
     assert [r[8] for r in loop] == sorted(r[8] for r in loop)  # the group's own sequence numbers
 
-    helper = [(sites[r[10]], sigs[r[11]]["dtype"]) for r in calls if r not in loop + asynchronous]
     first, second, third = (_line(JOB, f"{n}_CALLER") for n in ("FIRST", "SECOND", "THIRD"))
+    helper = [(sites[r[10]], sigs[r[11]]["dtype"]) for r in calls if sites[r[10]] in (first, second, third)]
     assert helper == [(first, "float32"), (second, "float32"), (third, "float64")] * 3
 
     # A call that raised is a ``raised`` record naming its whole signature, never a span.
     raised = [r[4] for r in records if r[0] == "raised"]
-    assert [(x["kind"], x["fields"][0], x["fields"][1]) for x in raised] == [("collective", "broadcast", 12)]
-    assert sites[raised[0]["fields"][6]] == _line(JOB, "RAISES_LINE")
-    assert not [r for r in records if r[0] == "collective" and r[4] == "broadcast"]
+    assert [(x["kind"], *x["fields"][:2]) for x in raised] == [("collective", "broadcast", 12)] * 2
+    assert {sites[x["fields"][6]] for x in raised} == {_line(JOB, "RAISES_LINE")}
+    broadcasts = [r for r in records if r[0] == "collective" and r[4] == "broadcast"]
+    assert [(sites[r[10]], sigs[r[11]]["root"]) for r in broadcasts] == [(_line(JOB, "ROOT_LINE"), 0)] * 3
+    big = [r[5] for r in calls if sites[r[10]] == _line(JOB, "BIG_LINE")]
+    assert big == [16] * 3
+    assert len([r for r in calls if sites[r[10]] == _line(JOB, "KEYWORD_LINE")]) == 3
+
+    assert not [r for r in calls if sites[r[10]] == _line(JOB, "ODD_LINE")]
+    assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
+
+    # Both paths record the same events, in the same order, with the same fields.
+    assert _events(records) == _events(pure_python_records)
 
     end = next(r for r in records if r[0] == "end")[4]
     assert end["reason"] == "exit"
     assert 0 <= end["writer_cpu_s"] <= end["wall_s"] * 2  # the writer thread's own CPU time
+
+
+BROKEN = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DDPDOCTOR_RUN_DIR=sys.argv[2])
+import ddpdoctor.probes as probes
+probes.install()
+import torch, torch.distributed as dist
+from ddpdoctor.probes import collector
+dist.init_process_group("gloo", rank=0, world_size=1)
+c = collector.ACTIVE
+
+def broken_reader():
+    raise RuntimeError("sequence number unreadable")
+
+for i in range(4):
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the first call describes this site; then its reader breaks
+    assert t.tolist() == [1.0, 1.0]
+    if i == 0:
+        (key, known), = c.calls.items()
+        c.calls[key] = (*known[:10], broken_reader, *known[11:])
+print("disabled:", sorted(c.disabled), "events:", c.events)
+"""
+
+
+@pytest.mark.parametrize("pure_python", ["0", "1"], ids=["c", "python"])
+def test_a_probe_that_breaks_on_a_known_call_site_switches_off_and_the_call_goes_on(
+    tmp_path: Path, pure_python: str
+) -> None:
+    from conftest import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(BROKEN)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(script), str(free_port()), str(run_dir)]
+    proc = subprocess.run(
+        cmd, env=job_env(DDPDOCTOR_PURE_PYTHON=pure_python), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "disabled: ['collectives'] events: 1" in proc.stdout, proc.stdout
+    log = (run_dir / "probe-errors.log").read_text()
+    assert log.count("probe 'collectives' switched off: RuntimeError: sequence number unreadable") == 1, log
 
 
 def test_the_overhead_benchmark_says_unresolved_when_its_trials_spread_past_the_target() -> None:

@@ -7,6 +7,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,12 +155,25 @@ def _value(code: str, rng: random.Random):
     }[code]
 
 
-def test_every_declared_kind_round_trips_through_binary_and_the_jsonl_export(tmp_path: Path) -> None:
+@pytest.fixture(params=["c", "python"])
+def packer(request: pytest.FixtureRequest) -> Any:
+    """Each kind's events packed by the C packer (probes/_fast.c) or by ``struct`` in Python."""
+    if request.param == "python":
+        return None
+    from ddpdoctor.probes import fastpath
+
+    assert fastpath.module() is not None, "the C module is built by the install (pyproject)"
+    return fastpath.packer
+
+
+def test_every_declared_kind_round_trips_through_binary_and_the_jsonl_export(
+    tmp_path: Path, packer: Any
+) -> None:
     """Each kind's declared layout, with values at the edges of its types: the reader's columns
     and the JSON-lines export give back exactly what was recorded, in order per kind."""
     rng = random.Random(3)
     path = tmp_path / "trace-rank0.bin"
-    w = TraceWriter(str(path), header(), flush_interval=0.01)
+    w = TraceWriter(str(path), header(), flush_interval=0.01, packer=packer)
     sent: dict[str, list[tuple]] = {}
     for i in range(600):
         kind = rng.choice(sorted(schema.KINDS))
@@ -187,9 +201,9 @@ def test_every_declared_kind_round_trips_through_binary_and_the_jsonl_export(tmp
     assert {k: _rows(ev) for k, ev in again.events.items()} == sent
 
 
-def test_values_that_do_not_fit_their_type_never_break_recording(tmp_path: Path) -> None:
+def test_values_that_do_not_fit_their_type_never_break_recording(tmp_path: Path, packer: Any) -> None:
     path = tmp_path / "trace-rank0.bin"
-    w = TraceWriter(str(path), header(), flush_interval=60)
+    w = TraceWriter(str(path), header(), flush_interval=60, packer=packer)
     w.put((schema.DATA_WAIT, 5_000_000_000, 5_000_000_010, 0, None))  # None: -1
     w.put((schema.FORWARD, 5_000_000_000, 5_000_000_010, 1, 1, 1))  # a field short: -1
     w.put((schema.DATA_WAIT, 5_000_000_000, 5_000_000_010, 2, 2**70))  # too wide: lost, counted

@@ -59,11 +59,28 @@ def _prefixes() -> tuple[str, ...]:
 
 def site(collector: Any, depth: int = 2) -> int:
     """The interned id of the caller's first user frame, or NO_SITE (never raises)."""
+    global _fast_site
     try:
+        if _fast_site is None:
+            from ddpdoctor.probes import fastpath
+
+            fast = fastpath.module()
+            _fast_site = fast.site if fast is not None else _no_fast_site
+        if _owner[0] is collector:  # a site learnt before, found in C
+            sid = _fast_site(depth, _calls, _is_user)
+            if sid is not None:
+                return sid  # type: ignore[no-any-return]
         return of_frame(collector, sys._getframe(depth))[0]
     except Exception as exc:
         guard.passthrough(exc)
         return NO_SITE
+
+
+def _no_fast_site(depth: int, calls: dict, is_user: dict) -> None:
+    return None
+
+
+_fast_site: Any = None  # probes/_fast.c's site(depth, _calls, _is_user), or _no_fast_site
 
 
 def of_frame(collector: Any, frame: Any) -> tuple[int, bool]:

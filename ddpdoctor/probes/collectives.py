@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, guard
+from ddpdoctor.probes import callsite, fastpath, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -251,6 +251,8 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     always_async = 1 if op in ("isend", "irecv") else 0
     has_root = op in _ROOT_ARG
     getframe = sys._getframe
+    fast_module = fastpath.module()
+    depth = 1 if fast_module is None else 2  # through fastpath's wrapper, the user is one up
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -269,7 +271,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
                 root = _root(op, args, kwargs) if has_root else -1
-                frame = getframe(1)
+                frame = getframe(depth)
                 head = args[0] if args else None
                 # What a record shares with every call from this instruction on a tensor of
                 # this dtype and size: all but the times and the sequence number.
@@ -313,7 +315,13 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 ring.head = n
             return result
 
-        return collective
+        if fast_module is None:
+            return collective
+        try:
+            return fastpath.collective(fast_module, op, orig, collective, always_async, _compiling)
+        except Exception as exc:  # a record layout the C path does not know: Python's alone
+            guard.passthrough(exc)
+            return collective
 
     return make
 

@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from ddpdoctor import _env
-from ddpdoctor.probes import guard, liveness
+from ddpdoctor.probes import fastpath, guard, liveness
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
@@ -74,6 +74,7 @@ class Collector:
             flush_interval=flush,
             on_error=self._writer_failed,
             ring=os.environ.get(_RING_ENV) != "0",
+            packer=fastpath.packer,
         )
         if self.writer.ring_error is not None:
             why = self.writer.ring_error

@@ -37,16 +37,21 @@ from ddpdoctor.trace.ring import (
 )
 
 TAP_TAIL = 1024  # events of a tapped kind handed to its tap per flush: the newest
+# (struct format, kind id) -> a C packer of that kind's events, or None: given by the probes
+Packer = Callable[[str, int], Any]
 
 
 class _Kind:
     """How one kind's events are packed: its id, its ``struct``, where its interned fields are."""
 
-    __slots__ = ("kid", "pack_into", "n", "interned", "dtype", "spec", "defaults")
+    __slots__ = ("kid", "pack_into", "n", "interned", "dtype", "spec", "defaults", "fast")
 
-    def __init__(self, kid: int, spec: str) -> None:
+    def __init__(self, kid: int, spec: str, packer: Packer | None = None) -> None:
         self.kid, self.spec, self.n = kid, spec, len(spec)
-        self.pack_into = slot_struct(spec).pack_into
+        layout = slot_struct(spec)
+        self.pack_into = layout.pack_into
+        # the same packing in C (probes/_fast.c), where built: (ring, step, t0, t1, fields)
+        self.fast = packer(layout.format, kid) if packer is not None else None
         self.interned = tuple(i for i, c in enumerate(spec) if c in schema.INTERNED)
         self.dtype = schema.record_dtype(spec)
         self.defaults = tuple("" if c in schema.INTERNED else 0 if c == "f" else -1 for c in spec)
@@ -64,10 +69,12 @@ class TraceWriter:
         on_error: Callable[[BaseException], None] | None = None,
         ring: bool = False,
         capacity: int | None = None,
+        packer: Packer | None = None,
     ) -> None:
         """``capacity``: events that can wait to be written (the ring's slots, a power of two);
         more are dropped and counted. ``ring``: map the slots from a file beside the trace, so
-        that a crash loses nothing (else from memory)."""
+        that a crash loses nothing (else from memory). ``packer``: makes each kind's packer in C
+        (``probes/fastpath.py``), else ``struct`` packs in Python."""
         self.path = path
         self.mono_anchor_ns: int = header["mono_ns"]
         self.dropped = 0
@@ -88,7 +95,7 @@ class TraceWriter:
         self.tap_tail: dict[str, int] = {}  # kind -> the newest events its tap needs (else TAP_TAIL)
         self._meta_taps: deque[tuple] = deque(maxlen=TAP_TAIL)  # tapped metadata, for that thread
         layout = binfmt.layout()
-        self._kinds = {name: _Kind(i + 1, spec) for i, (name, spec, _) in enumerate(layout)}
+        self._kinds = {name: _Kind(i + 1, spec, packer) for i, (name, spec, _) in enumerate(layout)}
         self._names = {k.kid: name for name, k in self._kinds.items()}
         self._sizes = sizes_of(layout)
         self._ids: dict[Any, int] = {}  # interned value (a str, or a value's JSON text) -> id
@@ -141,6 +148,14 @@ class TraceWriter:
         ring = self.ring
         if ring is None:
             return
+        if k.fast is not None:
+            odd = k.fast(ring, step, t0, t1, fields)
+            if odd is None:  # packed
+                return
+            if odd is not False:  # a slot taken, a value that does not fit its type
+                self.pack_odd(k, ring, odd[0], (step, t0, t1), fields, odd[1])
+                ring.head = odd[1]
+                return
         seq = ring.next()
         off = HEADER_BYTES + (seq & ring.mask) * SLOT
         try:
