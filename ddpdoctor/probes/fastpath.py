@@ -17,7 +17,6 @@ from typing import Any
 from ddpdoctor import _env
 from ddpdoctor.probes import guard
 
-
 _UNSET: Any = object()
 _module: Any = _UNSET
 
