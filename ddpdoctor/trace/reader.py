@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -270,6 +271,12 @@ def _read_forked(files: list[tuple[int, Path]], workers: int) -> Iterator[RankTr
     files in flight per worker, each slot given to the next file once its trace is copied out."""
     global _SLOTS
     slots = _SLOTS = handoff.Slots(workers * handoff.SLOTS_PER_WORKER)
+    # The collector's first threshold raised while reading, in this process and the workers
+    # (they inherit it), as the commands read (analysis.diagnosis.fewer_collections): at the
+    # default thresholds the workers spent 3 s more of system time at 1,024 ranks (cause not
+    # found; the pipe's workers did not).
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], READ_GC_THRESHOLD), *thresholds[1:])
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             _SLOTS = None  # the workers have their copy
@@ -286,8 +293,12 @@ def _read_forked(files: list[tuple[int, Path]], workers: int) -> Iterator[RankTr
                     flight.append((pool.apply_async(_read_into_slot, (file, slot)), slot))
                 yield got
     finally:
+        gc.set_threshold(*thresholds)
         _SLOTS = None
         slots.close()
+
+
+READ_GC_THRESHOLD = 50_000  # analysis.diagnosis.GC_THRESHOLD
 
 
 def _json_object(path: Path) -> list[dict[str, Any]]:
