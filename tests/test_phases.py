@@ -63,3 +63,36 @@ def test_step_grid_put_matches_a_python_reduction() -> None:
                     expect[s - grid.lo], expect_present[s - grid.lo] = reduce(op, mine), True
             assert np.array_equal(present, expect_present)
             assert np.array_equal(got, expect)
+
+
+def test_runs_of_one_length_reduce_as_reduceat_would() -> None:
+    """A step's buckets (runs of equal steps, all of one length) take a strided pass instead of
+    a reduceat: the same steps, values and dtype as the general path, whatever the steps."""
+    from ddpdoctor.analysis.slow.phases import _EVERY, _reduce_runs, _runs
+
+    rng = np.random.default_rng(0)
+    for t in range(3000):
+        n, p = int(rng.integers(0, 40)), int(rng.integers(1, 5))
+        step = [
+            np.repeat(np.sort(rng.integers(0, 10, n // p)), p),
+            np.repeat(np.arange(n // p) + 3, p),
+            np.sort(rng.integers(0, 8, n)),
+            rng.integers(0, 5, n),
+        ][t % 4]
+        if t % 3 == 0 and len(step):
+            step[rng.integers(0, len(step))] += rng.integers(-1, 2)
+        values = rng.normal(size=len(step)) if t % 2 else rng.integers(-9, 9, len(step))
+        jumps = np.diff(step)
+        starts = _runs(step)
+        if not len(step) or jumps.min(initial=1) < 0:
+            assert starts is None
+        elif jumps.min(initial=1) > 0:
+            assert starts is _EVERY
+        else:
+            expected = np.concatenate(([0], np.flatnonzero(jumps) + 1))
+            assert np.array_equal(starts, expected)
+            for ufunc in (np.maximum, np.minimum):
+                steps, reduced, one_each = _reduce_runs(step, values, ufunc)
+                assert one_each and np.array_equal(steps, step[expected])
+                assert np.array_equal(reduced, ufunc.reduceat(values, expected))
+                assert reduced.dtype == values.dtype

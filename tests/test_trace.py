@@ -284,3 +284,48 @@ def test_a_cut_header_block_keeps_the_events_and_metadata_on_one_clock(tmp_path:
     assert t.header == {"rank": 1, "header_cut": True} and t.skipped_lines == 1
     assert t.steps == 4 and t.kind(schema.FORWARD).ts.tolist()[:2] == [5_000_000, 5_001_000]
     assert [(ts, step) for ts, step, _ in t.meta[schema.RAISED]] == [(5_002_000, 2)]
+
+
+def _columns_of(run) -> dict:
+    """Every rank's columns, fields and views as plain values, to compare two readings."""
+    from ddpdoctor.analysis.slow.phases import rank_phases, step_time_stats
+
+    out = {}
+    for rank, t in run.ranks.items():
+        kinds = {
+            k: (ev.ts.tolist(), ev.dur.tolist(), ev.step.tolist(), [tuple(f) for f in ev.fields])
+            for k, ev in t.events.items()
+        }
+        out[rank] = (t.header, t.meta, kinds, t.view(rank_phases), t.view(step_time_stats))
+    return out
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_read_workers_hand_over_the_same_traces(tmp_path: Path, monkeypatch, forked: bool) -> None:
+    """A run of many rank files is read in worker processes: forked ones hand each trace over
+    in shared memory (``handoff``), a forkserver's through the pipe, and a trace too large for
+    a slot through the pipe too. The same columns, fields and rank views as read in this
+    process, as arrays of its own (writable, as unpickled ones were)."""
+    import threading
+
+    from ddpdoctor.trace import handoff, reader
+    from ddpdoctor.trace.synthetic import SyntheticJob, write_run
+
+    dirs = write_run(SyntheticJob(ranks=40, steps=30, straggler=3), tmp_path / "runs")
+    monkeypatch.setenv("DDPDOCTOR_READ_WORKERS", "1")
+    alone = _columns_of(load_run(dirs))
+    monkeypatch.setenv("DDPDOCTOR_READ_WORKERS", "2")
+    assert reader.read_workers(40) == 2
+    # fork while single-threaded (earlier tests may leave a writer's flush thread behind)
+    monkeypatch.setattr(threading, "active_count", lambda: 1 if forked else 2)
+    unpacked: list[int] = []
+    unpack = handoff.Slots.unpack
+    monkeypatch.setattr(handoff.Slots, "unpack", lambda self, p: unpacked.append(p.slot) or unpack(self, p))
+    for slot_bytes in (handoff.SLOT_BYTES, 2048):  # 2 KB: the ranks go through the pipe
+        monkeypatch.setattr(handoff, "SLOT_BYTES", slot_bytes)
+        unpacked.clear()
+        run = load_run(dirs)
+        assert _columns_of(run) == alone
+        assert len(unpacked) == (40 if forked and slot_bytes > 2048 else 0)
+        arrays = [ev._dur.data for t in run.ranks.values() for ev in t.events.values()]  # noqa: SLF001
+        assert all(a.flags.writeable and a.flags.aligned for a in arrays if a is not None)

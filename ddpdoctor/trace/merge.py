@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.rankfile import rank_view
 from ddpdoctor.trace.reader import RankTrace, Run
 
 
@@ -56,6 +57,12 @@ def time_base(run: Run) -> TimeBase:
 
 
 def _first_ts(trace: RankTrace) -> int:
+    return int(trace.view(_first_event_ts))
+
+
+@rank_view
+def _first_event_ts(trace: RankTrace) -> int:
+    """The earliest event's start (µs), 0 without events: computed where the trace is read."""
     firsts = [int(ev.ts.min()) for ev in trace.events.values() if len(ev)]
     return min(firsts, default=0)
 

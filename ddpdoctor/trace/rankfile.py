@@ -78,9 +78,7 @@ class RankTrace:
     @property
     def last_ts(self) -> int:
         """The latest timestamp this rank wrote (µs), or 0."""
-        ends = [int(ev.end.max()) for ev in self.events.values() if len(ev)]
-        ends += [records[-1][0] for records in self.meta.values() if records]
-        return max(ends, default=0)
+        return int(self.view(_last_ts))
 
     def kind(self, kind: str) -> Events:
         return self.events.get(kind) or Events.empty()
@@ -102,6 +100,14 @@ class RankTrace:
             if isinstance(info.get("offset_ns"), int):
                 return int(info["offset_ns"]) // 1000
         return None
+
+
+@rank_view
+def _last_ts(trace: RankTrace) -> int:
+    """``RankTrace.last_ts``, computed where the trace is read (every event's end)."""
+    ends = [int(ev.end.max()) for ev in trace.events.values() if len(ev)]
+    ends += [records[-1][0] for records in trace.meta.values() if records]
+    return max(ends, default=0)
 
 
 def read_trace(path: Path, rank: int | None = None) -> RankTrace:

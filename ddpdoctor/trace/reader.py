@@ -6,18 +6,21 @@ one is a note, never fatal. Nothing read from a trace is ever executed or unpick
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import json
 import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.pool import AsyncResult
 from pathlib import Path
 from typing import Any
 
 from ddpdoctor.rundir import RunDir
-from ddpdoctor.trace import recover
+from ddpdoctor.trace import handoff, recover
 from ddpdoctor.trace.rankfile import (
     RANK_VIEWS,
     GpuTrace,
@@ -223,6 +226,17 @@ def _read_one(file: tuple[int, Path], views: tuple[RankView, ...] = ()) -> RankT
     return trace
 
 
+def _read_into_slot(file: tuple[int, Path], slot: int) -> handoff.Parcel | RankTrace | str:
+    """``_read_one`` in a forked worker, with every registered view, its trace's arrays handed
+    over in shared slot ``slot`` (``handoff``)."""
+    trace = _read_one(file, tuple(RANK_VIEWS))
+    assert _SLOTS is not None  # set before the pool forked this worker
+    return trace if isinstance(trace, str) else _SLOTS.pack(trace, slot)
+
+
+_SLOTS: handoff.Slots | None = None  # the forked pool's shared slots, while it reads
+
+
 def read_workers(files: int) -> int:
     """Processes to read rank files with: the usable cores (``DDPDOCTOR_READ_WORKERS``
     overrides), and 1 for small runs, where starting workers costs more than it saves."""
@@ -244,10 +258,47 @@ def _read_all(files: list[tuple[int, Path]]) -> Iterator[RankTrace | str]:
         return
     # fork is cheap and safe while this process runs a single thread; otherwise forkserver.
     # The registered rank views go by name: a forkserver's worker imports their modules.
-    method = "fork" if threading.active_count() == 1 else "forkserver"
-    read = functools.partial(_read_one, views=tuple(RANK_VIEWS))
-    with multiprocessing.get_context(method).Pool(workers) as pool:
-        yield from pool.imap(read, files, chunksize=4)
+    if threading.active_count() > 1:
+        read = functools.partial(_read_one, views=tuple(RANK_VIEWS))
+        with multiprocessing.get_context("forkserver").Pool(workers) as pool:
+            yield from pool.imap(read, files, chunksize=4)
+        return
+    yield from _read_forked(files, workers)
+
+
+def _read_forked(files: list[tuple[int, Path]], workers: int) -> Iterator[RankTrace | str]:
+    """Read every file in forked workers, which hand the traces over in shared slots: a few
+    files in flight per worker, each slot given to the next file once its trace is copied out."""
+    global _SLOTS
+    slots = _SLOTS = handoff.Slots(workers * handoff.SLOTS_PER_WORKER)
+    # The collector's first threshold raised while reading, in this process and the workers
+    # (they inherit it), as the commands read (analysis.diagnosis.fewer_collections): at the
+    # default thresholds the workers spent 3 s more of system time at 1,024 ranks (cause not
+    # found; the pipe's workers did not).
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], READ_GC_THRESHOLD), *thresholds[1:])
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            _SLOTS = None  # the workers have their copy
+            todo = iter(files)
+            flight: collections.deque[tuple[AsyncResult, int]] = collections.deque()
+            for slot, file in zip(range(slots.count), todo, strict=False):
+                flight.append((pool.apply_async(_read_into_slot, (file, slot)), slot))
+            while flight:
+                result, slot = flight.popleft()
+                got = result.get()
+                got = slots.unpack(got) if isinstance(got, handoff.Parcel) else got
+                file = next(todo, None)
+                if file is not None:  # the slot is free again
+                    flight.append((pool.apply_async(_read_into_slot, (file, slot)), slot))
+                yield got
+    finally:
+        gc.set_threshold(*thresholds)
+        _SLOTS = None
+        slots.close()
+
+
+READ_GC_THRESHOLD = 50_000  # analysis.diagnosis.GC_THRESHOLD
 
 
 def _json_object(path: Path) -> list[dict[str, Any]]:

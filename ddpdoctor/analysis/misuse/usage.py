@@ -14,13 +14,21 @@ from ddpdoctor.analysis.misuse import reads
 from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
+from ddpdoctor.trace.rankfile import rank_view
 from ddpdoctor.trace.reader import RankTrace, Run
 
 
 def training_loaders(trace: RankTrace) -> dict[int, int]:
     """Loader id -> batches it fed into a grad-mode DDP forward on this rank: the loader of the
     last data wait before each training forward. A loader read in between (an evaluation pass
-    on ``model.module``) is not one, though a training forward follows its last batch too."""
+    on ``model.module``) is not one, though a training forward follows its last batch too.
+    Shared (a rank view, read by three detectors): never modify it."""
+    return trace.view(_training_loaders)
+
+
+@rank_view
+def _training_loaders(trace: RankTrace) -> dict[int, int]:
+    """``training_loaders``, computed where the trace is read."""
     waits, fwd = trace.kind(schema.DATA_WAIT), trace.kind(schema.FORWARD)
     if not len(waits) or not len(fwd):
         return {}

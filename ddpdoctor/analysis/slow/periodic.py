@@ -45,16 +45,34 @@ def period_of(steps: np.ndarray, n_steps: int | None = None) -> int | None:
     if len(steps) < MIN_REPEATS:
         return None
     steps = np.sort(steps)
-    k = int(Counter(np.diff(steps).tolist()).most_common(1)[0][0])
+    k = _most_common(np.diff(steps))[0]
     if k < 3:  # every other step: indistinguishable from two ranks taking turns on busy cores
         return None
-    residue, on_beat = Counter((steps % k).tolist()).most_common(1)[0]
+    residue, on_beat = _most_common(steps % k)
     if on_beat < REGULAR * len(steps):
         return None
     first = int(steps[0]) - (int(steps[0]) - residue) % k  # the beat from the first late step on
     last = int(steps[-1]) if n_steps is None else n_steps - 1
     beat = len(range(first, last + 1, k))
     return k if on_beat >= REGULAR * beat else None
+
+
+def _most_common(values: np.ndarray) -> tuple[int, int]:
+    """``Counter(values.tolist()).most_common(1)[0]`` of non-negative integers, by counting:
+    the most frequent value and its count, the first to appear among equally frequent ones."""
+    if (
+        values.dtype.kind not in "iu"
+        or not len(values)
+        or values.min() < 0
+        or values.max() > 4 * len(values) + 1024
+    ):
+        value, count = Counter(values.tolist()).most_common(1)[0]
+        return int(value), int(count)
+    counts = np.bincount(values)
+    top = int(counts.max())
+    tied = np.flatnonzero(counts == top)
+    value = tied[0] if len(tied) == 1 else values[np.isin(values, tied)][0]
+    return int(value), top
 
 
 def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:

@@ -162,12 +162,37 @@ def _reduce_runs(
     """(steps, values, whether each step now has one value): ``ufunc`` (a max, a min) over each
     run of equal steps where ``step`` never decreases (one reduceat, not a scatter); as they
     are otherwise."""
+    every = _fixed_runs(step)
+    if every:  # runs of one length (a step's buckets): a strided pass per position, no reduceat
+        out = values[::every].copy()
+        for j in range(1, every):
+            ufunc(out, values[j::every], out=out)
+        return step[::every], out, True
     starts = _runs(step)
     if starts is None:
         return step, values, False
     if starts is _EVERY:
         return step, values, True
     return step[starts], ufunc.reduceat(values, starts), True
+
+
+_MAX_RUN = 64  # the longest run of equal steps _fixed_runs looks for
+
+
+def _fixed_runs(step: np.ndarray) -> int:
+    """p when ``step`` is runs of exactly p > 1 equal values, each run's value above the one
+    before (an all-reduce per bucket: every bucket of every step, in order), else 0."""
+    n = len(step)
+    if n < 2 or step[0] != step[1]:
+        return 0
+    head = step[: _MAX_RUN + 1]
+    p = int(np.argmax(head != head[0]))
+    if p < 2 or n % p:
+        return 0
+    firsts = step[::p]
+    if len(firsts) > 1 and np.diff(firsts).min() <= 0:
+        return 0
+    return p if all(np.array_equal(step[j::p], firsts) for j in range(1, p)) else 0
 
 
 _EVERY = np.arange(0)  # _runs' answer when every event is a run of its own
@@ -178,6 +203,9 @@ def _runs(step: np.ndarray) -> np.ndarray | None:
     when each step has one event (one reduction, no index array)."""
     if not len(step):
         return None
+    every = _fixed_runs(step)
+    if every:
+        return np.arange(0, len(step), every)
     jumps = np.diff(step)
     low = jumps.min() if len(jumps) else 1
     if low < 0:
