@@ -18,9 +18,14 @@ JOB = """
 import os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DDPDOCTOR_RUN_DIR=sys.argv[2])
 import ddpdoctor.probes as probes
+from ddpdoctor.probes import fastpath
+if sys.argv[4] == "refused":  # the C wrapper cannot be made: the Python one, called directly
+    def refuse(*args, **kwargs):
+        raise ValueError("a record layout the C path does not know")
+    fastpath.collective = refuse
 probes.install()
 import torch, torch.distributed as dist
-from ddpdoctor.probes import callsite, fastpath
+from ddpdoctor.probes import callsite
 print("c path:", fastpath.module() is not None)
 dist.init_process_group("gloo", rank=0, world_size=1)
 lib_dir = sys.argv[3]
@@ -85,7 +90,7 @@ def pure_python_records(tmp_path_factory: pytest.TempPathFactory) -> list[list]:
     return _record(tmp_path_factory.mktemp("python"), "1")
 
 
-def _record(tmp_path: Path, pure_python: str) -> list[list]:
+def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     from conftest import free_port
 
     lib = tmp_path / "lib"
@@ -94,7 +99,7 @@ def _record(tmp_path: Path, pure_python: str) -> list[list]:
     script = tmp_path / "job.py"
     script.write_text(JOB)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(script), str(free_port()), str(run_dir), str(lib)]
+    cmd = [sys.executable, str(script), str(free_port()), str(run_dir), str(lib), mode or "-"]
     env = job_env(DDPDOCTOR_PURE_PYTHON=pure_python)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,11 +108,13 @@ def _record(tmp_path: Path, pure_python: str) -> list[list]:
     return read_lines(run_dir / "trace-rank0.jsonl")
 
 
-@pytest.mark.parametrize("pure_python", ["0", "1"], ids=["c", "python"])
+@pytest.mark.parametrize(
+    ("pure_python", "mode"), [("0", ""), ("1", ""), ("0", "refused")], ids=["c", "python", "c-refused"]
+)
 def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
-    tmp_path: Path, pure_python: str, pure_python_records: list[list]
+    tmp_path: Path, pure_python: str, mode: str, pure_python_records: list[list]
 ) -> None:
-    records = _record(tmp_path, pure_python)
+    records = _record(tmp_path, pure_python, mode)
     sites = {r[4]["id"]: r[4]["line"] for r in records if r[0] == "site"}
     sigs = {r[4]["id"]: r[4] for r in records if r[0] == "signature"}
     calls = [r for r in records if r[0] == "collective" and r[4] == "all_reduce"]

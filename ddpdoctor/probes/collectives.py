@@ -252,9 +252,10 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     has_root = op in _ROOT_ARG
     getframe = sys._getframe
     fast_module = fastpath.module()
-    depth = 1 if fast_module is None else 2  # through fastpath's wrapper, the user is one up
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        depth = 1  # the user's frame; 2 when this runs under fastpath's wrapper
+
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
             if c is None or c.in_bucket_hook or PROBE in c.disabled or _compiling():
@@ -318,10 +319,12 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
         if fast_module is None:
             return collective
         try:
-            return fastpath.collective(fast_module, op, orig, collective, always_async, _compiling)
+            wrapper = fastpath.collective(fast_module, op, orig, collective, always_async, _compiling)
         except Exception as exc:  # a record layout the C path does not know: Python's alone
             guard.passthrough(exc)
             return collective
+        depth = 2
+        return wrapper
 
     return make
 
