@@ -33,7 +33,7 @@ def run(*cmd: str | Path) -> None:
 def installed(stamp: str, *pip_args: str) -> None:
     """pip install ``pip_args`` into .venv unless the stamp says this pyproject (and the C source
     it builds, in place for an editable install) is installed."""
-    sources = [ROOT / "pyproject.toml", *sorted(ROOT.glob("ddpdoctor/**/*.c"))]
+    sources = [ROOT / "pyproject.toml", *sorted(ROOT.glob("ddpdoctor/**/*.[ch]"))]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(pip_args).encode()).hexdigest()
     path = VENV / f".{stamp}"
     if path.exists() and path.read_text() == key:

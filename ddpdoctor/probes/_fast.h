@@ -1,0 +1,59 @@
+/* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
+ * site()) and _fast_collective.c (the collective probe). */
+#ifndef DDPDOCTOR_FAST_H
+#define DDPDOCTOR_FAST_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the trace's records are little-endian: build without this module (the Python path)"
+#endif
+
+#define MAX_FIELDS 32
+#define RING_HEADER 64 /* trace/ring.py's HEADER_BYTES and SLOT, checked against it at import */
+#define RING_SLOT 128
+
+/* A record's layout: one struct code and offset per value (kind id, step, t0, t1, fields...,
+ * seq last). */
+typedef struct {
+    int ncodes, size;
+    char codes[MAX_FIELDS];
+    int offsets[MAX_FIELDS];
+} Layout;
+
+/* The ring last written, as the writer holds it for its life: its mapping, seq counter, mask. */
+typedef struct {
+    PyObject *ring, *mm, *next;
+    long long mask;
+} RingRef;
+
+typedef union {
+    int64_t i;
+    double d;
+} Value;
+
+/* Names looked up on each call, interned once. */
+extern PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
+    *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
+    *s_collectives, *s_raised, *s_pack_odd, *s_collective_kind, *one;
+
+
+/* Shared by the module's parts (_fast.c). */
+int64_t now_ns(void);
+int parse_format(Layout *self, const char *fmt);
+int64_t as_i64(PyObject *v, int *bad);
+void ring_clear(RingRef *r);
+int ring_set(RingRef *r, PyObject *ring);
+PyObject *take_slot(RingRef *r, Py_ssize_t *at);
+int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
+
+/* The collective probe (_fast_collective.c). */
+extern PyTypeObject CollectiveType;
+
+#endif

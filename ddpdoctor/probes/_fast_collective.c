@@ -1,0 +1,408 @@
+/* The collective probe in C: see _fast.c for what it does and when it runs. */
+#include "_fast.h"
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *orig;       /* torch's function */
+    PyObject *slow;       /* the Python wrapper's whole path: slow(*args, **kwargs) */
+    PyObject *failed;     /* failed(collector, exc): the probe broke before the call */
+    PyObject *of_frame;   /* callsite.of_frame(collector, frame) -> (site, direct) */
+    PyObject *globals;    /* probes/collector.py's module dict: its ACTIVE */
+    PyObject *tensor;     /* torch.Tensor */
+    PyObject *phase;      /* LivePhase.COLLECTIVE */
+    PyObject *op;         /* "all_reduce" */
+    PyObject *kind;       /* schema.COLLECTIVE, for the raised record */
+    PyObject *root_names; /* keyword names of the root rank (tuple), or None */
+    int always_async, root_pos, root_default, depth;
+    Layout layout;
+    /* The last call site: its key's values and what the Python path described it as (its
+     * entry in the collector's ``calls``), so that a call in a loop builds no key and looks
+     * nothing up. Strong references: no address compared here can be reused while held. */
+    PyObject *last_c, *last_known, *last_code, *last_group, *last_dtype;
+    int last_lasti, last_async;
+    long long last_root, last_nbytes;
+    RingRef ring;
+    PyObject *kid_c; /* the collector whose collective kind id this is */
+    long long kid;
+} Collective;
+
+static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf,
+                                       PyObject *kwnames);
+
+static void Collective_dealloc(Collective *self) {
+    Py_XDECREF(self->orig); Py_XDECREF(self->slow); Py_XDECREF(self->failed);
+    Py_XDECREF(self->of_frame); Py_XDECREF(self->globals); Py_XDECREF(self->tensor);
+    Py_XDECREF(self->phase); Py_XDECREF(self->op); Py_XDECREF(self->kind); Py_XDECREF(self->root_names);
+    Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
+    Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype);
+    ring_clear(&self->ring);
+    Py_XDECREF(self->kid_c);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"orig", "slow", "failed", "of_frame", "globals", "tensor", "phase", "op",
+                            "kind", "fmt", "always_async", "root_pos", "root_names", "root_default",
+                            "depth", NULL};
+    PyObject *orig, *slow, *failed, *of_frame, *globals, *tensor, *phase, *op, *kind, *root_names;
+    const char *fmt;
+    int always_async, root_pos, root_default, depth;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO!OOUUspiOii", names, &orig, &slow, &failed,
+                                     &of_frame, &PyDict_Type, &globals, &tensor, &phase, &op, &kind,
+                                     &fmt, &always_async, &root_pos, &root_names, &root_default, &depth))
+        return -1;
+    if (parse_format(&self->layout, fmt) < 0 || self->layout.ncodes != 13 ||
+        self->layout.codes[12] != 'Q' || self->layout.size > RING_SLOT) {
+        PyErr_Format(PyExc_ValueError, "unsupported record format %s", fmt);
+        return -1;
+    }
+    if (root_names != Py_None && !PyTuple_Check(root_names)) {
+        PyErr_SetString(PyExc_TypeError, "root_names: a tuple or None");
+        return -1;
+    }
+#define SET(field, value) do { Py_INCREF(value); Py_XSETREF(self->field, value); } while (0)
+    SET(orig, orig); SET(slow, slow); SET(failed, failed); SET(of_frame, of_frame);
+    SET(globals, globals); SET(tensor, tensor); SET(phase, phase); SET(op, op); SET(kind, kind);
+    SET(root_names, root_names);
+#undef SET
+    self->always_async = always_async;
+    self->root_pos = root_pos;
+    self->root_default = root_default;
+    self->depth = depth;
+    self->vectorcall = (vectorcallfunc)Collective_vectorcall;
+    return 0;
+}
+
+/* type(obj).__name__ is one of the process group classes (the Python path's _is_group). */
+static int is_group(PyObject *obj) {
+    const char *name = Py_TYPE(obj)->tp_name;
+    const char *dot = strrchr(name, '.');
+    if (dot) name = dot + 1;
+    return !strcmp(name, "ProcessGroup") || !strcmp(name, "ProcessGroupGloo") ||
+           !strcmp(name, "ProcessGroupNCCL");
+}
+
+/* The root rank as the Python path's _root finds it; -2 with an error set on failure. */
+static long long root_of(Collective *self, PyObject *args, PyObject *kwargs) {
+    if (kwargs) {
+        Py_ssize_t n = PyTuple_GET_SIZE(self->root_names);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(self->root_names, i));
+            if (v == NULL) {
+                if (PyErr_Occurred()) return -2;
+                continue;
+            }
+            if (v == Py_None) continue;
+            PyObject *as_int = PyNumber_Long(v);
+            if (as_int == NULL) return -2;
+            long long r = PyLong_AsLongLong(as_int);
+            Py_DECREF(as_int);
+            if (r == -1 && PyErr_Occurred()) return -2;
+            return r;
+        }
+    }
+    if (PyTuple_GET_SIZE(args) > self->root_pos) {
+        PyObject *v = PyTuple_GET_ITEM(args, self->root_pos);
+        if (PyLong_Check(v)) {
+            long long r = PyLong_AsLongLong(v);
+            if (r == -1 && PyErr_Occurred()) return -2;
+            return r;
+        }
+    }
+    return self->root_default;
+}
+
+
+/* Point self->ring at the ring the writer holds now, and know the collective's kind id (looked
+ * up again only when the collector changes). -1 when there is nothing to write to. */
+static int ring_now(Collective *self, PyObject *c, PyObject *d) {
+    PyObject *writer = PyDict_GetItemWithError(d, s_writer);
+    PyObject *ring = writer ? PyObject_GetAttr(writer, s_ring) : NULL;
+    int ok = ring != NULL && ring != Py_None && ring_set(&self->ring, ring) == 0;
+    Py_XDECREF(ring);
+    if (!ok) return -1;
+    if (c != self->kid_c) {
+        int bad = 0;
+        PyObject *kind = PyObject_GetAttr(c, s_collective_kind);
+        PyObject *kid = kind ? PyObject_GetAttrString(kind, "kid") : NULL;
+        long long k = kid ? as_i64(kid, &bad) : 0;
+        Py_XDECREF(kind); Py_XDECREF(kid);
+        if (kid == NULL || bad) return -1;
+        Py_INCREF(c);
+        Py_XSETREF(self->kid_c, c);
+        self->kid = k;
+    }
+    return 0;
+}
+
+/* writer.pack_odd(kind, ring, at, (step, t0, t1), fields, n): a value that does not fit its
+ * type, coerced, or the slot voided, as the Python path does. */
+static void pack_odd(PyObject *c, PyObject *ring, Py_ssize_t at, PyObject *n_obj, PyObject *step,
+                     int64_t t0, int64_t t1, PyObject *known, PyObject *seq, PyObject *site, int async_) {
+    PyObject *writer = PyObject_GetAttr(c, s_writer);
+    PyObject *kind = writer ? PyObject_GetAttr(c, s_collective_kind) : NULL;
+    PyObject *head = kind ? Py_BuildValue("(OLL)", step, (long long)t0, (long long)t1) : NULL;
+    PyObject *fields = head ? Py_BuildValue("(OOOOOiOO)", PyTuple_GET_ITEM(known, 5), PyTuple_GET_ITEM(known, 3),
+                                            PyTuple_GET_ITEM(known, 6), PyTuple_GET_ITEM(known, 2), seq, async_,
+                                            site, PyTuple_GET_ITEM(known, 9)) : NULL;
+    PyObject *at_obj = fields ? PyLong_FromSsize_t(at) : NULL;
+    PyObject *r = at_obj ? PyObject_CallMethodObjArgs(writer, s_pack_odd, kind, ring, at_obj, head, fields,
+                                                      n_obj, NULL) : NULL;
+    Py_XDECREF(r); Py_XDECREF(at_obj); Py_XDECREF(fields); Py_XDECREF(head); Py_XDECREF(kind);
+    Py_XDECREF(writer);
+    PyErr_Clear();
+}
+
+/* The record of a call that returned, into the ring's next slot (the Python path's inlined
+ * pack). */
+static void record(Collective *self, PyObject *c, PyObject *d, PyObject *known, PyObject *seq_obj,
+                   PyObject *site_obj, int async_, int64_t t0, int64_t t1) {
+    PyObject *step = PyDict_GetItemWithError(d, s_step);
+    if (step == NULL || ring_now(self, c, d) < 0) return;
+    PyObject *ring = Py_NewRef(self->ring.ring);
+    int bad = 0;
+    /* kind id, step, t0, t1, then the fields in schema.COLLECTIVE's order: op, bytes, group,
+     * group size, seq, async, site, signature */
+    Value values[12];
+    values[0].i = self->kid;
+    values[1].i = as_i64(step, &bad);
+    values[2].i = t0;
+    values[3].i = t1;
+    values[4].i = as_i64(PyTuple_GET_ITEM(known, 5), &bad);
+    values[5].i = as_i64(PyTuple_GET_ITEM(known, 3), &bad);
+    values[6].i = as_i64(PyTuple_GET_ITEM(known, 6), &bad);
+    values[7].i = as_i64(PyTuple_GET_ITEM(known, 2), &bad);
+    values[8].i = as_i64(seq_obj, &bad);
+    values[9].i = async_;
+    values[10].i = as_i64(site_obj, &bad);
+    values[11].i = as_i64(PyTuple_GET_ITEM(known, 9), &bad);
+    Py_ssize_t at;
+    PyObject *n_obj = take_slot(&self->ring, &at);
+    if (n_obj != NULL) {
+        if (!write_slot(&self->ring, &self->layout, values, bad, n_obj, at))
+            pack_odd(c, ring, at, n_obj, step, t0, t1, known, seq_obj, site_obj, async_);
+        if (PyObject_SetAttr(ring, s_head, n_obj) < 0) PyErr_Clear();
+        Py_DECREF(n_obj);
+    }
+    Py_DECREF(ring);
+}
+
+static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs) {
+    return PyObject_Call(self->orig, args, kwargs);
+}
+
+/* The probe broke before the call: failed(c, exc) logs it and switches the probe off (or
+ * re-raises what a signal handler raised); then torch's function runs unrecorded. */
+static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *kwargs) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL; /* KeyboardInterrupt: the program's */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallFunctionObjArgs(self->failed, c, value, NULL);
+    Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    return passthrough(self, args, kwargs);
+}
+
+/* What the Python path described this call as (a new reference), or NULL: a new call site
+ * (no error set), or an error. The last call site is compared by value first. */
+static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject *frame, PyObject *head,
+                            PyObject *group, int async_, long long root) {
+    PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
+    int lasti = PyFrame_GetLasti((PyFrameObject *)frame);
+    PyObject *dtype = PyObject_GetAttr(head, s_dtype);
+    PyObject *nbytes = dtype ? PyObject_GetAttr(head, s_nbytes) : NULL;
+    PyObject *known = NULL, *key = NULL;
+    int bad = 0;
+    long long nb = nbytes ? as_i64(nbytes, &bad) : 0;
+    if (nbytes == NULL || bad) goto out;
+    if (self->last_known && c == self->last_c && (PyObject *)code == self->last_code &&
+        lasti == self->last_lasti && group == self->last_group && async_ == self->last_async &&
+        root == self->last_root && dtype == self->last_dtype && nb == self->last_nbytes) {
+        known = self->last_known;
+        Py_INCREF(known);
+        goto out;
+    }
+    /* the Python path's key: (id(code), f_lasti, group, async, root, dtype, nbytes) */
+    key = Py_BuildValue("(NiOiLOO)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype, nbytes);
+    PyObject *calls = key ? PyDict_GetItemWithError(d, s_calls) : NULL;
+    if (calls == NULL || !PyDict_Check(calls)) goto out;
+    known = PyDict_GetItemWithError(calls, key);
+    if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 13) {
+        known = NULL;
+        goto out;
+    }
+    Py_INCREF(known);
+    Py_INCREF(c); Py_XSETREF(self->last_c, c);
+    Py_INCREF(known); Py_XSETREF(self->last_known, known);
+    Py_INCREF(code); Py_XSETREF(self->last_code, (PyObject *)code);
+    Py_INCREF(group); Py_XSETREF(self->last_group, group);
+    Py_INCREF(dtype); Py_XSETREF(self->last_dtype, dtype);
+    self->last_lasti = lasti;
+    self->last_async = async_;
+    self->last_root = root;
+    self->last_nbytes = nb;
+out:
+    Py_DECREF(code);
+    Py_XDECREF(dtype);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(key);
+    return known;
+}
+
+/* fast(args, kwargs): the Python wrapper's (*args, **kwargs), as they came. */
+static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyTuple_Check(argv[0]) ||
+        !PyDict_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "Collective(args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
+    PyObject *c = PyDict_GetItemWithError(self->globals, s_active); /* borrowed */
+    if (c == NULL || c == Py_None) {
+        if (PyErr_Occurred()) return NULL;
+        return passthrough(self, args, kwargs);
+    }
+    Py_INCREF(c);
+    PyObject *d = NULL, *frame = NULL, *prev = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
+    PyObject *progress = NULL, *result = NULL, *group = Py_None;
+    int async_ = self->always_async;
+    long long root = -1;
+
+    d = PyObject_GenericGetDict(c, NULL);
+    if (d == NULL) goto broken;
+    PyObject *in_hook = PyDict_GetItemWithError(d, s_in_bucket_hook);
+    PyObject *disabled = in_hook ? PyDict_GetItemWithError(d, s_disabled) : NULL;
+    if (disabled == NULL || !PySet_Check(disabled)) goto slow;
+    if (PyObject_IsTrue(in_hook) != 0 || PySet_Contains(disabled, s_collectives) != 0) goto plain;
+    prev = PyDict_GetItemWithError(d, s_progress);
+    if (prev == NULL) goto slow;
+    Py_INCREF(prev);
+    if (PyTuple_Check(prev) && PyTuple_GET_SIZE(prev) > 0 && PyTuple_GET_ITEM(prev, 0) == self->phase)
+        goto plain; /* inside a recorded collective: part of it */
+
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (kwargs) {
+        PyObject *g = PyDict_GetItemWithError(kwargs, s_group);
+        if (g) group = g;
+        else if (PyErr_Occurred()) goto broken;
+        if (!async_) {
+            PyObject *a = PyDict_GetItemWithError(kwargs, s_async_op);
+            if (a) {
+                if ((async_ = PyObject_IsTrue(a)) < 0) goto broken;
+            } else if (PyErr_Occurred()) goto broken;
+        }
+    }
+    if (group == Py_None && nargs > 1) {
+        for (Py_ssize_t i = 0; i < nargs; i++)
+            if (is_group(PyTuple_GET_ITEM(args, i))) { group = PyTuple_GET_ITEM(args, i); break; }
+    }
+    if (self->root_names != Py_None && (root = root_of(self, args, kwargs)) == -2 && PyErr_Occurred())
+        goto broken;
+    if (nargs < 1) goto slow;
+    PyObject *head = PyTuple_GET_ITEM(args, 0);
+    int is_tensor = PyObject_IsInstance(head, self->tensor);
+    if (is_tensor <= 0) goto broken_or_slow;
+
+    frame = (PyObject *)PyEval_GetFrame();
+    Py_XINCREF(frame);
+    for (int i = 0; i < self->depth && frame; i++)
+        Py_SETREF(frame, (PyObject *)PyFrame_GetBack((PyFrameObject *)frame));
+    if (frame == NULL) goto slow;
+    known = known_call(self, c, d, frame, head, group, async_, root);
+    if (known == NULL) goto broken_or_slow; /* a new call site: the Python path describes it */
+    /* (pg, gname, gsize, nbytes, sig, op_id, gid, async, site, sid, seq_of, walk, code) */
+    site_obj = PyTuple_GET_ITEM(known, 8);
+    Py_INCREF(site_obj);
+    int walk = PyObject_IsTrue(PyTuple_GET_ITEM(known, 11));
+    if (walk < 0) goto broken;
+    if (walk) { /* called from a library: whose line called it varies */
+        PyObject *found = PyObject_CallFunctionObjArgs(self->of_frame, c, frame, NULL);
+        if (found == NULL || !PyTuple_Check(found) || PyTuple_GET_SIZE(found) < 1) {
+            Py_XDECREF(found);
+            goto broken_or_slow;
+        }
+        Py_SETREF(site_obj, Py_NewRef(PyTuple_GET_ITEM(found, 0)));
+        Py_DECREF(found);
+    }
+    seq_obj = PyObject_CallNoArgs(PyTuple_GET_ITEM(known, 10));
+    if (seq_obj == NULL) goto broken;
+
+    int64_t t0 = now_ns();
+    PyObject *t0_obj = PyLong_FromLongLong(t0);
+    progress = t0_obj ? PyTuple_Pack(9, self->phase, self->op, seq_obj, t0_obj, PyTuple_GET_ITEM(known, 1),
+                                     PyTuple_GET_ITEM(known, 2), PyTuple_GET_ITEM(known, 3),
+                                     PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 4))
+                      : NULL;
+    Py_XDECREF(t0_obj);
+    if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+    result = PyObject_Call(self->orig, args, kwargs);
+    if (result == NULL) {
+        /* c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid); then re-raise */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *async_obj = PyLong_FromLong(async_);
+        PyObject *r = async_obj ? PyObject_CallMethodObjArgs(
+            c, s_raised, prev, self->kind, self->op, PyTuple_GET_ITEM(known, 3), PyTuple_GET_ITEM(known, 1),
+            PyTuple_GET_ITEM(known, 2), seq_obj, async_obj, site_obj, PyTuple_GET_ITEM(known, 9), NULL) : NULL;
+        Py_XDECREF(async_obj);
+        if (r == NULL) { /* the patient's exception is the one that goes on */
+            PyErr_Clear();
+            if (PyDict_SetItem(d, s_progress, prev) < 0) PyErr_Clear();
+        }
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+        goto done;
+    }
+    int64_t t1 = now_ns();
+    if (PyDict_SetItem(d, s_progress, prev) == 0) {
+        PyObject *events = PyDict_GetItemWithError(d, s_events);
+        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
+        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0)
+            record(self, c, d, known, seq_obj, site_obj, async_, t0, t1);
+        Py_XDECREF(more);
+    }
+    PyErr_Clear(); /* the call returned: a record we could not make is lost, never the result */
+    goto done;
+
+broken_or_slow:
+    if (!PyErr_Occurred()) goto slow;
+broken:
+    if (PyErr_Occurred()) {
+        result = broke(self, c, args, kwargs);
+        goto done;
+    }
+slow:
+    result = PyObject_Call(self->slow, args, kwargs);
+    goto done;
+plain:
+    if (PyErr_Occurred()) goto broken;
+    result = passthrough(self, args, kwargs);
+done:
+    Py_XDECREF(progress);
+    Py_XDECREF(seq_obj);
+    Py_XDECREF(site_obj);
+    Py_XDECREF(known);
+    Py_XDECREF(frame);
+    Py_XDECREF(prev);
+    Py_XDECREF(d);
+    Py_DECREF(c);
+    return result;
+}
+
+PyTypeObject CollectiveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ddpdoctor.probes._fast.Collective",
+    .tp_basicsize = sizeof(Collective),
+    .tp_vectorcall_offset = offsetof(Collective, vectorcall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A collective's recording for call sites seen before (see probes/collectives.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Collective_init,
+    .tp_dealloc = (destructor)Collective_dealloc,
+    .tp_call = PyVectorcall_Call,
+};
+
