@@ -56,6 +56,12 @@ collector.ACTIVE.step = 2**33  # a value its field cannot hold: the slot is void
 for _ in range(2):
     dist.all_reduce(torch.ones(1))  # ODD_LINE
 collector.ACTIVE.step = -1
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(2, 2))
+with torch.no_grad():
+    for _ in range(3):
+        model(torch.ones(1, 2))  # FORWARD_LINE: called through nn.Module's frames; found in C once learnt
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -142,6 +148,8 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     assert len([r for r in calls if sites[r[10]] == _line(JOB, "KEYWORD_LINE")]) == 3
 
     assert not [r for r in calls if sites[r[10]] == _line(JOB, "ODD_LINE")]
+    forwards = [r for r in records if r[0] == "forward"]  # fields: grad, training, seq, site
+    assert [sites[r[7]] for r in forwards] == [_line(JOB, "FORWARD_LINE")] * 3
     assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
 
     # Both paths record the same events, in the same order, with the same fields.

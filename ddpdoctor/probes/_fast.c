@@ -166,7 +166,7 @@ int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, P
     return !bad;
 }
 
-static void head_to(RingRef *r, PyObject *n_obj) {
+void head_to(RingRef *r, PyObject *n_obj) {
     if (PyObject_SetAttr(r->ring, s_head, n_obj) < 0) PyErr_Clear();
 }
 

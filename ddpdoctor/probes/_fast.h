@@ -52,6 +52,7 @@ void ring_clear(RingRef *r);
 int ring_set(RingRef *r, PyObject *ring);
 PyObject *take_slot(RingRef *r, Py_ssize_t *at);
 int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
+void head_to(RingRef *r, PyObject *n_obj);
 
 /* The collective probe (_fast_collective.c). */
 extern PyTypeObject CollectiveType;

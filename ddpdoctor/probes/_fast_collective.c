@@ -182,7 +182,7 @@ static void record(Collective *self, PyObject *c, PyObject *d, PyObject *known, 
     if (n_obj != NULL) {
         if (!write_slot(&self->ring, &self->layout, values, bad, n_obj, at))
             pack_odd(c, ring, at, n_obj, step, t0, t1, known, seq_obj, site_obj, async_);
-        if (PyObject_SetAttr(ring, s_head, n_obj) < 0) PyErr_Clear();
+        head_to(&self->ring, n_obj);
         Py_DECREF(n_obj);
     }
     Py_DECREF(ring);
