@@ -50,6 +50,24 @@ def test_a_nodes_look_travels_and_lands_on_the_readers_clock() -> None:
     assert moved.wall == 1007.0 and moved.statuses[1].heartbeat_wall == 1006.5
 
 
+def test_a_remote_rank_idle_in_an_old_look_has_been_idle_longer_since() -> None:
+    """The leader judges a look that may be seconds old (a node busy dumping a stack): a rank idle
+    2 s then has not been seen to move for 2 s plus the look's age, so a rank stuck since before
+    the others began to wait reads as stalled, not busy."""
+    barrier = {"name": "collective", "op": "barrier", "seq": 9, "since_s": 5.5, "group": "WORLD"}
+    nodes = {
+        0: NodeView(0, "a", "/runs/n0", 1010.0, {0: _status(0, 1010.0, **barrier)}, {0: Activity()}),
+        1: NodeView(1, "b", "/runs/n1", 1007.0, {1: _status(1, 1007.0)}, {1: Activity(True, 2.0, 0.0)}),
+    }
+    acts = JobView(nodes).activity(1010.0)
+    assert acts[1].idle_s == 5.0 and acts[0].idle_s is None
+    verdict = judge(JobView(nodes).statuses, acts, 1010.0, 2)
+    assert verdict.state == "stalled" and verdict.culprits == [1] and verdict.idle_s == 5.0
+    under_way = NodeView(1, "b", "", 0.0, {1: _status(1, 0.0)}, {1: Activity(pending=True)})
+    back = NodeView.from_json(under_way.to_json())
+    assert back.activity[1].pending, "a measurement under way travels as one"
+
+
 def test_a_lost_nodes_ranks_are_gone_and_named_in_the_proof() -> None:
     now = time.time()
     barrier = {"name": "collective", "op": "barrier", "seq": 9, "since_s": 3.0, "group": "WORLD"}
@@ -58,8 +76,8 @@ def test_a_lost_nodes_ranks_are_gone_and_named_in_the_proof() -> None:
         1: NodeView(1, "b", "/runs/n1", now - 6, {1: _status(1, now - 6)}, {1: Activity()}),
     }
     job = JobView(nodes, lost={1: 6.0})
-    assert job.activity[1].alive is False and job.statuses[1].lost == "node 1 (b)"
-    verdict = judge(job.statuses, job.activity, now, 2)
+    assert job.activity(now)[1].alive is False and job.statuses[1].lost == "node 1 (b)"
+    verdict = judge(job.statuses, job.activity(now), now, 2)
     assert verdict.state == "proven" and verdict.culprits == [1]
     assert "rank 1 was lost with node 1 (b)" in verdict.proof
     text = nodes_text(job.layout(), 1)

@@ -159,6 +159,19 @@ def test_a_rank_that_does_not_move_is_stalled_and_unmeasured_ranks_say_so() -> N
     assert judge({0: st(0), 1: st(1)}, {0: busy(), 1: idle}, NOW).state == "running"
 
 
+def test_a_measurement_under_way_is_waited_for_not_replaced_by_the_clock() -> None:
+    """The tracker knows a rank's CPU only a window after it starts measuring; until then the
+    rank is unknown for a second, not unmeasurable, and a 3 s clock must not call it a hang."""
+    statuses = {0: st(0) | {"step": -1}, 1: st(1, "ddp_init", "init", seq=0, since=4)}
+    pending = {0: Activity(pending=True), 1: Activity(pending=True)}
+    v = judge(statuses, pending, NOW)
+    assert v.state == "running"
+    assert not is_hang(v, 3.0, hang_timeout=None, longest=4.0, quiet=4.0, started=False)
+    assert judge(statuses, {0: Activity(), 1: Activity()}, NOW).state == "unmeasured", "never measured"
+    known = judge(statuses, {0: busy(), 1: Activity(True, 4.0, 0.0)}, NOW)
+    assert known.state == "busy" and known.culprits == [0] and known.waiting == [1]
+
+
 def test_a_rank_never_heard_from_blocks_every_proof_and_is_named_once_all_others_wait() -> None:
     """A node lost before its doctor first reported (or one run without a doctor): its ranks
     have no status. Nothing about them can be proven, but once every rank heard from waits, the
@@ -184,11 +197,11 @@ def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None
         frames = [{"file": "/home/u/train.py", "line": 5, "function": stacks[pid]}]
         return {"method": "py-spy", "threads": [{"name": "MainThread", "frames": frames}]}
 
-    tr = ActivityTracker(dump=dump, cpu=lambda pid: cpu[pid])
+    tr = ActivityTracker(dump=dump, cpu=lambda pid: cpu[pid], spawn=lambda work: work())
     statuses = {0: RankStatus.of(st(0)), 1: RankStatus.of(st(1))}
     alive = {0: True, 1: True}
     first = tr.look(statuses, 0.0, {0, 1}, alive, since={0: 0.0, 1: 0.0})
-    assert first[0].idle_s is None, "one window must pass before anything is known"
+    assert first[0].idle_s is None and first[0].pending, "one window must pass before anything is known"
     for t in (1.0, 2.0, 3.0, 4.0):
         cpu[10] += 0.0  # rank 0: no CPU, but a new stack each sample (a sleeping poll loop that moves)
         cpu[11] += 0.001
@@ -198,6 +211,31 @@ def test_tracker_tells_cpu_work_and_changing_stacks_from_a_frozen_rank() -> None
     assert acts[1].idle_s == 4.0 and acts[1].frame == "same() train.py:5", "frozen since its last event"
     cpu[11] += 0.9
     assert tr.look(statuses, 5.0, {0, 1}, alive)[1].idle_s == 0.0, "CPU work is progress"
+
+
+def test_a_slow_stack_sample_never_holds_up_a_look_and_counts_from_when_it_was_asked() -> None:
+    """On a loaded host a py-spy dump takes seconds; the look goes on without it (the watcher
+    must keep reading fresh statuses) and reads the stack at a later look."""
+    queued: list = []
+    stack = ["poll"]
+
+    def dump(pid: int) -> dict:
+        frames = [{"file": "/home/u/train.py", "line": 7, "function": stack[0]}]
+        return {"method": "py-spy", "threads": [{"name": "MainThread", "frames": frames}]}
+
+    tr = ActivityTracker(dump=dump, cpu=lambda pid: 0.0, spawn=queued.append)
+    statuses, alive = {0: RankStatus.of(st(0))}, {0: True}
+    tr.look(statuses, 10.0, {0}, alive, since={0: 10.0})
+    assert len(queued) == 1, "asked for, not waited on"
+    tr.look(statuses, 11.0, {0}, alive)
+    queued.pop()()  # the first sample comes back late
+    assert tr.look(statuses, 12.0, {0}, alive)[0].frame == "poll() train.py:7"
+    assert len(queued) == 1  # the next one, asked for at 12.0
+    stack[0] = "retry"
+    assert tr.look(statuses, 13.0, {0}, alive)[0].idle_s == 3.0, "still out: nothing new yet"
+    queued.pop()()
+    acts = tr.look(statuses, 13.5, {0}, alive)
+    assert acts[0].idle_s == 1.5 and acts[0].frame == "retry() train.py:7", "moved by 12.0, when asked"
 
 
 def test_a_rank_busy_at_the_first_look_that_then_waits_is_a_waiting_rank(tmp_path: Path) -> None:

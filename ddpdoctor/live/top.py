@@ -104,7 +104,7 @@ class Top:
         job = _job(statuses, ranks, lateness, now, finished)
         reported = any(run["hangs"] for run in runs)
         timeout = "reported" if reported else self._hang_timeout()
-        activity = view.activity if view is not None else {}
+        activity = view.activity(now) if view is not None else {}
         findings = _findings(
             statuses, ranks, table, job, now, self.floor_s, finished, timeout, activity, state
         )

@@ -12,7 +12,9 @@ own status cannot say which (its writer thread may not get the GIL), so the supe
   to make it look busy.
 * Stack: when the CPU is idle, a non-blocking ``py-spy dump`` every ``STACK_EVERY_S`` (never
   pausing the rank, never sending it a signal); a different main-thread stack means progress
-  (a sleeping retry loop that sleeps in the same line is not).
+  (a sleeping retry loop that sleeps in the same line is not). The dump runs on its own thread
+  and is read at a later look: on a loaded host one takes seconds, and a watcher that waited
+  for it would judge the job on statuses that old.
 
 Tracking costs one small read per rank and window, and only runs while the watcher asks
 (someone waits, or nothing has been recorded for a while); stack samples are limited to
@@ -22,6 +24,7 @@ ranks outside every sync point and to ``DUMPS_PER_S`` for the whole job.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +87,15 @@ def describe_frame(dump: dict[str, Any]) -> tuple[tuple[Any, ...], str | None]:
 
 
 @dataclass
+class _Sample:
+    """One stack sample under way: asked for at ``t``, ``dump`` once ``done`` is set."""
+
+    t: float
+    done: threading.Event
+    dump: dict[str, Any] | None = None
+
+
+@dataclass
 class _Track:
     pid: int
     ref_t: float
@@ -94,20 +106,29 @@ class _Track:
     stack_t: float = 0.0
     stack_sig: tuple[Any, ...] = ()
     frame: str | None = None
+    sample: _Sample | None = None
+
+
+def _in_thread(work: Callable[[], None]) -> None:
+    threading.Thread(target=work, name="ddpdoctor-stack-sample", daemon=True).start()
 
 
 class ActivityTracker:
-    """Per-rank progress facts for ``proof.judge``; state lives here, judgement does not."""
+    """Per-rank progress facts for ``proof.judge``; state lives here, judgement does not.
+    ``spawn`` runs a stack sample (a daemon thread; a test may run it inline)."""
 
     def __init__(
         self,
         dump: Callable[[int], dict[str, Any]] | None = None,
         cpu: Callable[[int], float | None] = proc_cpu_s,
+        spawn: Callable[[Callable[[], None]], None] = _in_thread,
     ) -> None:
         self._dump = dump
         self._cpu = cpu
+        self._spawn = spawn
         self._tracks: dict[int, _Track] = {}
         self._next_dump = 0.0
+        self._sampling: _Sample | None = None  # one sample at a time for the whole job
 
     def forget(self) -> None:
         """Stop tracking (nobody waits): the next episode measures afresh."""
@@ -133,7 +154,8 @@ class ActivityTracker:
                 continue
             tr = self._tracks.get(rank)
             if tr is not None and tr.pid == pid and now - tr.ref_t < WINDOW_S:
-                out[rank] = self._activity(tr, now)  # mid-window: nothing new to read
+                self._read_sample(tr)  # mid-window: only a stack sample may have come back
+                out[rank] = self._activity(tr, now)
                 continue
             cpu = self._cpu(pid)
             if cpu is None and st.cpu_s is not None:
@@ -148,6 +170,7 @@ class ActivityTracker:
                         tr.moved_t = now
                 tr.known = True
                 tr.ref_t, tr.ref_cpu = now, cpu
+            self._read_sample(tr)
             idle_cpu = tr.rate is None or tr.rate < MIN_RATE
             outside = not st.in_sync  # compound phases: CPU only
             needs_frame = want_frame is not None and rank in want_frame and tr.frame is None
@@ -157,21 +180,47 @@ class ActivityTracker:
                 and (idle_cpu or needs_frame)
                 and now - tr.stack_t >= STACK_EVERY_S
                 and now >= self._next_dump
+                and (self._sampling is None or self._sampling.done.is_set())
             ):
                 self._next_dump = now + 1.0 / DUMPS_PER_S
                 tr.stack_t = now
-                dump = self._dump(pid)
-                if dump.get("threads"):
-                    sig, frame = describe_frame(dump)
-                    if tr.stack_sig and sig != tr.stack_sig:
-                        tr.moved_t = now
-                    tr.stack_sig, tr.frame = sig, frame or tr.frame
+                tr.sample = self._sampling = self._sample(pid, now)
+                self._read_sample(tr)  # a sample run inline is read at once
             out[rank] = self._activity(tr, now)
         return out
 
+    def _sample(self, pid: int, now: float) -> _Sample:
+        sample = _Sample(now, threading.Event())
+        dump = self._dump
+        assert dump is not None
+
+        def work() -> None:
+            try:
+                sample.dump = dump(pid)
+            finally:
+                sample.done.set()
+
+        self._spawn(work)
+        return sample
+
+    @staticmethod
+    def _read_sample(tr: _Track) -> None:
+        """A finished sample: a new stack since the last one means the rank moved, by the time
+        the sample was asked for at the latest."""
+        sample = tr.sample
+        if sample is None or not sample.done.is_set():
+            return
+        tr.sample = None
+        dump = sample.dump or {}
+        if dump.get("threads"):
+            sig, frame = describe_frame(dump)
+            if tr.stack_sig and sig != tr.stack_sig:
+                tr.moved_t = max(tr.moved_t, sample.t)
+            tr.stack_sig, tr.frame = sig, frame or tr.frame
+
     @staticmethod
     def _activity(tr: _Track, now: float) -> Activity:
-        return Activity(True, (now - tr.moved_t) if tr.known else None, tr.rate, tr.frame)
+        return Activity(True, (now - tr.moved_t) if tr.known else None, tr.rate, tr.frame, not tr.known)
 
 
 def pyspy_sample(pid: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ and a node that stops writing ages like a rank that stops heartbeating.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,8 @@ class NodeView:
                 "wall": self.wall,
                 "statuses": {str(r): s.to_json() for r, s in self.statuses.items()},
                 "activity": {
-                    str(r): [a.alive, a.idle_s, a.cpu_rate, a.frame] for r, a in self.activity.items()
+                    str(r): [a.alive, a.idle_s, a.cpu_rate, a.frame, a.pending]
+                    for r, a in self.activity.items()
                 },
                 "measuring": self.measuring,
             },
@@ -89,13 +91,16 @@ class JobView:
                 out[r] = st
         return out
 
-    @property
-    def activity(self) -> dict[int, Activity]:
+    def activity(self, now: float) -> dict[int, Activity]:
+        """What each node measured, aged to ``now``: a rank idle 2 s in a look 1 s old has not
+        been seen to move for 3 s (a remote look is as old as the leader's first sight of it)."""
         out: dict[int, Activity] = {}
         for node, view in self.nodes.items():
+            age = max(0.0, now - view.wall)
             for r in view.statuses:
                 act = view.activity.get(r, Activity())
-                out[r] = Activity(False, act.idle_s, act.cpu_rate, act.frame) if node in self.lost else act
+                idle = None if act.idle_s is None else act.idle_s + age
+                out[r] = dataclasses.replace(act, alive=act.alive and node not in self.lost, idle_s=idle)
         return out
 
     def node_of(self, rank: int) -> int | None:

@@ -52,7 +52,7 @@ from ddpdoctor.supervisor.waits import WaitNotes
 WATCH_SCHEMA = "ddpdoctor.watch/1"
 HANG_SCHEMA = "ddpdoctor.hang/1"
 FRESH_S = 1.0
-LOOK_SHARE = 5.0  # wait at least this many times as long as the last look took
+LOOK_SHARE = 5.0  # wait at least this many times the CPU the last look took
 
 
 class Watcher:
@@ -161,10 +161,12 @@ class Watcher:
         interval = self.poll_s
         while not self._stop.wait(interval):
             try:
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 self.poll_once(time.time())
                 # Thousands of ranks: look less often rather than take more than ~1/5 of a core.
-                interval = max(self.poll_s, LOOK_SHARE * (time.perf_counter() - t0))
+                # The look's own CPU, not its wall time: a look that waited (for the store, on a
+                # loaded host) must not leave the watcher blind five times as long.
+                interval = max(self.poll_s, LOOK_SHARE * (time.thread_time() - t0))
             except Exception as exc:  # the supervisor's own bug must not end supervision quietly
                 self.report(f"ddpdoctor: hang watch failed: {exc!r}")
                 return
@@ -264,7 +266,7 @@ class Watcher:
 
     def _decide(self, view: JobView, now: float, detect: bool) -> dict[str, Any]:
         """The leader's judgement of the whole job (a single node leads itself)."""
-        statuses, activity = view.statuses, view.activity
+        statuses, activity = view.statuses, view.activity(now)
         changed = False
         for rank, st in statuses.items():
             if self._last_events.get(rank) != st.events:

@@ -70,6 +70,9 @@ class Activity:
     idle_s: float | None = None  # seconds since its CPU time or stack last moved; None: unknown
     cpu_rate: float | None = None  # CPU seconds per second over the recent window
     frame: str | None = None  # its innermost user frame, "evaluate() train.py:27"
+    # Measurement has begun and its first window is not over: idle_s is unknown for a second,
+    # not unknowable, so the clock must not decide in its place.
+    pending: bool = False
 
 
 class VerdictState(enum.StrEnum):
@@ -275,7 +278,7 @@ def judge(
         text = f"no rank makes progress: rank(s) {rank_list(stalled)} idle outside any sync point"
         return Verdict(VerdictState.QUIET, text, stalled, [], 0.0, idle, where)
     unknown = [r for r in others if acts[r].idle_s is None]
-    if unknown and not moving:
+    if unknown and not moving and not any(acts[r].pending for r in unknown):
         # Nothing measured about the ranks that do not wait: only the clock can decide.
         text = f"rank(s) {rank_list(unknown)} not measured"
         return Verdict(VerdictState.UNMEASURED, text, unknown, sorted(waits), wait_s, 0.0, where, waits)
