@@ -27,7 +27,7 @@ class Slowdown:
     phase: str  # one of BASE_MS
     delay_ms: float
     steps: set[int] | None = None  # None: every step
-    starved: bool = False  # the delay is spent ready to run with no CPU (the run queue)
+    starved: float = 0.0  # the share of the delay spent ready to run with no CPU (the run queue)
     also: tuple[int, ...] = ()  # more ranks slowed the same way (a slow node)
 
     def hits(self, rank: int) -> bool:
@@ -67,7 +67,7 @@ def simulate_run(
             d = {p: max(0.0, v * (1 + jitter * rng.gauss(0, 1))) for p, v in base.items()}
             if slow and slow.hits(r) and (slow.steps is None or step in slow.steps):
                 d[slow.phase] += slow.delay_ms
-                runq[r] += slow.delay_ms if slow.starved else 0.0
+                runq[r] += slow.delay_ms * float(slow.starved)
             t = sync_end[r]
             if step:
                 add(r, schema.OPTIMIZER, t, d["optimizer"], step - 1, "SGD")

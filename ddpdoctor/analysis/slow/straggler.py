@@ -32,7 +32,9 @@ LATE_FLOOR_US = 300
 PERSISTENT = 0.6  # late on this share of steps (3/world if smaller), and at the median step
 OCCASIONAL_FACTOR = 3.0  # an occasional straggler must be this many thresholds late
 COST_WARNING = 0.05  # of the job's time: a cost worth a warning, however few steps
-COST_WARNING_S = 0.5  # and in all: a few ms of stalls in a short job are not worth one
+# and in all, for every kind of lateness: a few ms lost in a short job are not worth one (and
+# there one moment of contention on the host can cover most of the steps)
+COST_WARNING_S = 0.5
 CHANCE = 1e-4  # a persistent straggler is the latest more often than chance would make it (p)
 # and late on this many steps at least: on a shared host one rank can be slower for a few steps
 # in a row (the chance model takes steps as independent; contention is not)
@@ -217,15 +219,22 @@ def stragglers(run: Run) -> Iterable[Finding]:
             # when completions were observed (a descheduled callback thread), not a straggler.
             continue
         waited = cpu_wait_excess(table, row, late_steps)
-        # Late because it had no CPU, not because of its own work: the host's doing.
-        # A rank reading a loader the others never read does work only it does: waiting for a CPU
-        # stretches that work, it is not the cause.
-        starved = waited is not None and waited >= 0.5 * excess_ms * 1e3 and reading is None
+        # Late because it had no CPU, not because of its own work: the host's doing, when the
+        # lateness left once its extra wait for a CPU is taken away is on time. A rank with more
+        # work than the others also waits longer for a CPU on a crowded host: the wait stretches
+        # its work, it is not the cause (nor for a rank reading a loader the others never read).
+        starved = waited is not None and excess_ms * 1e3 - waited <= threshold and reading is None
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
-        starving = f", {waited / 1e3:.1f} ms of it waiting for a CPU" if starved else ""
+        starving = (
+            f", {waited / 1e3:.1f} ms of it waiting for a CPU"
+            if waited is not None and (starved or waited > threshold)
+            else ""
+        )
+        lost_s = excess_ms * n_late / 1e3
         if persistent:
             fix = _CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]
+            details["lost_s"] = round(lost_s, 3)
             bigger = larger_batches(run, rank) if phase in ("forward", "backward") and not starved else None
             larger = ""
             if bigger is not None:
@@ -236,12 +245,12 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 )
             yield Finding(
                 "straggler",
-                "warning",
+                "warning" if lost_s >= COST_WARNING_S else "info",
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
                 f"{where_time_went(phase, reading)}{larger}; the job would run {speedup:.2f}x faster "
-                "if it kept up",
+                f"if it kept up{_small(lost_s)}",
                 fix=LARGER_FIX + fix if larger else fix,
                 details=details,
             )
@@ -255,7 +264,6 @@ def stragglers(run: Run) -> Iterable[Finding]:
             details["cost_share"] = round(cost, 4)
             # A stall (half a step or more each time), not jitter, that costs the job 5 %.
             # Not when it waited for a CPU: now and then one rank of an oversubscribed host.
-            lost_s = excess_ms * n_late / 1e3
             costly = (
                 cost >= COST_WARNING
                 and lost_s >= COST_WARNING_S
@@ -273,6 +281,13 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 + (_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]),
                 details=details,
             )
+
+
+def _small(lost_s: float) -> str:
+    """Said of a steady lateness that has cost the job too little to warn about (yet)."""
+    if lost_s >= COST_WARNING_S:
+        return ""
+    return f" (it cost {1e3 * lost_s:.0f} ms in all in this run: a note, not a warning, until it costs more)"
 
 
 def _nodes(run: Run, ranks: list[int]) -> dict[str, list[int]]:
@@ -314,14 +329,15 @@ def slow_nodes(run: Run, table: SyncTable, threshold: float) -> Iterable[tuple[F
         share = len(steps) / len(table.steps)
         speedup = step_ms / max(step_ms - late_ms * share, 1e-9)
         ranks = [table.ranks[i] for i in rows]
+        lost_s = late_ms * len(steps) / 1e3
         finding = Finding(
             "slow_node",
-            "warning",
+            "warning" if lost_s >= COST_WARNING_S else "info",
             ranks,
             f"node {name} is slow as a whole: all its ranks ({rank_list(ranks)}) arrive at the "
             f"gradient sync {late_ms:.1f} ms late (of a {step_ms:.1f} ms step) on {len(steps)} of "
             f"{len(table.steps)} steps, mostly in {phase}; the job would run {speedup:.2f}x "
-            "faster if the node kept up",
+            f"faster if the node kept up{_small(lost_s)}",
             fix="Look at that node, not at one rank: its CPUs, GPUs (clocks, thermals), memory and "
             "data path (a slower disk or network share), and what else runs there; "
             + _FIX[phase][0].lower()
