@@ -31,6 +31,7 @@ class RunDir:
     STOPPED_LINGERING = "stopped_lingering_ns"
     WATCH = "watch.json"  # the supervisor's hang watch: hangs, rank exits and errors (watch.py)
     WAITING = "waiting.json"  # while ranks wait on a busy rank: who, on whom, where (waits.py)
+    PROFILE = "profile.json"  # a live straggler and a peer, sampled side by side (profile.py)
     ERROR_LOG = "probe-errors.log"  # probes that switched themselves off, and why
     REPORT = "report.html"
     EXPORT = "trace.json"  # Perfetto / Chrome trace

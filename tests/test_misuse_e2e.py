@@ -138,13 +138,30 @@ def test_what_each_rank_read_decides_sharding_not_the_sampler(tmp_path: Path) ->
 
 @pytest.mark.parametrize(("kind", "phase"), [("data", "data_wait"), ("forward", "forward")])
 def test_real_straggler_rank_and_phase(tmp_path: Path, kind: str, phase: str) -> None:
-    code, found = findings(tmp_path, kind, "25", "--steps=24", script="straggler.py")
+    code, found = findings(tmp_path, kind, "25", "--steps=32", script="straggler.py")  # 0.8 s lost
     assert code == 0
     (f,) = serious(found)
     assert (f["kind"], f["ranks"], f["details"]["phase"]) == ("straggler", [1], phase)
     assert 15 < f["details"]["excess_ms_per_step"] < 40
     assert f["details"]["what_if_speedup"] > 1.2
     assert "batch_elements" not in f["details"]  # the same batches: no claim that they differ
+
+
+def test_a_straggler_sampled_while_it_lags_is_pointed_at_its_line(tmp_path: Path) -> None:
+    """Long enough for the live rule to name rank 1 and for a 5 s profile of it and rank 0: the
+    finding names the line in Net.forward where rank 1 spends its extra time."""
+    code, found = findings(tmp_path, "forward", "40", "--steps=150", script="straggler.py")
+    assert code == 0
+    (f,) = serious(found)
+    text = (JOBS / "straggler.py").read_text().splitlines()
+    forward = next(i for i, t in enumerate(text) if "def forward" in t)
+    line = next(i for i, t in enumerate(text[forward:], forward + 1) if "time.sleep" in t)
+    where = f["details"]["where"]
+    assert (f["kind"], f["ranks"], where["line"], where["peer"]) == ("straggler", [1], line, 0), where
+    assert where["share"] > 0.5 and where["peer_share"] < 0.1 and where["samples"] >= 100, where
+    assert f"Net.forward() straggler.py:{line}" in f["summary"] and f["fix"].startswith(
+        "Start at Net.forward()"
+    )
 
 
 def test_a_straggler_with_larger_batches_is_told_so_with_the_samplers_fix(tmp_path: Path) -> None:
@@ -170,6 +187,7 @@ def test_healthy_jobs_have_no_warnings(tmp_path: Path, job: str) -> None:
     else:
         _, found = findings(tmp_path, script="counted_train.py")
     assert serious(found) == []
+    assert not (tmp_path / "run" / "profile.json").exists(), "no straggler, no profile"
 
 
 def test_demo_is_healthy_and_says_where_its_run_is(tmp_path: Path) -> None:

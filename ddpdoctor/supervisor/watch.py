@@ -39,6 +39,7 @@ from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_samp
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.lingering import Lingering
+from ddpdoctor.supervisor.profile import StragglerProfile
 from ddpdoctor.supervisor.stacks import render_stack
 from ddpdoctor.supervisor.statuses import (
     DEFAULT_FLOOR_S,
@@ -108,6 +109,7 @@ class Watcher:
         self._state: dict[str, Any] = {}
         self._view = JobView({})
         self._lingering = Lingering(run_dir, report)
+        self._profile = StragglerProfile(self.run_dir, use_pyspy)
         self._lost: dict[int, dict[str, Any]] = {}
         self._nodes: dict[str, Any] = {}  # the job's node map, as the leader last posted it
         self._layout_v = 0
@@ -123,6 +125,7 @@ class Watcher:
             self._thread.join(timeout)
         with contextlib.suppress(Exception):
             self.poll_once(time.time(), detect=False)  # last look: catch a final rank death
+        self._profile.join()  # a straggler's profile under way: its ranks have exited, it ends
         with self._lock:
             self._notes.close(time.time())
         self._write_watch()
@@ -183,6 +186,8 @@ class Watcher:
             if not statuses and not self.board.layout.multi_node:
                 return None
             alive = self._look_local(statuses, now)
+            if detect:
+                self._profile.look(statuses, alive, now)
             mine = NodeView(
                 self._node(statuses),
                 self._host,

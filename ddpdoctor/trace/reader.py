@@ -47,6 +47,7 @@ class Run:
     watches: list[dict[str, Any]] = field(default_factory=list)  # watch.json, one per run dir
     gpus: list[GpuTrace] = field(default_factory=list)  # gpu-<host>.jsonl, one per node
     ends: dict[int, dict[str, Any]] = field(default_factory=dict)  # ends.json: how each rank ended
+    profiles: list[dict[str, Any]] = field(default_factory=list)  # profile.json: a straggler's lines
     # Views computed once from the run and shared by the analyses and the reports (the GPU view).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -171,6 +172,7 @@ def load_run(dirs: Iterable[str | Path]) -> Run:
         notes.append("no rank wrote a trace: what is known comes from the supervisor (ends.json)")
     run = Run(paths, metas, ranks, notes, hangs, watches, _gpu_traces(paths, notes))
     run.ends = ends
+    run.profiles = [p for run_dir in paths for p in _json_object(run_dir / RunDir.PROFILE)]
     return run
 
 

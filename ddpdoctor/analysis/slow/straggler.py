@@ -25,6 +25,7 @@ from ddpdoctor.analysis.slow.stalls import (
 )
 from ddpdoctor.analysis.slow.synctable import SyncTable, judged_table
 from ddpdoctor.analysis.slow.threads import map_threads
+from ddpdoctor.analysis.slow.where import line_text, straggler_line
 from ddpdoctor.trace.reader import Run
 
 LATE_FRACTION = 0.05  # of the step time: below this a rank is on time
@@ -243,14 +244,18 @@ def stragglers(run: Run) -> Iterable[Finding]:
                     f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
                     f"elements vs {bigger['others']:,.0f} on the others, in the first batches of each pass)"
                 )
+            found = straggler_line(run, rank)
+            if found is not None:
+                details["where"] = found
+                fix = f"Start at {found['where']}, where its time goes. " + fix
             yield Finding(
                 "straggler",
                 "warning" if lost_s >= COST_WARNING_S else "info",
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
-                f"{where_time_went(phase, reading)}{larger}; the job would run {speedup:.2f}x faster "
-                f"if it kept up{_small(lost_s)}",
+                f"{where_time_went(phase, reading)}{larger}{line_text(found) if found else ''}; the "
+                f"job would run {speedup:.2f}x faster if it kept up{_small(lost_s)}",
                 fix=LARGER_FIX + fix if larger else fix,
                 details=details,
             )

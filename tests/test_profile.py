@@ -1,0 +1,61 @@
+"""A straggler's line from its profile against a peer's: the parsing of py-spy's samples and
+the comparison, on samples whose answer is known (the end-to-end run is in test_misuse_e2e)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpdoctor.analysis.slow.where import straggler_line
+from ddpdoctor.supervisor.profile import collapsed_lines
+from ddpdoctor.trace.reader import Run
+
+LIB = "/usr/lib/python3.11/site-packages/torch/nn/modules/module.py"
+THREADING = "/usr/lib/python3.11/threading.py"
+MAIN = "<module> (/home/u/train.py:70)"
+RAW = "\n".join(
+    [
+        f"{MAIN};main (/home/u/train.py:52);_call_impl ({LIB}:1775);Net.forward (/home/u/train.py:23) 120",
+        f"{MAIN};main (/home/u/train.py:55);backward ({LIB}:520) 60",
+        f"Thread._bootstrap ({THREADING}:1002);Thread.run ({THREADING}:982);poll (/home/u/train.py:9) 300",
+        f"{MAIN};_call_impl ({LIB}:1775) 5",
+        " 2",
+    ]
+)
+
+
+def test_samples_count_the_main_threads_innermost_user_line() -> None:
+    total, lines = collapsed_lines(RAW)
+    assert total == 185, "the background thread and the empty stack are not the main thread's"
+    assert lines == [
+        ["Net.forward", "/home/u/train.py", 23, 120],  # through torch's module call
+        ["main", "/home/u/train.py", 55, 60],  # inside torch's backward: the line that called it
+        ["<module>", "/home/u/train.py", 70, 5],
+    ]
+
+
+def _run(straggler: tuple[int, list], peer: tuple[int, list]) -> Run:
+    run = Run([Path(".")], [], {})
+    run.profiles = [
+        {"straggler": 1, "peer": 0, "seconds": 5.0,
+         "ranks": {"1": {"samples": straggler[0], "lines": straggler[1]},
+                   "0": {"samples": peer[0], "lines": peer[1]}}}
+    ]  # fmt: skip
+    return run
+
+
+def test_the_line_where_the_straggler_spends_more_of_its_time_than_its_peer() -> None:
+    sleep = ["Net.forward", "/home/u/train.py", 23, 450]
+    wait = ["main", "/home/u/train.py", 55]  # the peer waits in backward for it
+    run = _run((500, [sleep, [*wait, 40]]), (500, [[*wait, 480], ["Net.forward", "/home/u/train.py", 24, 5]]))
+    found = straggler_line(run, 1)
+    assert found is not None and found["where"] == "Net.forward() train.py:23"
+    assert (found["share"], found["peer_share"], found["peer"]) == (0.9, 0.0, 0)
+    assert straggler_line(run, 0) is None, "the profile is the straggler's"
+
+
+def test_equal_shares_or_too_few_samples_say_nothing() -> None:
+    same = [["Net.forward", "/home/u/train.py", 23, 260], ["main", "/home/u/train.py", 55, 240]]
+    close = [["Net.forward", "/home/u/train.py", 23, 245], ["main", "/home/u/train.py", 55, 255]]
+    assert straggler_line(_run((500, same), (500, close)), 1) is None, "3 points: sampling noise"
+    few = [["Net.forward", "/home/u/train.py", 23, 40]]
+    assert straggler_line(_run((50, few), (50, [])), 1) is None, "50 samples prove nothing"
