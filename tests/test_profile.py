@@ -3,10 +3,15 @@ the comparison, on samples whose answer is known (the end-to-end run is in test_
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from ddpdoctor.analysis.slow.where import straggler_line
-from ddpdoctor.supervisor.profile import collapsed_lines
+from ddpdoctor.rundir import RunDir
+from ddpdoctor.supervisor.profile import StragglerProfile, collapsed_lines
 from ddpdoctor.trace.reader import Run
 
 LIB = "/usr/lib/python3.11/site-packages/torch/nn/modules/module.py"
@@ -59,3 +64,64 @@ def test_equal_shares_or_too_few_samples_say_nothing() -> None:
     assert straggler_line(_run((500, same), (500, close)), 1) is None, "3 points: sampling noise"
     few = [["Net.forward", "/home/u/train.py", 23, 40]]
     assert straggler_line(_run((50, few), (50, [])), 1) is None, "50 samples prove nothing"
+
+
+CHILD = """
+import time
+
+def spin():
+    end = time.monotonic() + 0.004
+    while time.monotonic() < end:
+        pass
+
+def nap():
+    time.sleep(0.001)
+
+print("ready", flush=True)
+while True:
+    spin()
+    nap()
+"""
+
+
+def test_a_real_profile_of_two_processes_names_their_lines(tmp_path: Path) -> None:
+    """py-spy as installed, on two live processes (the same script, as a straggler and its peer
+    are): profile.json holds each one's main-thread lines, the spinning one first."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    kids = [
+        subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    try:
+        for kid in kids:
+            assert kid.stdout is not None and kid.stdout.readline() == "ready\n"
+        profile = StragglerProfile(tmp_path, use_pyspy=True, seconds=2.0)
+        profile._run(1, 0, {1: kids[0].pid, 0: kids[1].pid}, "a test")
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
+    out = json.loads((tmp_path / RunDir.PROFILE).read_text())
+    assert (out["straggler"], out["peer"], out["why"]) == (1, 0, "a test")
+    for rank in ("0", "1"):
+        entry = out["ranks"][rank]
+        assert entry["samples"] >= 100, entry
+        function, file, line, _ = entry["lines"][0]
+        assert (function, file) == ("spin", str(script)), entry
+        assert CHILD.splitlines()[line - 1].strip().startswith(("while", "pass", "end")), entry
+
+
+def test_a_py_spy_that_cannot_attach_leaves_its_error_and_no_line(tmp_path: Path) -> None:
+    fake = tmp_path / "py-spy"
+    fake.write_text(
+        "#!/bin/sh\necho 'py-spy> Sampling process' >&2\necho 'Error: Permission denied' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    profile = StragglerProfile(tmp_path, use_pyspy=True, seconds=1.0)
+    profile._exe = str(fake)
+    profile._run(1, 0, {1: os.getpid(), 0: os.getpid()}, "a test")
+    out = json.loads((tmp_path / RunDir.PROFILE).read_text())
+    assert out["ranks"]["1"] == {"samples": 0, "lines": [], "error": "Error: Permission denied"}
+    run = Run([tmp_path], [], {})
+    run.profiles = [out]
+    assert straggler_line(run, 1) is None

@@ -13,6 +13,7 @@ reduced to the main thread's innermost user frame (trace/stacktext.py's rule) an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import tempfile
@@ -137,9 +138,11 @@ class StragglerProfile:
                     samples, lines = collapsed_lines(text)
                     entry: dict[str, Any] = {"samples": samples, "lines": lines}
                     if not text and err:
-                        entry["error"] = err.strip().splitlines()[0][-300:]
+                        said = [ln for ln in err.splitlines() if ln.startswith("Error")] or [err.strip()]
+                        entry["error"] = said[0][-300:]
                     out["ranks"][str(r)] = entry
         except Exception as exc:  # the supervisor's extra must never end supervision
             out["error"] = f"{type(exc).__name__}: {exc}"
         out["seconds"] = round(time.time() - started, 3)
-        write_atomic(self.path, json.dumps(out, indent=1))
+        with contextlib.suppress(OSError):  # a run dir gone: nothing to keep it in
+            write_atomic(self.path, json.dumps(out, indent=1))
