@@ -271,6 +271,28 @@ def test_a_vanished_rank_without_exception_is_killed_by_a_signal(tmp_path: Path)
     assert "rank 0: in dist.barrier() (collective #7)" in f.summary
 
 
+def test_the_rank_that_died_first_is_the_root_whatever_its_last_heartbeat(tmp_path: Path) -> None:
+    """CI: rank 1 sent itself SIGTERM at .805 s, torchrun then stopped rank 0 (SIGTERM at .877 s),
+    and rank 0's last heartbeat (.681) was older than rank 1's (.750): heartbeats come 4 a
+    second, the deaths 72 ms apart. Each rank's own last words say when, and whether the
+    launcher's SIGTERM was a consequence."""
+    _trace(tmp_path, 0)
+    _trace(tmp_path, 1)
+    (tmp_path / "run.json").write_text(json.dumps({"exit_code": 1}))
+    exits = {
+        str(r): {"pid": 5 + r, "seen_wall": 66.9, "last_heartbeat_wall": beat, "signal": None, "step": 9}
+        for r, beat in ((0, 65.681), (1, 65.750))
+    }
+    (tmp_path / "watch.json").write_text(json.dumps({"rank_exits": exits, "rank_errors": {}}))
+    ends = {
+        "0": {"how": "signal", "signal": "SIGTERM", "at_wall": 65.877, "consequence": True},
+        "1": {"how": "signal", "signal": "SIGTERM", "at_wall": 65.805, "consequence": False},
+    }
+    (tmp_path / "ends.json").write_text(json.dumps({"ranks": ends, "first": 1}))
+    [f] = [f for f in diagnose(load_run([tmp_path])).findings if f.kind == "rank_failure"]
+    assert f.ranks == [1] and "rank 1 was killed by SIGTERM" in f.summary, f.summary
+
+
 def test_a_clean_run_has_no_rank_failure(tmp_path: Path) -> None:
     _trace(tmp_path, 0, ["end", 30, 0, 3, {"reason": "exit"}])
     (tmp_path / "run.json").write_text(json.dumps({"exit_code": 0}))

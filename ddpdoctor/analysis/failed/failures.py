@@ -179,8 +179,13 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         end = ends.get(key) or {}
         if end.get("how") == "exit" and end.get("initialised") is not False:
             continue  # a clean exit whose trace could not be written or read (a full disk)
-        when = float(exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0)
-        candidates.append((when, rank, None, exit_info.get("signal") or None, False))
+        # When it died, as its own last words say; its last heartbeat (4 a second) can precede
+        # the death of a rank that died first. The launcher stopping it after another failed is
+        # a consequence, as its own error would be.
+        when = float(
+            end.get("at_wall") or exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall") or 0.0
+        )
+        candidates.append((when, rank, None, exit_info.get("signal") or None, bool(end.get("consequence"))))
     known = {c[1] for c in candidates}
     for key, end in ends.items():
         rank = int(key)
