@@ -236,7 +236,11 @@ def test_exit_code_of_failing_torchrun_job(tmp_path: Path, write_script) -> None
     assert job.returncode == plain.returncode
     diag = diagnose_json(job.run_dir)
     assert diag["run"]["exit_code"] == plain.returncode
-    assert any(f["severity"] == "error" for f in diag["findings"])
+    # sys.exit(7) raises no traceback: the rank's exit status (glibc's on_exit) names the root
+    failure = next(f for f in diag["findings"] if f["kind"] == "rank_failure")
+    assert failure["ranks"] == [1] and "exited with code 7" in failure["summary"], failure
+    ends = json.loads((job.run_dir / "ends.json").read_text())["ranks"]
+    assert (ends["0"]["how"], ends["0"]["code"], ends["1"]["code"]) == ("exit", 0, 7), ends
 
 
 def test_command_not_found(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import diagnose_json, job_env, read_lines, run_doctor, torchrun
+from conftest import diagnose_json, free_port, job_env, read_lines, run_doctor, torchrun
 from test_live_e2e import kill_tree
 
 from ddpdoctor.trace import binfmt
@@ -43,13 +43,29 @@ dist.destroy_process_group()
 """
 
 
+# Each rank started by hand and waited for, as `srun --kill-on-bad-exit=0` does: torchrun would
+# stop rank 0 with SIGTERM a monitor interval (0.1 s) after rank 1 exits, and a cold rank 0 can
+# take longer than that to raise (0.7 s seen with the page cache dropped).
+LAUNCHER = """
+import os, subprocess, sys
+world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1]}
+ranks = [
+    subprocess.Popen([sys.executable, sys.argv[2]], env={**os.environ, **world, "RANK": r, "LOCAL_RANK": r})
+    for r in ("0", "1")
+]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
+
+
 def percentages(findings: list[dict]) -> list[int]:
     return [int(p) for f in findings for p in re.findall(r"(\d+)%", f["summary"])]
 
 
 def test_a_collective_that_raised_is_recorded_as_raised_not_completed(tmp_path: Path, write_script) -> None:
-    job = run_doctor(tmp_path, torchrun(2, write_script("raised.py", RAISED_JOB)), timeout=120)
-    assert job.returncode != 0
+    script = write_script("raised.py", RAISED_JOB)
+    launcher = write_script("launch.py", LAUNCHER)
+    job = run_doctor(tmp_path, [sys.executable, str(launcher), str(free_port()), str(script)], timeout=120)
+    assert job.returncode != 0, job.stderr
     records = read_lines(job.run_dir / "trace-rank0.jsonl")
     raised = [r for r in records if r[0] == "raised"]
     assert {r[4]["kind"] for r in raised} == {"forward", "sync_buffers"}, raised
@@ -65,6 +81,10 @@ def test_a_collective_that_raised_is_recorded_as_raised_not_completed(tmp_path: 
     labels = [s["label"] for s in doc["failure"]["open_spans"] if s["rank"] == 0]
     assert labels == ["forward", f"buffer broadcast #{seq}"], labels  # a forward has no seq number
     assert all(p <= 100 for p in percentages(doc["findings"])), [f["summary"] for f in doc["findings"]]
+    # the root is rank 1's SystemExit(3), which printed nothing; rank 0's error is its consequence
+    failure = next(f for f in doc["findings"] if f["kind"] == "rank_failure")
+    assert failure["ranks"] == [1] and "exited with code 3" in failure["summary"], failure
+    assert doc["failure"]["ranks"]["1"]["how"] == "exit_code", doc["failure"]["ranks"]["1"]
 
 
 HANG_JOB = """

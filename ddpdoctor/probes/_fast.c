@@ -9,6 +9,8 @@
  * - Packer: the trace writer's pack (trace/writer.py) of one event of one kind into the ring.
  * - site(): the call-site lookup of probes/callsite.py for a call made from an instruction
  *   whose site is known; None sends the caller to the Python walk, which learns it.
+ * - exit_code(path): the status a rank exits with through exit() (the script's end, sys.exit,
+ *   SystemExit), which Python tells no handler of its own (probes/lastwords.py).
  *
  * A record is packed by the layout of the ``struct`` format the Python writer packs the same
  * kind with (trace/ring.py's slot_struct), parsed once here: the format stays the one
@@ -285,8 +287,64 @@ static PyTypeObject PackerType = {
     .tp_call = PyVectorcall_Call,
 };
 
+#ifdef __GLIBC__
+#include <fcntl.h>
+#include <unistd.h>
+
+static char exit_path[4096];
+static pid_t exit_pid;
+
+/* glibc's on_exit handlers run after Python's finalization, so this one is plain C: a few
+ * system calls. A child forked from the rank (a DataLoader worker) inherits the handler and
+ * writes nothing: only the process that asked records its status. */
+static void write_exit_status(int status, void *unused) {
+    (void)unused;
+    if (getpid() != exit_pid) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    char text[128];
+    int n = snprintf(text, sizeof text, "{\"how\": \"exit\", \"code\": %d, \"wall_ns\": %lld}",
+                     status & 0xff, (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    int fd = open(exit_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    ssize_t written = write(fd, text, (size_t)n);
+    (void)written;
+    close(fd);
+}
+#endif
+
+/* exit_code(path) -> bool: write {"how": "exit", "code": N, "wall_ns": T} to path when this
+ * process ends through exit(); False where the C library offers no on_exit (not glibc). */
+static PyObject *exit_code(PyObject *self, PyObject *arg) {
+    (void)self;
+#ifdef __GLIBC__
+    static int registered;
+    Py_ssize_t size;
+    const char *path = PyUnicode_AsUTF8AndSize(arg, &size);
+    if (path == NULL) return NULL;
+    if ((size_t)size >= sizeof exit_path) {
+        PyErr_SetString(PyExc_ValueError, "path too long");
+        return NULL;
+    }
+    memcpy(exit_path, path, (size_t)size + 1);
+    exit_pid = getpid();
+    if (!registered) {
+        if (on_exit(write_exit_status, NULL) != 0) {
+            PyErr_SetString(PyExc_OSError, "on_exit() refused the handler");
+            return NULL;
+        }
+        registered = 1;
+    }
+    Py_RETURN_TRUE;
+#else
+    (void)arg;
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef functions[] = {
     {"site", (PyCFunction)(void (*)(void))site, METH_FASTCALL, "The call site callsite.py has learnt, or None."},
+    {"exit_code", exit_code, METH_O, "Record the status this process exits with to a file (glibc's on_exit)."},
     {NULL, NULL, 0, NULL},
 };
 

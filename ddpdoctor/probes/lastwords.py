@@ -7,8 +7,12 @@
 * ``sigterm-rank{R}.txt``: ``faulthandler.register(SIGTERM, chain=True)`` writes the stacks and
   re-raises SIGTERM with its previous (default) action: the rank dies exactly as it would.
   Only while SIGTERM has its default action; a Python handler the job installs replaces ours.
-* ``exit-rank{R}.json``: ``os._exit(code)`` skips atexit and every flush; the wrapper writes
-  the code first.
+* ``exit-rank{R}.json``: the status the rank exits with through ``exit()`` (its script's end,
+  ``sys.exit(3)``, ``raise SystemExit(3)``), which no Python hook is told: a C handler
+  (glibc's ``on_exit``, probes/_fast.c) writes it after Python's finalization. Without it
+  ``sys.exit(3)`` would read as a clean exit, and the rank torchrun then stopped as the root.
+  ``os._exit(code)`` skips that handler, atexit and every flush; its wrapper writes the code
+  first.
 * ``stderr-rank{R}.txt``: the last 64 KiB the rank wrote to its stderr (a C++ abort message,
   an NCCL line, a traceback), kept by a small tee process (``stderr_tee.py``) that outlives
   the rank. The tee writes every byte on to the original stderr; when that is a terminal the
@@ -50,7 +54,8 @@ def install(c: _c.Collector | Any) -> None:
     """Take every step not yet taken. ``probes/early.py`` calls this at a rank process's start
     (with the rank from its environment), so a rank that never reaches init_process_group
     leaves its stderr and its stack too; the collector's call at init then finds them done."""
-    for name, step in (("fatal", _fatal), ("sigterm", _sigterm), ("os_exit", _os_exit), ("tee", _tee)):
+    steps = (("fatal", _fatal), ("sigterm", _sigterm), ("exit", _exit_code), ("os_exit", _os_exit))
+    for name, step in (*steps, ("tee", _tee)):
         if name in _done:
             continue
         try:
@@ -78,6 +83,14 @@ def _sigterm(c: _c.Collector) -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return  # the job handles SIGTERM: never stand in its way
     faulthandler.register(signal.SIGTERM, file=_open(c, "sigterm"), all_threads=True, chain=True)
+
+
+def _exit_code(c: _c.Collector) -> None:
+    try:
+        from ddpdoctor.probes import _fast
+    except ImportError:
+        return  # built without its C module: an exit's status stays unknown
+    _fast.exit_code(os.path.join(c.run_dir, filename("exit", c.rank)))
 
 
 def _os_exit(c: _c.Collector) -> None:

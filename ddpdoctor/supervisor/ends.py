@@ -11,7 +11,8 @@ trace); it is called an OOM kill only when the kernel log names its pid.
 ``ends.json``::
 
     {"schema": "ddpdoctor.ends/1", "completed": {trace file: {recovered, lost}},
-     "ranks": {"R": {pid, how: exit|exception|os_exit|signal, code, signal, source,
+     "ranks": {"R": {pid, how: exit|exception|os_exit|signal, code (an exit's status where
+                     known), signal, source,
                      consequence, at_wall, stack, words: [lines]}},
      "first": R or null}
 """
@@ -192,8 +193,12 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         end.update(how="os_exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
         end["source"] = "os._exit() in the rank"
         end["frames"] = exit_info.get("frames") or []  # its caller's stack, outermost first
-    elif clean:
-        end.update(how="exit", at_wall=_mtime(RunDir(run_dir).trace(rank, header.get("restart", 0))))
+    elif clean or exit_info.get("how") == "exit":
+        trace = RunDir(run_dir).trace(rank, header.get("restart", 0))
+        end.update(how="exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
+        end["at_wall"] = end["at_wall"] or _mtime(trace)
+        if end["code"]:
+            end["source"] = f"exit code {end['code']}, no traceback (sys.exit() or SystemExit in the rank)"
     return end
 
 
@@ -221,7 +226,7 @@ def rank_ends(run_dir: Path) -> tuple[dict[str, Any], int | None]:
     failed = [
         (e.get("at_wall") or 0.0, int(r))
         for r, e in ends.items()
-        if (e["how"] != "exit" or e.get("initialised") is False)
+        if (e["how"] != "exit" or e.get("code") or e.get("initialised") is False)
         and not e["consequence"]
         and not e.get("interrupted")
     ]
@@ -248,10 +253,14 @@ def _never_ranks(run_dir: Path, ends: dict[str, Any], exits: dict[str, Any]) -> 
         end.update(
             initialised=initialised, world_size=proc.get("world_size"), started=proc.get("started_wall")
         )
-        if end["how"] == "exit" and initialised:
-            end.update(at_wall=proc.get("exit_wall"), source="a clean exit; its trace could not be read")
-        elif end["how"] == "exit":
-            end.update(at_wall=proc.get("exit_wall"), source="it exited before init_process_group")
+        if end["how"] == "exit":
+            code = f" with exit code {end['code']}" if end["code"] else ""
+            source = (
+                f"{'an exit' + code if code else 'a clean exit'}; its trace could not be read"
+                if initialised
+                else f"it exited{code} before init_process_group"
+            )
+            end.update(at_wall=proc.get("exit_wall") or end.get("at_wall"), source=source)
         elif end["how"] is None:  # no Python exit, no stack, no exception: SIGKILL
             sig = (exits.get(str(rank)) or {}).get("signal")
             name = signal.Signals(sig).name if sig in signal.valid_signals() else "SIGKILL"
@@ -282,7 +291,8 @@ def _sources(ends: dict[str, Any]) -> None:
         r: e.get("at_wall") or 0.0
         for r, e in ends.items()
         if e["how"] in ("signal", "exception", "os_exit")
-        or (e["how"] == "exit" and e.get("initialised") is False)  # left before the others could
+        # an exit with an error code, or one before the others could reach init_process_group
+        or (e["how"] == "exit" and (e.get("code") or e.get("initialised") is False))
     }
     for rank, end in ends.items():
         end["consequence"] = False

@@ -10,6 +10,7 @@ segv     rank 1 reads address 0 through ctypes (SIGSEGV)
 sigkill  rank 1 sends itself SIGKILL
 sigterm  rank 1 sends itself SIGTERM (no handler: the default action)
 os_exit  rank 1 calls os._exit(7)
+sys_exit rank 1 calls sys.exit(3): Python's own exit, with no traceback
 raise    rank 1 raises RuntimeError
 """
 
@@ -17,6 +18,7 @@ import argparse
 import ctypes
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -38,6 +40,8 @@ def die(mode: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif mode == "os_exit":
         os._exit(7)
+    elif mode == "sys_exit":
+        sys.exit(3)
     elif mode == "raise":
         raise RuntimeError(f"rank 1 gives up at step {step}")
 

@@ -52,7 +52,7 @@ CAUSE_KINDS = (
     "rank_only_forward",
     "rank_never_started",
 )
-_ENDED = ("clean_exit", "signal", "vanished")
+_ENDED = ("clean_exit", "exit_code", "signal", "vanished")
 
 FIX_UNEVEN = (
     "Give every rank the same number of batches: run the loop under `with model.join():` (DDP's "
@@ -192,8 +192,8 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
     at = f" at {root.place}" if root.place else ""
     if ending.how == "exception" and not ending.consequence:
         return None  # its own exception: rank_failure names it, with the traceback
-    if ending.how in ("signal", "vanished", "never_started"):
-        return None  # killed outright: rank_failure names the rank, the signal and its fix
+    if ending.how in ("signal", "vanished", "never_started", "exit_code"):
+        return None  # killed outright, or exited with an error code: rank_failure names it
     left = _left_by(root, others)
     if left:
         return _left_loop(

@@ -30,8 +30,9 @@ _CONSEQUENCE_TEXT = (
 
 @dataclass(frozen=True)
 class Ending:
-    """How a rank's record ended. ``how``: clean_exit, exception, signal, vanished (no clean
-    close, no exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
+    """How a rank's record ended. ``how``: clean_exit, exit_code (Python's own exit with a
+    non-zero status: sys.exit(3), SystemExit), exception, signal, vanished (no clean close, no
+    exception, no signal seen), stopped_on_hang (ddpdoctor stopped the hung job),
     interrupted (the user's Ctrl-C of a hung job, on which ddpdoctor ended its ranks),
     running (the trace just stops: read while the job runs) or never_started (no trace)."""
 
@@ -41,6 +42,7 @@ class Ending:
     error: dict[str, Any] | None = None
     consequence: bool = False  # the error says a peer went away: not this rank's own fault
     wall_s: float | None = None
+    code: int | None = None  # the status it exited with, where known
 
     def describe(self) -> str:
         after = f" after step {self.step}" if self.step >= 0 else " before its first step"
@@ -51,6 +53,7 @@ class Ending:
             return f"was killed by {self.signal}{after}"
         return {
             "clean_exit": f"exited cleanly{after}",
+            "exit_code": f"exited with code {self.code}, no traceback (sys.exit or SystemExit){after}",
             "vanished": f"stopped without a clean exit, an exception or a signal seen{after}",
             "stopped_on_hang": f"was stopped by ddpdoctor while hung{after}",
             "interrupted": f"was stopped on the user's interrupt (Ctrl-C) while hung{after}",
@@ -113,7 +116,8 @@ def how_it_ended(run: Run, rank: int, watch: dict[str, Any] | None = None) -> En
     when = exit_info.get("last_heartbeat_wall") or exit_info.get("seen_wall")
     facts = _Facts(run.ends.get(rank) or {}, exit_info, trace, bool(watch.get("killed_on_hang")), when)
     row = next(r for r in _ENDINGS if r.applies(facts))
-    return Ending(row.how, step, signal=row.signal(facts), wall_s=row.wall(facts))
+    code = facts.end.get("code")
+    return Ending(row.how, step, signal=row.signal(facts), wall_s=row.wall(facts), code=code)
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,8 @@ _ENDINGS = (
     _EndingRow("signal", lambda f: f.end.get("how") == "signal" and bool(f.end.get("signal")),
                lambda f: str(f.end["signal"]), lambda f: f.own_wall),
     _EndingRow("vanished", lambda f: f.end.get("how") == "os_exit" and bool(f.end.get("code")),
+               wall=lambda f: f.own_wall),
+    _EndingRow("exit_code", lambda f: f.end.get("how") == "exit" and bool(f.end.get("code")),
                wall=lambda f: f.own_wall),
     _EndingRow("clean_exit", lambda f: f.trace.ended_cleanly, wall=lambda f: _end_wall(f.trace)),
     _EndingRow("stopped_on_hang", lambda f: f.killed_on_hang),

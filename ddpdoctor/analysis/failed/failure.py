@@ -37,7 +37,7 @@ from ddpdoctor.trace.reader import RankTrace, Run
 SCHEMA = "ddpdoctor.failure/1"
 LAST_STEPS = 3  # the timeline opens on this many steps before the failure
 STUCK_SHARE = 0.5  # ... and on this much more of what followed (their time's share)
-_FAILED = ("exception", "signal", "vanished", "stopped_on_hang", "interrupted")
+_FAILED = ("exception", "exit_code", "signal", "vanished", "stopped_on_hang", "interrupted")
 _STOPPED = ("stopped_on_hang", "interrupted")  # ended by ddpdoctor or the user, not by a failure
 
 
@@ -244,9 +244,10 @@ def _end_of(
         at = clock.wall(rank, ending.wall_s)
         kind = (ending.error or {}).get("type") or "an exception"
         return max(last, at if at is not None else last), f"raised {kind}"
-    if ending.how in ("signal", "vanished"):
+    if ending.how in ("signal", "vanished", "exit_code"):
         at = clock.wall(rank, ending.wall_s)
         what = f"killed by {ending.signal}" if ending.signal else "ended without a word"
+        what = f"exited with code {ending.code}" if ending.how == "exit_code" else what
         return max(last, at if at is not None else last), what
     return last, ""
 
@@ -309,6 +310,7 @@ def _mark(ending: endings.Ending) -> str:
     if ending.how == "signal":
         return str(ending.signal)
     return {
+        "exit_code": f"exit {ending.code}",
         "vanished": "vanished",
         "stopped_on_hang": "stopped on hang",
         "interrupted": "interrupted (Ctrl-C)",
@@ -323,6 +325,7 @@ def _how_text(ending: endings.Ending) -> str:
         return f"killed by {ending.signal}"
     return {
         "clean_exit": "exited cleanly",
+        "exit_code": f"exited with code {ending.code}, no traceback (sys.exit or SystemExit)",
         "vanished": "ended without an exception or a signal seen (os._exit?)",
         "stopped_on_hang": "stopped by ddpdoctor while hung",
         "interrupted": "stopped on the user's interrupt (Ctrl-C) while hung",

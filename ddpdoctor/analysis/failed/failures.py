@@ -174,10 +174,10 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     for key, exit_info in (watch.get("rank_exits") or {}).items():
         rank = int(key)
         trace = run.ranks.get(rank)
-        if rank in errors or (trace is not None and trace.ended_cleanly):
-            continue  # raised (reported above) or closed its trace: it was not killed outright
         end = ends.get(key) or {}
-        if end.get("how") == "exit" and end.get("initialised") is not False:
+        if rank in errors or (trace is not None and trace.ended_cleanly and not _coded(end)):
+            continue  # raised (reported above) or closed its trace: it was not killed outright
+        if end.get("how") == "exit" and end.get("initialised") is not False and not _coded(end):
             continue  # a clean exit whose trace could not be written or read (a full disk)
         # When it died, as its own last words say; its last heartbeat (4 a second) can precede
         # the death of a rank that died first. The launcher stopping it after another failed is
@@ -192,7 +192,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         if (
             rank in known
             or rank in errors
-            or end.get("how") in ("exit", "exception")
+            or (end.get("how") in ("exit", "exception") and not _coded(end))
             or end.get("consequence")
         ):
             continue  # a short job ends before the watcher's next look: the rank's own files say it
@@ -267,6 +267,18 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         )
         if frames:
             details["place"] = _place(frames)
+    elif _coded(ends.get(str(rank), {})):
+        code = ends[str(rank)]["code"]
+        summary = (
+            f"rank {rank} exited with code {code} {at}, with no traceback (sys.exit({code}) or "
+            f"SystemExit({code}) in the job), and the others lost their peer"
+        )
+        fix = (
+            f"Find where rank {rank} calls sys.exit({code}) (or raises SystemExit) after step {step} "
+            "(its last stderr lines may say why). A rank that must stop should raise an exception, so "
+            "that the launcher prints its traceback, or every rank should agree to stop together (an "
+            "all_reduce of the flag), so that none waits for a peer that left."
+        )
     else:
         end = ends.get(str(rank), {})
         sig = _signal_number(end) or sig  # the rank's own record beats the watcher's glimpse
@@ -304,6 +316,11 @@ def _ends(run: Run) -> dict[str, Any]:
         except (OSError, ValueError, AttributeError):
             continue
     return out
+
+
+def _coded(end: dict[str, Any]) -> bool:
+    """Python's own exit with a non-zero status (sys.exit(3)): a failure with no traceback."""
+    return end.get("how") == "exit" and bool(end.get("code"))
 
 
 def _signal_number(end: dict[str, Any]) -> int | None:
