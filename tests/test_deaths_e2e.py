@@ -37,6 +37,7 @@ DEATHS = {
     "sigterm": (1, "signal", "SIGTERM", "-15", "rank 1 dying by sigterm"),
     "os_exit": (1, "os_exit", None, "7", "rank 1 dying by os_exit"),
     "sys_exit": (1, "exit", None, "3", "rank 1 dying by sys_exit"),
+    "c_exit": (1, "exit", None, "5", "rank 1 dying by c_exit"),
     "raise": (1, "exception", None, "1", "RuntimeError: rank 1 gives up at step 9"),
 }
 
@@ -104,8 +105,10 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: 
         assert f"rank {rank} was killed by {sig}" in failure["summary"], failure["summary"]
     if mode != "raise":  # an exception's finding quotes its traceback instead
         assert word in failure["summary"], failure["summary"]
-    if mode == "sys_exit":  # no traceback, no signal: its exit status alone says it failed
-        assert end["code"] == 3 and f"rank {rank} exited with code 3" in failure["summary"], failure
+    if mode in ("sys_exit", "c_exit"):  # no traceback, no signal: its exit status alone says it failed
+        code = int(exitcode)
+        assert end["code"] == code and f"rank {rank} exited with code {code}" in failure["summary"], failure
+        assert ("native code" in end["source"]) == (mode == "c_exit"), end
     if mode == "os_exit":  # the line that called it: the probe keeps its caller's stack
         source = (JOBS / "dying_train.py").read_text().splitlines()
         line = next(n for n, text in enumerate(source, 1) if text.strip() == "os._exit(7)")

@@ -197,8 +197,10 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         trace = RunDir(run_dir).trace(rank, header.get("restart", 0))
         end.update(how="exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
         end["at_wall"] = end["at_wall"] or _mtime(trace)
-        if end["code"]:
+        if end["code"] and clean:
             end["source"] = f"exit code {end['code']}, no traceback (sys.exit() or SystemExit in the rank)"
+        elif end["code"]:  # exit() called in native code: Python's own exit never ran
+            end["source"] = f"exit code {end['code']} from exit() in native code, not Python's own exit"
     return end
 
 

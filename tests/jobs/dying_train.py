@@ -11,6 +11,7 @@ sigkill  rank 1 sends itself SIGKILL
 sigterm  rank 1 sends itself SIGTERM (no handler: the default action)
 os_exit  rank 1 calls os._exit(7)
 sys_exit rank 1 calls sys.exit(3): Python's own exit, with no traceback
+c_exit   rank 1 calls the C library's exit(5), as native code may: Python's exit never runs
 raise    rank 1 raises RuntimeError
 """
 
@@ -42,6 +43,8 @@ def die(mode: str, step: int) -> None:
         os._exit(7)
     elif mode == "sys_exit":
         sys.exit(3)
+    elif mode == "c_exit":
+        ctypes.CDLL(None).exit(5)
     elif mode == "raise":
         raise RuntimeError(f"rank 1 gives up at step {step}")
 

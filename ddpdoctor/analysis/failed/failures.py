@@ -268,13 +268,12 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         if frames:
             details["place"] = _place(frames)
     elif _coded(ends.get(str(rank), {})):
-        code = ends[str(rank)]["code"]
-        summary = (
-            f"rank {rank} exited with code {code} {at}, with no traceback (sys.exit({code}) or "
-            f"SystemExit({code}) in the job), and the others lost their peer"
-        )
+        code, source = ends[str(rank)]["code"], ends[str(rank)].get("source") or ""
+        summary = f"rank {rank} exited with code {code} {at}" + (f" ({source})" if source else "")
+        summary += ", and the others lost their peer"
+        call = f"sys.exit({code}) (or raises SystemExit)" if "native" not in source else f"exit({code})"
         fix = (
-            f"Find where rank {rank} calls sys.exit({code}) (or raises SystemExit) after step {step} "
+            f"Find where rank {rank} calls {call} after step {step} "
             "(its last stderr lines may say why). A rank that must stop should raise an exception, so "
             "that the launcher prints its traceback, or every rank should agree to stop together (an "
             "all_reduce of the flag), so that none waits for a peer that left."
