@@ -205,7 +205,7 @@ def _map_ranks(run: Run, view: GpuView) -> None:
 def missing_text(gpus: list[GpuTrace]) -> str | None:
     """What NVML could not give, in one line; None when every node sampled every metric."""
     parts: list[str] = []
-    many = len(gpus) > 1
+    many = len({g.host for g in gpus}) > 1  # two launchers on one host share its GPUs' story
     for g in gpus:
         where = f" on {g.host}" if many else ""
         unavailable = g.meta.get("unavailable")
@@ -223,7 +223,7 @@ def missing_text(gpus: list[GpuTrace]) -> str | None:
             for ts, info in g.meta.get(kind, [])[:1]:
                 what = f" reading {info['metric']} of GPU {info.get('gpu')}" if info.get("metric") else ""
                 parts.append(f"GPU sampling stopped{where} after {ts / 1e6:.1f} s: {info.get('error')}{what}")
-    return "; ".join(parts) or None
+    return "; ".join(dict.fromkeys(parts)) or None
 
 
 # ---------------------------------------------------------------------------------------------
