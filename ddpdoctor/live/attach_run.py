@@ -33,10 +33,9 @@ from ddpdoctor.live.attach import (
 from ddpdoctor.live.procs import all_procs, find_ranks, ptrace_problem, read_proc
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir, new_run_dir, write_atomic
+from ddpdoctor.supervisor import hangfile
 from ddpdoctor.supervisor.stacks import pyspy_path
 from ddpdoctor.trace import schema
-
-HANG_SCHEMA = "ddpdoctor.hang/1"  # the watcher's summary format (supervisor/watch.py)
 
 
 @dataclass
@@ -284,19 +283,6 @@ def _write_run_dir(
     hang_dir.mkdir(exist_ok=True)
     for r, lk in looks.items():
         write_atomic(layout.hang_stack(1, r), _stack_text(r, lk))
-    summary = {
-        "schema": HANG_SCHEMA,
-        "n": 1,
-        "detected_wall": now,
-        "threshold_s": quiet_s,
-        "quiet_s": quiet_s,
-        "world_size": world,
-        "action": "attach",
-        "hang_dir": str(hang_dir),
-        "statuses": {str(r): s.to_json() for r, s in statuses.items()},
-        "stacks": {str(r): s for r, s in stacks.items()},
-        "text": report["text"],
-        "reported_wall": now,
-        "recovered": False,
-    }
-    write_atomic(hang_dir / RunDir.HANG_SUMMARY, json.dumps(summary, indent=1, default=str))
+    fields = {"detected_wall": now, "threshold_s": quiet_s, "quiet_s": quiet_s, "world_size": world}
+    fields.update(action="attach", reported_wall=now)
+    hangfile.save(hangfile.summary(hang_dir, 1, statuses, stacks, report["text"], **fields))

@@ -34,13 +34,13 @@ from ddpdoctor.analysis.hung.hang import analyse
 from ddpdoctor.analysis.hung.proof import ATOMIC, Activity, Verdict, VerdictState, is_hang, judge
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.rundir import RunDir, write_atomic
+from ddpdoctor.supervisor import hangfile
 from ddpdoctor.supervisor import stacks as _stacks
 from ddpdoctor.supervisor.activity import ActivityTracker, pid_alive, pyspy_sample, zombie_signal
 from ddpdoctor.supervisor.board import Board
 from ddpdoctor.supervisor.jobview import JobView, NodeView, compact, nodes_text
 from ddpdoctor.supervisor.lingering import Lingering
 from ddpdoctor.supervisor.profile import StragglerProfile
-from ddpdoctor.supervisor.stacks import render_stack
 from ddpdoctor.supervisor.statuses import (
     DEFAULT_FLOOR_S,
     HANG_MULTIPLE,
@@ -51,7 +51,6 @@ from ddpdoctor.supervisor.statuses import (
 from ddpdoctor.supervisor.waits import WaitNotes
 
 WATCH_SCHEMA = "ddpdoctor.watch/1"
-HANG_SCHEMA = "ddpdoctor.hang/1"
 FRESH_S = 1.0
 LOOK_SHARE = 5.0  # wait at least this many times the CPU the last look took
 
@@ -364,29 +363,12 @@ class Watcher:
             proof=proof,
         )
         text = diag.text(str(hang_dir)) + nodes_text(nodes, n) + flight.on_hang(self.run_dir, hang_dir, mine)
-        summary = {
-            "schema": HANG_SCHEMA,
-            "n": n,
-            "detected_wall": now,
-            "threshold_s": threshold,
-            "quiet_s": quiet,
-            "world_size": self._world(statuses),
-            "action": self.on_hang,
-            "hang_dir": str(hang_dir),
-            "node": self.board.node,
-            "nodes": hang.get("nodes") or {},
-            "statuses": {str(r): s.to_json() for r, s in statuses.items()},
-            "stacks": {str(r): s for r, s in stacks.items()},
-            "text": text,
-            "verdict": verdict.to_json() if verdict is not None else None,
-            "reported_wall": time.time(),
-            "recovered": False,
-        }
-        for rank, dump in stacks.items():
-            if rank in mine:
-                raw = dump.get("text") or json.dumps(dump.get("threads", []), indent=1)
-                with contextlib.suppress(OSError):
-                    RunDir(self.run_dir).hang_stack(n, rank).write_text(render_stack(rank, dump, raw))
+        fields = {"detected_wall": now, "threshold_s": threshold, "quiet_s": quiet}
+        fields.update(world_size=self._world(statuses), action=self.on_hang, node=self.board.node)
+        fields.update(nodes=hang.get("nodes") or {}, reported_wall=time.time())
+        fields["verdict"] = verdict.to_json() if verdict is not None else None
+        summary = hangfile.summary(hang_dir, n, statuses, stacks, text, **fields)
+        hangfile.save_stacks(self.run_dir, n, {r: d for r, d in stacks.items() if r in mine})
         self._save_hang(summary)
         self.hangs.append(summary)
         self.report(text)
@@ -400,8 +382,8 @@ class Watcher:
         return summary
 
     def _save_hang(self, summary: dict[str, Any]) -> None:
-        path = Path(summary["hang_dir"]) / RunDir.HANG_SUMMARY
-        _write_json(path, summary)
+        with contextlib.suppress(OSError):
+            hangfile.save(summary)
 
     def _write_watch(self) -> None:
         _write_json(
