@@ -240,7 +240,9 @@ def test_exit_code_of_failing_torchrun_job(tmp_path: Path, write_script) -> None
     failure = next(f for f in diag["findings"] if f["kind"] == "rank_failure")
     assert failure["ranks"] == [1] and "exited with code 7" in failure["summary"], failure
     ends = json.loads((job.run_dir / "ends.json").read_text())["ranks"]
-    assert (ends["0"]["how"], ends["0"]["code"], ends["1"]["code"]) == ("exit", 0, 7), ends
+    # rank 0's exit(0) may still be in libtorch's teardown when torchrun, seeing rank 1's 7,
+    # stops it: its status is written first thing in exit(), but Python's finalization precedes
+    assert (ends["0"]["how"], ends["1"]["code"]) == ("exit", 7) and ends["0"]["code"] in (0, None), ends
 
 
 def test_command_not_found(tmp_path: Path) -> None:

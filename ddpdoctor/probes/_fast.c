@@ -293,13 +293,17 @@ static PyTypeObject PackerType = {
 
 static char exit_path[4096];
 static pid_t exit_pid;
+static int exit_written;
 
 /* glibc's on_exit handlers run after Python's finalization, so this one is plain C: a few
- * system calls. A child forked from the rank (a DataLoader worker) inherits the handler and
+ * system calls, once. Handlers run last registered first: registered again at Python's exit,
+ * it runs before libtorch's static destructors, which may block on a peer until the launcher
+ * kills the rank. A child forked from the rank (a DataLoader worker) inherits the handler and
  * writes nothing: only the process that asked records its status. */
 static void write_exit_status(int status, void *unused) {
     (void)unused;
-    if (getpid() != exit_pid) return;
+    if (getpid() != exit_pid || exit_written) return;
+    exit_written = 1;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     char text[128];
@@ -314,7 +318,8 @@ static void write_exit_status(int status, void *unused) {
 #endif
 
 /* exit_code(path) -> bool: write {"how": "exit", "code": N, "wall_ns": T} to path when this
- * process ends through exit(); False where the C library offers no on_exit (not glibc). */
+ * process ends through exit(); False where the C library offers no on_exit (not glibc). Call it
+ * at the process's start and again at Python's exit (atexit), no more. */
 static PyObject *exit_code(PyObject *self, PyObject *arg) {
     (void)self;
 #ifdef __GLIBC__
@@ -327,13 +332,14 @@ static PyObject *exit_code(PyObject *self, PyObject *arg) {
         return NULL;
     }
     memcpy(exit_path, path, (size_t)size + 1);
+    if (exit_pid != getpid()) registered = 0; /* a forked child registers its own */
     exit_pid = getpid();
-    if (!registered) {
+    if (registered < 2) { /* at start (an exit() from native code), and again at Python's exit */
         if (on_exit(write_exit_status, NULL) != 0) {
             PyErr_SetString(PyExc_OSError, "on_exit() refused the handler");
             return NULL;
         }
-        registered = 1;
+        registered++;
     }
     Py_RETURN_TRUE;
 #else

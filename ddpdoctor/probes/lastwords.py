@@ -24,6 +24,7 @@ The supervisor reads these after the job (supervisor/ends.py). Nothing here rais
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -90,7 +91,9 @@ def _exit_code(c: _c.Collector) -> None:
         from ddpdoctor.probes import _fast
     except ImportError:
         return  # built without its C module: an exit's status stays unknown
-    _fast.exit_code(os.path.join(c.run_dir, filename("exit", c.rank)))
+    path = os.path.join(c.run_dir, filename("exit", c.rank))
+    if _fast.exit_code(path):  # now, for an exit() from native code mid-run
+        atexit.register(_fast.exit_code, path)  # again, to run before libtorch's destructors
 
 
 def _os_exit(c: _c.Collector) -> None:
