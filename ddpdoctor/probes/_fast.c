@@ -292,6 +292,7 @@ static PyTypeObject PackerType = {
 #include <unistd.h>
 
 static char exit_path[4096];
+static char exit_called[8192]; /* what the last sys.exit(...) call said (JSON), or empty */
 static pid_t exit_pid;
 static int exit_written;
 
@@ -307,12 +308,17 @@ static void write_exit_status(int status, void *unused) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     char text[128];
-    int n = snprintf(text, sizeof text, "{\"how\": \"exit\", \"code\": %d, \"wall_ns\": %lld}",
+    int n = snprintf(text, sizeof text, "{\"how\": \"exit\", \"code\": %d, \"wall_ns\": %lld",
                      status & 0xff, (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
     int fd = open(exit_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return;
-    ssize_t written = write(fd, text, (size_t)n);
-    (void)written;
+    ssize_t ok = write(fd, text, (size_t)n);
+    if (exit_called[0]) {
+        ok = write(fd, ", \"called\": ", 12);
+        ok = write(fd, exit_called, strlen(exit_called));
+    }
+    ok = write(fd, "}", 1);
+    (void)ok;
     close(fd);
 }
 #endif
@@ -348,9 +354,27 @@ static PyObject *exit_code(PyObject *self, PyObject *arg) {
 #endif
 }
 
+/* exit_note(json): what a sys.exit() call said (its code, its caller's stack), written with the
+ * status; the latest call's, for it may have been caught. One too long for the buffer is dropped. */
+static PyObject *exit_note(PyObject *self, PyObject *arg) {
+    (void)self;
+#ifdef __GLIBC__
+    Py_ssize_t size;
+    const char *note = PyUnicode_AsUTF8AndSize(arg, &size);
+    if (note == NULL) return NULL;
+    if ((size_t)size >= sizeof exit_called) size = 0;
+    memcpy(exit_called, note, (size_t)size);
+    exit_called[size] = 0;
+#else
+    (void)arg;
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
     {"site", (PyCFunction)(void (*)(void))site, METH_FASTCALL, "The call site callsite.py has learnt, or None."},
     {"exit_code", exit_code, METH_O, "Record the status this process exits with to a file (glibc's on_exit)."},
+    {"exit_note", exit_note, METH_O, "What the last sys.exit() call said, written with the status."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,8 @@
   ``sys.exit(3)``, ``raise SystemExit(3)``), which no Python hook is told: a C handler
   (glibc's ``on_exit``, probes/_fast.c) writes it after Python's finalization. Without it
   ``sys.exit(3)`` would read as a clean exit, and the rank torchrun then stopped as the root.
+  ``sys.exit`` and the ``exit()``/``quit()`` builtins are wrapped to add the caller's stack
+  (``raise SystemExit(3)`` calls nothing: its status comes without a line).
   ``os._exit(code)`` skips that handler, atexit and every flush; its wrapper writes the code
   first.
 * ``stderr-rank{R}.txt``: the last 64 KiB the rank wrote to its stderr (a C++ abort message,
@@ -92,8 +94,49 @@ def _exit_code(c: _c.Collector) -> None:
     except ImportError:
         return  # built without its C module: an exit's status stays unknown
     path = os.path.join(c.run_dir, filename("exit", c.rank))
-    if _fast.exit_code(path):  # now, for an exit() from native code mid-run
-        atexit.register(_fast.exit_code, path)  # again, to run before libtorch's destructors
+    if not _fast.exit_code(path):  # now, for an exit() from native code mid-run
+        return
+    pid = os.getpid()
+
+    def again() -> None:  # to run before libtorch's destructors; not in a forked child
+        if os.getpid() == pid:
+            _fast.exit_code(path)
+
+    atexit.register(again)
+    real = sys.exit
+    if getattr(real, "__ddpdoctor__", False):
+        return
+
+    def note(code: Any, frame: Any) -> None:
+        """The call's caller and its status as the process will exit with it (None: 0, an int
+        modulo 256, anything else is printed and exits 1), for the line a finding points at."""
+        if os.getpid() != pid:
+            return
+        with contextlib.suppress(Exception):
+            status = 0 if code is None else code & 0xFF if isinstance(code, int) else 1
+            frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame, 16)]
+            _fast.exit_note(json.dumps({"code": status, "frames": frames}))
+
+    def exit(status: Any = None, /) -> None:  # noqa: A001  # sys.exit's own name and signature
+        note(status, sys._getframe(1))
+        real(status)
+
+    exit.__ddpdoctor__ = True  # type: ignore[attr-defined]
+    exit.__wrapped__ = real  # type: ignore[attr-defined]
+    sys.exit = exit
+    import builtins
+
+    quitter = type(getattr(builtins, "exit", None))
+    if quitter.__name__ != "Quitter":
+        return  # python -S: no exit()/quit() builtins
+
+    class Quitter(quitter):  # type: ignore[misc, valid-type]  # site's exit()/quit(), same repr
+        def __call__(self, code: Any = None) -> None:
+            note(code, sys._getframe(1))
+            super().__call__(code)
+
+    for name in ("exit", "quit"):
+        setattr(builtins, name, Quitter(name, getattr(builtins, name).eof))
 
 
 def _os_exit(c: _c.Collector) -> None:

@@ -197,6 +197,9 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         trace = RunDir(run_dir).trace(rank, header.get("restart", 0))
         end.update(how="exit", code=exit_info.get("code"), at_wall=(exit_info.get("wall_ns") or 0) / 1e9)
         end["at_wall"] = end["at_wall"] or _mtime(trace)
+        called = exit_info.get("called") or {}
+        if called.get("code") == end["code"] and end["code"] is not None:  # not a call it caught
+            end["frames"] = called.get("frames") or []  # sys.exit's caller, outermost first
         if end["code"] and clean:
             end["source"] = f"exit code {end['code']}, no traceback (sys.exit() or SystemExit in the rank)"
         elif end["code"]:  # exit() called in native code: Python's own exit never ran

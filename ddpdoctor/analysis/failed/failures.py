@@ -269,11 +269,16 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             details["place"] = _place(frames)
     elif _coded(ends.get(str(rank), {})):
         code, source = ends[str(rank)]["code"], ends[str(rank)].get("source") or ""
+        frames = ends[str(rank)].get("frames") or []
+        where = _where(frames)
         summary = f"rank {rank} exited with code {code} {at}" + (f" ({source})" if source else "")
-        summary += ", and the others lost their peer"
+        summary += f"{where}, and the others lost their peer"
         call = f"sys.exit({code}) (or raises SystemExit)" if "native" not in source else f"exit({code})"
+        place = f"why rank {rank} exits there{where}" if frames else f"where rank {rank} calls {call}"
+        if frames:
+            details["place"] = _place(frames)
         fix = (
-            f"Find where rank {rank} calls {call} after step {step} "
+            f"Find {place} after step {step} "
             "(its last stderr lines may say why). A rank that must stop should raise an exception, so "
             "that the launcher prints its traceback, or every rank should agree to stop together (an "
             "all_reduce of the flag), so that none waits for a peer that left."

@@ -25,6 +25,7 @@ from ddpdoctor.analysis.failed.stacks import (
     Frame,
     death_stack,
     error_frames,
+    exit_stack,
     hang_frames,
     last_frames,
     user_frame,
@@ -179,8 +180,8 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     ran on the group in between."""
     if (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
-    else:  # the traceback of what it raised: raised inside a collective, it was there
-        frames = error_frames(ledger)
+    else:  # the traceback of what it raised (inside a collective, it was there), or its exit call
+        frames = error_frames(ledger) or exit_stack(run, rank)
     if not frames:
         return None, ""
     place = user_frame(frames)

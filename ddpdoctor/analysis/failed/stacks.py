@@ -78,10 +78,23 @@ def death_stack(run: Run, rank: int) -> list[dict[str, Any]]:
     return list(main.get("frames") or []) if main else []
 
 
+def exit_stack(run: Run, rank: int) -> list[dict[str, Any]]:
+    """Where a rank that left on its own (sys.exit, os._exit) made the call (innermost first), or []."""
+    end = run.ends.get(rank) or {}
+    if end.get("how") not in ("exit", "os_exit"):
+        return []
+    raw = end.get("frames") or []
+    return [
+        {"file": str(f[0]), "line": f[1], "function": str(f[2])}
+        for f in reversed(raw)
+        if isinstance(f, (list, tuple)) and len(f) >= 3
+    ]
+
+
 def last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
     """Where the rank was last seen: the last hang's stack, else the stack it died with, else
-    its exception's traceback (innermost first)."""
+    where it called sys.exit or os._exit, else its exception's traceback (innermost first)."""
     frames = hang_frames(run.hangs[-1], rank) if run.hangs else []
     if not frames and (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
-    return frames or error_frames(ledger)
+    return frames or exit_stack(run, rank) or error_frames(ledger)
