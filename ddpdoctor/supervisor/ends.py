@@ -201,9 +201,9 @@ def _one_end(run_dir: Path, rank: int, header: dict[str, Any], clean: bool, erro
         if called.get("code") == end["code"] and end["code"] is not None:  # not a call it caught
             end["frames"] = called.get("frames") or []  # sys.exit's caller, outermost first
         if end["code"] and clean:
-            end["source"] = f"exit code {end['code']}, no traceback (sys.exit() or SystemExit in the rank)"
-        elif end["code"]:  # exit() called in native code: Python's own exit never ran
-            end["source"] = f"exit code {end['code']} from exit() in native code, not Python's own exit"
+            end["source"] = "sys.exit() or SystemExit in the rank, with no traceback"
+        elif end["code"]:  # its trace was never closed: Python's own exit never ran
+            end["source"] = "exit() called in native code, not Python's own exit"
     return end
 
 

@@ -271,8 +271,8 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         code, source = ends[str(rank)]["code"], ends[str(rank)].get("source") or ""
         frames = ends[str(rank)].get("frames") or []
         where = _where(frames)
-        summary = f"rank {rank} exited with code {code} {at}" + (f" ({source})" if source else "")
-        summary += f"{where}, and the others lost their peer"
+        summary = f"rank {rank} exited with code {code} {at}{where}" + (f": {source}" if source else "")
+        summary += "; the others lost their peer"
         call = f"sys.exit({code}) (or raises SystemExit)" if "native" not in source else f"exit({code})"
         place = f"why rank {rank} exits there{where}" if frames else f"where rank {rank} calls {call}"
         if frames:
