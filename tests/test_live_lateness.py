@@ -79,8 +79,8 @@ def test_two_ranks_need_the_chance_test_in_top_too() -> None:
     # One of two ranks latest on 14 of 16 steps is what chance gives now and then (p ~ 2e-3):
     # the trace analysis calls no persistent straggler, and neither does top (its old rule,
     # latest on 80 % of the steps, did).
-    late = set(range(KEEP_STEPS)) - {5, 11}
-    run = simulate_run(world=2, steps=KEEP_STEPS, slow=Slowdown(1, "forward", 0.2 * STEP_MS, late), seed=1)
+    late = set(range(16)) - {5, 11}
+    run = simulate_run(world=2, steps=16, slow=Slowdown(1, "forward", 0.2 * STEP_MS, late), seed=1)
     table = live_lateness(statuses_of(run))
     assert table is not None and table.per_rank()[1]["latest_share"] >= 0.8
     assert verdicts(run) == (set(), set())

@@ -150,7 +150,7 @@ def test_real_straggler_rank_and_phase(tmp_path: Path, kind: str, phase: str) ->
 def test_a_straggler_sampled_while_it_lags_is_pointed_at_its_line(tmp_path: Path) -> None:
     """Long enough for the live rule to name rank 1 and for a 5 s profile of it and rank 0: the
     finding names the line in Net.forward where rank 1 spends its extra time."""
-    code, found = findings(tmp_path, "forward", "40", "--steps=150", script="straggler.py")
+    code, found = findings(tmp_path, "forward", "40", "--steps=250", script="straggler.py")
     assert code == 0
     (f,) = serious(found)
     text = (JOBS / "straggler.py").read_text().splitlines()

@@ -24,7 +24,10 @@ from typing import Any
 
 from ddpdoctor.trace import schema
 
-KEEP_STEPS = 16  # steps kept: enough for a steady rate and lateness, small enough to publish
+# Steps kept: enough for a steady rate, and for lateness: two ranks' windows, published at
+# moments up to a status interval apart, must still share the 14 steps on which one of two ranks
+# being latest is no chance (p < 1e-4, analysis/slow/straggler.py); small enough to publish.
+KEEP_STEPS = 32
 KEEP_CHECKS = 4  # fingerprint checks kept per model: ranks on different intervals still share one
 KEEP_MODELS = 4  # the models checked last (a wrapper rebuilt each epoch gets a new index)
 _M64 = (1 << 64) - 1
