@@ -117,7 +117,7 @@ def _exit_code(c: _c.Collector) -> None:
             frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame, 16)]
             _fast.exit_note(json.dumps({"code": status, "frames": frames}))
 
-    def exit(status: Any = None, /) -> None:  # noqa: A001  # sys.exit's own name and signature
+    def exit(status: Any = None, /) -> None:  # sys.exit's own name and signature
         note(status, sys._getframe(1))
         real(status)
 

@@ -58,7 +58,11 @@ def error_frames(ledger: Ledger) -> list[dict[str, Any]]:
     """The traceback of what the rank raised (innermost first), [] if it raised nothing."""
     if ledger.ending.how != "exception" or not ledger.ending.error:
         return []
-    raw = ledger.ending.error.get("frames") or []
+    return _innermost_first(ledger.ending.error.get("frames") or [])
+
+
+def _innermost_first(raw: list[Any]) -> list[dict[str, Any]]:
+    """Recorded frames (file, line, function), outermost first, as stack frames innermost first."""
     return [
         {"file": str(f[0]), "line": f[1], "function": str(f[2])}
         for f in reversed(raw)
@@ -83,12 +87,7 @@ def exit_stack(run: Run, rank: int) -> list[dict[str, Any]]:
     end = run.ends.get(rank) or {}
     if end.get("how") not in ("exit", "os_exit"):
         return []
-    raw = end.get("frames") or []
-    return [
-        {"file": str(f[0]), "line": f[1], "function": str(f[2])}
-        for f in reversed(raw)
-        if isinstance(f, (list, tuple)) and len(f) >= 3
-    ]
+    return _innermost_first(end.get("frames") or [])
 
 
 def last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
