@@ -58,14 +58,23 @@ def chromium() -> None:
     print("dev.py: chromium is not installed here: the browser test will skip", file=sys.stderr)
 
 
+def native_timer() -> None:
+    """The C++ bucket timer, compiled for this torch once (about a minute); without it buckets
+    are timed in Python, so a failed build is said and passed over."""
+    if subprocess.run([str(BIN / "ddpdoctor"), "native", "--build"], cwd=ROOT).returncode:
+        print("dev.py: the C++ bucket timer did not build: buckets are timed in Python", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("demo", "test"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "demo":
         installed("installed", "-e", ".")
+        native_timer()
         return subprocess.run([str(BIN / "ddpdoctor"), "demo", *argv[1:]], cwd=ROOT).returncode
     installed("test-installed", "-e", ".[test]")
+    native_timer()
     chromium()
     for lint in (["check", "."], ["format", "--check", "."]):  # the style CI holds us to, first
         if subprocess.run([str(BIN / "ruff"), *lint], cwd=ROOT).returncode:

@@ -19,6 +19,9 @@ BUCKET_TIMING_MODES = ("on", "auto", "off")
 # "1": the probes' hot paths run in Python even where their C module (probes/_fast.c) is built
 # (A/B measurements, and tests that check both paths record the same).
 PURE_PYTHON = "DDPDOCTOR_PURE_PYTHON"
+# Where `ddpdoctor native --build` puts the C++ bucket timer built for this torch (probes/native.py);
+# default $XDG_CACHE_HOME/ddpdoctor, else ~/.cache/ddpdoctor.
+CACHE = "DDPDOCTOR_CACHE"
 HANG_FLOOR = "DDPDOCTOR_HANG_FLOOR_S"  # supervisor only: floor of the adaptive hang threshold (30)
 STORE = "DDPDOCTOR_STORE"  # supervisor only: host:port of the store nodes share, or "off"
 PYSPY = "DDPDOCTOR_PYSPY"  # supervisor only: the py-spy to run, or "off" (default: ours, else PATH)

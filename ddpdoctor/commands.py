@@ -1,4 +1,4 @@
-"""The commands beside the run -> diagnose -> report path: bench, compare, top and attach.
+"""The commands beside the run -> diagnose -> report path: bench, compare, top, attach, native.
 
 Each is a plain click command; ``cli.main`` adds them to the group.
 """
@@ -202,4 +202,39 @@ def attach(pid: str, watch_s: float, out: str | None, as_json: bool) -> None:
     sys.exit(EXIT_FINDINGS if result.state == "stuck" else 0)
 
 
-COMMANDS = (bench, compare, top, attach)
+@click.command()
+@click.option("--build", "do_build", is_flag=True, help="Compile it for this torch if it is not built.")
+@click.option("--verbose", is_flag=True, help="Show the compiler's output while building.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.native/1).")
+def native(do_build: bool, verbose: bool, as_json: bool) -> None:
+    """Say whether the C++ bucket timer is built for this torch, or build it (--build).
+
+    \b
+    DDP reduces gradient buckets in C++; timing each one from Python costs 50-240 us a bucket.
+    Built once (about a minute), the timer does it in C++ for every later job on CPU; until
+    then buckets are timed in Python. Exits 1 if it is not built (or the build failed).
+    """
+    import torch
+
+    from ddpdoctor.probes import native as nat
+
+    result: dict = {"schema": "ddpdoctor.native/1", "torch": torch.__version__, "path": str(nat.built_path())}
+    if do_build and not nat.built_path().is_file():
+        try:
+            result["build_s"] = round(nat.build(verbose)[1], 1)
+        except Exception as exc:  # no compiler, no headers: the Python timer stays
+            result["error"] = f"{type(exc).__name__}: {str(exc).strip()[-2000:]}"
+    result["built"] = nat.built_path().is_file()
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        state = "built" if result["built"] else "not built (buckets are timed in Python)"
+        click.echo(f"C++ bucket timer for torch {result['torch']}: {state}\n  {result['path']}")
+        if "build_s" in result:
+            click.echo(f"  compiled in {result['build_s']} s")
+        if "error" in result:
+            click.echo(f"  build failed: {result['error']}", err=True)
+    sys.exit(0 if result["built"] else EXIT_FINDINGS)
+
+
+COMMANDS = (bench, compare, top, attach, native)

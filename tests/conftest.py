@@ -134,3 +134,12 @@ def write_script(tmp_path: Path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def native_timer() -> Path:
+    """The C++ bucket timer, built for this torch (``dev.py`` builds it; else here, once): the
+    tests that need it run it, they do not skip."""
+    from ddpdoctor.probes import native
+
+    return native.build()[0]

@@ -78,10 +78,14 @@ def test_bucket_records_name_their_parameters(tmp_path: Path) -> None:
     assert init["options"]["find_unused_parameters"] is False
 
 
-@pytest.mark.parametrize("hook", ["none", "user"])
-def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: str) -> None:
+@pytest.mark.parametrize("hook", ["none", "user", "late"])
+def test_parameters_bit_identical_with_and_without_doctor(
+    tmp_path: Path, hook: str, native_timer: Path
+) -> None:
     """Three ranks, so the gradient average is not a power-of-two division. Buckets timed from
-    the first step (the default): our timing hook's reduction against DDP's own, every step."""
+    the first step (the default): our timer's reduction (in C++, probes/native.py) against
+    DDP's own, every step; ``late``: the user's hook registered after the first epoch, when
+    the C++ timer holds DDP's slot, runs (and is timed) inside it."""
     plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", f"--hook={hook}"))
     assert plain.returncode == 0, plain.stderr
     command = torchrun(3, JOBS / "seeded_train.py", "doc.pt", f"--hook={hook}")
@@ -92,10 +96,12 @@ def test_parameters_bit_identical_with_and_without_doctor(tmp_path: Path, hook: 
     assert all(torch.equal(a[k], b[k]) for k in a)
     records = read_lines(job.run_dir / "trace-rank2.jsonl")
     hooks = [r[4] for r in records if r[0] == "comm_hook"]
-    assert hooks and hooks[-1]["user"] is (hook == "user")
-    if hook == "user":
+    assert hooks and hooks[-1]["user"] is (hook != "none")
+    assert hooks[0].get("native", False) is (hook != "user")  # a user's hook from the start: Python
+    if hook != "none":
         assert "user_hook" in hooks[-1]["name"]
-    assert sum(1 for r in records if r[0] == "allreduce") >= 20  # 2 epochs x 10 steps
+    steps = [r[3] for r in records if r[0] == "allreduce"]
+    assert sorted(set(steps)) == list(range(20))  # 2 epochs x 10 steps, every one timed
 
 
 def test_bucket_timing_auto_times_long_steps_from_the_fifth_and_keeps_the_weights(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ class Collector:
         self.optimizer_t0 = 0
         self.optimizer_outer: Any = None  # weakref to the optimizer whose step began (optimizer.py)
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
+        self.native: list[Any] = []  # model states whose buckets the C++ timer times (commhook.py)
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far
         self.step_model: Any = None  # the DDP model state of the last grad-mode forward
         # The model whose grad-mode forwards count steps: the first to run one since the last
@@ -165,6 +166,10 @@ class Collector:
         _warn_once(f"ddpdoctor: rank {self.rank} stopped recording ({exc}); training continues")
 
     def close(self, reason: str = "exit") -> None:
+        if self.native:
+            from ddpdoctor.probes import commhook
+
+            commhook.drain(self)
         self.closed = True
         self.writer.close(reason)
 

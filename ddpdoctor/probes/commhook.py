@@ -25,11 +25,12 @@ from typing import Any
 from ddpdoctor import _env
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
-from ddpdoctor.probes import guard
+from ddpdoctor.probes import guard, native
 from ddpdoctor.probes.ddp_model import ModelState, state_of
 from ddpdoctor.trace import schema
 
 PROBE = "comm_hook"
+NATIVE = "comm_hook_native"  # the C++ timer (native.py), switched off on its own
 _now = time.monotonic_ns
 _BUCKET = schema.ALLREDUCE
 HOOK_COST_S = 100e-6  # what timing costs a step, per bucket (benchmarks/hook_cost.py, overhead.py: 25-130 µs)
@@ -134,6 +135,8 @@ def _wrap_register_comm_hook(register: Callable[..., Any]) -> Callable[..., Any]
         if model.timer_registered:
             # Our timer already sits in DDP's single hook slot: time the user's hook inside it.
             model.hook, model.hook_state = hook, state
+            if model.native is not None:  # the C++ timer runs it, through our Python timer
+                model.native.set_python_hook(model, _timing_hook)
             c.meta(schema.COMM_HOOK, {"name": _hook_name(hook), "user": True})
             return None
         register_timer(self, model, hook, state)
@@ -181,9 +184,51 @@ def register_timer(ddp: Any, model: ModelState, hook: Any, state: Any, decided: 
     else:
         model.hook, model.hook_state = (hook, state) if hook is not None else (_default_hook, ddp)
         model.timer_registered = True
-        original(DDP.register_comm_hook)(ddp, model, _timing_hook)
+        model.native = _native_timer(ddp, c) if hook is None and c is not None else None
+        if model.native is not None:
+            info["native"] = True
+            c.native.append(model)  # type: ignore[union-attr]
+        else:
+            original(DDP.register_comm_hook)(ddp, model, _timing_hook)
     if c is not None:
         c.meta(schema.COMM_HOOK, info)
+
+
+def _native_timer(ddp: Any, c: _c.Collector) -> Any:
+    """The C++ timer in DDP's slot (``native.py``), or None: the Python hook times the buckets."""
+    if _ct.ACTIVE is not None:  # a GPU model's buckets are timed on the device too, in Python
+        return None
+    try:
+        handle = native.register(ddp)
+    except Exception as exc:
+        c.fail(NATIVE, exc)
+        return None
+    if handle is not None:
+        native.set_step(c.step)
+    return handle
+
+
+def drain(c: _c.Collector) -> None:
+    """Pack the C++ timer's notes into the trace: each bucket's all-reduce, and the layout of
+    a bucket seen with a new size, as ``_timing_hook`` records them. On the training thread
+    after each backward, and four times a second from the writer thread (a hang's completed
+    buckets reach the trace too); each record is packed under the GIL, as the device timer's."""
+    for model in c.native:
+        try:
+            taken = model.native.drain()
+            if taken is None:
+                continue
+            notes, layouts, dropped = taken
+            for index, nbytes, ptrs in layouts:
+                model.layout[index] = nbytes
+                names = [model.names.get(p, "?") for p in ptrs]
+                c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": names})
+            for step, t0, t1, index, nbytes, seq in notes:
+                c.events += 1
+                c.record(_BUCKET, t0, t1, step, (index, nbytes, seq))
+            c.writer.dropped += dropped  # reported with the ring's own (a full buffer)
+        except Exception as exc:
+            c.fail(NATIVE, exc)
 
 
 def _default_hook(ddp: Any, bucket: Any) -> Any:

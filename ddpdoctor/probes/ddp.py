@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, commhook, guard
+from ddpdoctor.probes import callsite, commhook, guard, native
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
@@ -136,6 +136,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                     c.pace_model = state
                 new_step = state is c.pace_model and not c.accumulating
                 c.step += new_step
+                if new_step and c.native:
+                    native.set_step(c.step)
                 if state is c.pace_model:  # micro-batches under no_sync() share one optimizer step
                     c.accumulating = not getattr(self, "require_backward_grad_sync", True)
                 c.awaiting_backward = True
@@ -277,6 +279,8 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
+        if c.native:  # the buckets this backward reduced, before the backward's own record
+            commhook.drain(c)
         c.leave(prev, schema.BACKWARD, run_queue_us())
         try:
             check_unused(c)

@@ -32,6 +32,7 @@ class ModelState:
         self.hook: Callable[[Any, Any], Any] | None = None  # the hook our timer calls
         self.hook_state: Any = None
         self.timer_registered = False
+        self.native: Any = None  # the C++ timer's handle, when it times this model (native.py)
         # DDP's hook slot holds what we cannot or must not time: a C++ builtin hook, a hook
         # registered before we were watching, or bucket timing switched off.
         self.untimed = False

@@ -261,7 +261,14 @@ def install(c: Collector) -> None:
     live = _Liveness(c)
     c.writer.taps.update(guarded_taps(c, {**live.recent.taps(), **live.fingerprints.taps()}))
     c.writer.tap_tail.update(live.recent.NEWEST)
-    c.writer.on_tick = live.publish
+    from ddpdoctor.probes.commhook import drain
+
+    def tick() -> None:  # after each flush, on the writer thread
+        if c.native:  # the C++ timer's buckets: in the trace within a flush, a hang's too
+            drain(c)
+        live.publish()
+
+    c.writer.on_tick = tick
     live.publish()
     atexit.register(_last_publish, live)  # runs before the collector's close (atexit is LIFO)
     previous = sys.excepthook

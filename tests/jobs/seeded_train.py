@@ -1,6 +1,8 @@
 """Seeded DDP training that saves its final parameters: the bit-identity check's patient.
 
-Usage: seeded_train.py OUT.pt [--hook user|none] [--epochs N] [--sleep-ms MS] [--deep N]
+Usage: seeded_train.py OUT.pt [--hook user|late|none] [--epochs N] [--sleep-ms MS] [--deep N]
+
+--hook late: the user's hook is registered after the first epoch (DDP's slot may hold a timer).
 
 --sleep-ms: each step also waits that long (a step long enough for bucket timing).
 --deep: N more 64x64 layers, a gradient bucket each (many buckets in a millisecond step).
@@ -45,6 +47,8 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
+        if args.hook == "late" and epoch == 1:
+            ddp.register_comm_hook(None, user_hook)
         for x, y in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()

@@ -1,0 +1,111 @@
+"""The bucket timer in C++ (``probes/_hook.cpp``): where it is built for the torch in use,
+DDP's gradient buckets are timed with no Python per bucket; elsewhere the Python hook
+(``commhook.py``) times them, as before.
+
+It is compiled against torch's own headers and libraries, so a build belongs to one torch and
+one interpreter: ``ddpdoctor native --build`` compiles it once (about a minute on two cores)
+into the cache (``DDPDOCTOR_CACHE``), under a name that holds a hash of the source, torch's
+version and the interpreter's. A rank only loads a build that exists; it never compiles, so a
+job never waits for a compiler. ``DDPDOCTOR_PURE_PYTHON=1`` keeps it out, as it does the C
+probes.
+
+It times DDP's own reduction of CPU gradients. Models on a GPU keep the Python hook, whose
+bucket spans are also recorded on the device's clock (``cuda_timing.py``), and so do models with
+complex parameters (their buckets are reduced as real views).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpdoctor import _env
+from ddpdoctor.probes import guard
+
+SOURCE = Path(__file__).with_name("_hook.cpp")
+_UNSET: Any = object()
+_module: Any = _UNSET
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(_env.CACHE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddpdoctor"
+    )
+    return Path(root)
+
+
+def build_name() -> str:
+    """The build's module name: one per source, torch version and interpreter."""
+    import torch
+
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{sys.version}|{sys.platform}".encode())
+    return f"ddpdoctor_hook_{key.hexdigest()[:16]}"
+
+
+def built_path() -> Path:
+    name = build_name()
+    return cache_dir() / name / f"{name}.so"
+
+
+def build(verbose: bool = False) -> tuple[Path, float]:
+    """Compile the timer for this torch (a no-op where it is built): (its path, seconds)."""
+    from torch.utils import cpp_extension
+
+    name, t0 = build_name(), time.monotonic()
+    folder = cache_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name, [str(SOURCE)], build_directory=str(folder), extra_cflags=["-O2"], verbose=verbose
+    )
+    return folder / f"{name}.so", time.monotonic() - t0
+
+
+def module() -> Any:
+    """The built timer, or None (not built for this torch, or switched off); once per process."""
+    global _module
+    if _module is _UNSET:
+        _module = _load()
+    return _module
+
+
+def _load() -> Any:
+    if os.environ.get(_env.PURE_PYTHON) == "1":
+        return None
+    try:
+        path = built_path()
+        if not path.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except Exception as exc:
+        guard.passthrough(exc)
+        return None
+
+
+def register(ddp: Any) -> Any:
+    """Put the C++ timer in ``ddp``'s comm hook slot: its handle (``drain``,
+    ``set_python_hook``), or None where the Python hook must time it."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not params or any(p.device.type != "cpu" or p.is_complex() for p in params):
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    return mod.register_timer(ddp.reducer, ddp.process_group)
+
+
+def set_step(step: int) -> None:
+    """The step the C++ timer stamps on its notes (the probes' step count)."""
+    mod = module()
+    if mod is not None:
+        mod.set_step(step)

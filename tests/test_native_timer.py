@@ -1,0 +1,56 @@
+"""The C++ bucket timer (probes/_hook.cpp, native.py) records what the Python timer records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, read_lines, run_doctor, torchrun
+
+pytestmark = pytest.mark.e2e
+
+
+def buckets(run_dir: Path, rank: int) -> tuple[list[tuple], list[tuple], list[dict]]:
+    """(all-reduces as (step, index, bytes, seq) in seq order, bucket layouts, comm_hook records)"""
+    records = read_lines(run_dir / f"trace-rank{rank}.jsonl")
+    reduced = sorted((tuple(r[3:7]) for r in records if r[0] == "allreduce"), key=lambda r: r[3])
+    layouts = [(r[4]["index"], r[4]["bytes"], tuple(r[4]["params"])) for r in records if r[0] == "bucket"]
+    return reduced, layouts, [r[4] for r in records if r[0] == "comm_hook"]
+
+
+def test_the_cpp_timer_records_each_bucket_as_the_python_timer_does(
+    tmp_path: Path, native_timer: Path
+) -> None:
+    """Same job twice: the C++ timer, then none built (an empty cache): the Python hook."""
+    command = torchrun(2, JOBS / "counted_train.py")
+    (tmp_path / "native").mkdir()
+    (tmp_path / "python").mkdir()
+    native = run_doctor(tmp_path / "native", command)
+    python = run_doctor(tmp_path / "python", command, DDPDOCTOR_CACHE=str(tmp_path / "empty"))
+    for job in (native, python):
+        assert job.returncode == 0, job.stderr
+    for rank in (0, 1):
+        a, layout_a, hooks_a = buckets(native.run_dir, rank)
+        b, layout_b, hooks_b = buckets(python.run_dir, rank)
+        assert hooks_a[0]["native"] is True and "native" not in hooks_b[0]
+        assert len(a) >= 20 and a == b
+        assert layout_a == layout_b  # which parameters in which bucket, as built and after the rebuild
+        records = read_lines(native.run_dir / f"trace-rank{rank}.jsonl")
+        # Each bucket's span lies inside its backward, as the Python hook's did.
+        backward = {r[3]: (r[1], r[1] + r[2]) for r in records if r[0] == "backward"}  # (ts, dur) in µs
+        for r in (r for r in records if r[0] == "allreduce"):
+            lo, hi = backward[r[3]]
+            assert lo <= r[1] <= r[1] + r[2] <= hi
+
+
+def test_native_command_says_where_the_build_is(native_timer: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "ddpdoctor", "native", "--json"]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout)["path"] == str(native_timer)
+    env = {"DDPDOCTOR_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    missing = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and json.loads(missing.stdout)["built"] is False
