@@ -105,13 +105,15 @@ def test_parameters_bit_identical_with_and_without_doctor(
 
 
 def test_bucket_timing_auto_times_long_steps_from_the_fifth_and_keeps_the_weights(tmp_path: Path) -> None:
-    """``auto``: the timer goes into DDP's hook slot only once a few steps have shown it is
-    cheap: mid-run, from DDP's C++ reduction to ours, which must sum bit for bit the same."""
+    """``auto`` where the C++ timer is not built: the Python timer goes into DDP's hook slot
+    only once a few steps have shown it is cheap: mid-run, from DDP's C++ reduction to ours,
+    which must sum bit for bit the same."""
     args = ("--epochs=1", "--sleep-ms=60")  # 10 steps of 60 ms or more: their bucket can be timed
     plain = run_plain(tmp_path, torchrun(3, JOBS / "seeded_train.py", "plain.pt", *args))
     assert plain.returncode == 0, plain.stderr
     command = torchrun(3, JOBS / "seeded_train.py", "doc.pt", *args)
-    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    python_timer = {"DDPDOCTOR_CACHE": str(tmp_path / "none")}  # no C++ timer built there
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto", **python_timer)
     assert job.returncode == 0, job.stderr
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -127,10 +129,11 @@ def test_bucket_timing_auto_times_long_steps_from_the_fifth_and_keeps_the_weight
 def test_bucket_timing_auto_leaves_millisecond_steps_to_ddp_and_still_knows_their_reductions(
     tmp_path: Path,
 ) -> None:
-    # 12 buckets in steps of a few ms: timing them would need steps of 240 ms (0.5 % of a step
-    # for 100 µs a bucket), a margin no load on the test machine closes.
+    # 12 buckets in steps of a few ms: timing them in Python (no C++ timer built) would need
+    # steps of 240 ms (0.5 % of a step for 100 µs a bucket), a margin no load closes.
     command = torchrun(2, JOBS / "seeded_train.py", "doc.pt", "--epochs=1", "--deep=15")
-    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    python_timer = {"DDPDOCTOR_CACHE": str(tmp_path / "none")}  # no C++ timer built there
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto", **python_timer)
     assert job.returncode == 0, job.stderr
     records = read_lines(job.run_dir / "trace-rank1.jsonl")
     (hook,) = [r for r in records if r[0] == "comm_hook"]

@@ -46,6 +46,17 @@ def test_the_cpp_timer_records_each_bucket_as_the_python_timer_does(
             assert lo <= r[1] <= r[1] + r[2] <= hi
 
 
+def test_auto_times_from_the_first_step_with_the_cpp_timer(tmp_path: Path, native_timer: Path) -> None:
+    """``DDPDOCTOR_BUCKET_TIMING=auto`` waits for a step that can carry the Python timer's cost;
+    the C++ timer's is none that a step would notice, so it goes in at once."""
+    command = torchrun(2, JOBS / "seeded_train.py", "doc.pt", "--epochs=1", "--deep=15")
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    assert job.returncode == 0, job.stderr
+    reduced, layouts, hooks = buckets(job.run_dir, 1)
+    assert hooks == [{"name": "ddp default (allreduce average)", "user": False, "native": True}]
+    assert {r[0] for r in reduced} == set(range(15)) and len(layouts) >= 12
+
+
 def test_native_command_says_where_the_build_is(native_timer: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "ddpdoctor", "native", "--json"]
     built = subprocess.run(cmd, capture_output=True, text=True)

@@ -5,10 +5,13 @@ registers, before or after, is timed instead of replaced.
 
 Any hook written in Python costs a GIL trip per bucket and one for its completion: about what
 torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core host
-(``benchmarks/hook_cost.py``), several per cent of a millisecond step. ``DDPDOCTOR_BUCKET_TIMING``:
-``on`` (the default) registers the timer at the model's first forward; ``auto`` lets the first
-steps run on DDP's C++ reduction and registers it only if their median step can carry it
-(``affordable``); ``off`` never: DDP's C++ reduction (or the user's hook) alone. Untimed, the
+(``benchmarks/hook_cost.py``), several per cent of a millisecond step. So where the C++ timer
+is built (``native.py``) and the model is on the CPU, it takes DDP's slot instead, and this
+module only packs its notes (``drain``). ``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default)
+registers the timer at the model's first forward; ``auto`` does too where the C++ timer times
+the model, else lets the first steps run on DDP's C++ reduction and registers the Python timer
+only if their median step can carry it (``affordable``); ``off`` never: DDP's C++ reduction
+(or the user's hook) alone. Untimed, the
 gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
 ``analysis/failed/ledger.py``) and the straggler table measures each rank's time in backward
 (``analysis/slow/synctable.py``); each bucket's own span is lost (docs/overhead.md).
@@ -57,8 +60,8 @@ def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
     the timer goes in now (``on``), never (``off``), or once the steps say it is cheap."""
     if not model.timing:
         model.timing = mode()
-    if model.timing != "auto":
-        register_timer(ddp, model, None, None)
+    if model.timing != "auto" or (_ct.ACTIVE is None and native.eligible(ddp)):
+        register_timer(ddp, model, None, None)  # "on", or the C++ timer: a step can carry it
         return
     if c.step == model.last_step_seen:
         return

@@ -92,16 +92,24 @@ def _load() -> Any:
         return None
 
 
+def eligible(ddp: Any) -> bool:
+    """Can the C++ timer time ``ddp``'s buckets? It is built, the model's gradients are real
+    and on the CPU, and records are packed in C: its notes are packed from the writer thread
+    too, and a C pack is one call under the GIL, never interleaved with the training thread's."""
+    from ddpdoctor.probes import fastpath
+
+    if module() is None or fastpath.module() is None:
+        return False
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    return bool(params) and all(p.device.type == "cpu" and not p.is_complex() for p in params)
+
+
 def register(ddp: Any) -> Any:
     """Put the C++ timer in ``ddp``'s comm hook slot: its handle (``drain``,
     ``set_python_hook``), or None where the Python hook must time it."""
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
-    if not params or any(p.device.type != "cpu" or p.is_complex() for p in params):
+    if not eligible(ddp):
         return None
-    mod = module()
-    if mod is None:
-        return None
-    return mod.register_timer(ddp.reducer, ddp.process_group)
+    return module().register_timer(ddp.reducer, ddp.process_group)
 
 
 def set_step(step: int) -> None:
