@@ -100,8 +100,11 @@ class TimedReduction : public c10d::CommHookInterface {
     std::shared_ptr<Shared> shared = shared_;
     return fut->then(
         [shared, step, t0, index, nbytes, seq](c10::ivalue::Future& done) {
+          // value() throws for an all-reduce that failed (a peer died): that error is the
+          // result, and nothing was reduced to note. (then() calls this either way.)
+          c10::IValue result(done.value().toTensorVector()[0]);
           shared->note(Note{step, t0, now_ns(), index, nbytes, seq});
-          return c10::IValue(done.value().toTensorVector()[0]);
+          return result;
         },
         c10::TensorType::get());
   }

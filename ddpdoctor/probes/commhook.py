@@ -7,11 +7,12 @@ Any hook written in Python costs a GIL trip per bucket and one for its completio
 torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core host
 (``benchmarks/hook_cost.py``), several per cent of a millisecond step. So where the C++ timer
 is built (``native.py``) and the model is on the CPU, it takes DDP's slot instead, and this
-module only packs its notes (``drain``). ``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default)
-registers the timer at the model's first forward; ``auto`` does too where the C++ timer times
-the model, else lets the first steps run on DDP's C++ reduction and registers the Python timer
-only if their median step can carry it (``affordable``); ``off`` never: DDP's C++ reduction
-(or the user's hook) alone. Untimed, the
+module only packs its notes (``drain``).
+
+``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default) registers the timer at the model's first
+forward; ``auto`` does too where the C++ timer times the model, else lets the first steps run
+on DDP's C++ reduction and registers the Python timer only if their median step can carry it
+(``affordable``); ``off`` never: DDP's C++ reduction (or the user's hook) alone. Untimed, the
 gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
 ``analysis/failed/ledger.py``) and the straggler table measures each rank's time in backward
 (``analysis/slow/synctable.py``); each bucket's own span is lost (docs/overhead.md).
@@ -216,6 +217,8 @@ def drain(c: _c.Collector) -> None:
     a bucket seen with a new size, as ``_timing_hook`` records them. On the training thread
     after each backward, and four times a second from the writer thread (a hang's completed
     buckets reach the trace too); each record is packed under the GIL, as the device timer's."""
+    if NATIVE in c.disabled:
+        return
     for model in c.native:
         try:
             taken = model.native.drain()
