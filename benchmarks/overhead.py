@@ -2,11 +2,12 @@
 
 For a compute-bound model (~10M parameters) and a tiny one, run the same 2-rank gloo job
 plain, under `ddpdoctor run`, with torch.profiler (CPU activities) and, with ``--python-hook``,
-with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs: the
-doctor times each bucket with one) and, with ``--no-buckets``, under the doctor with
-``DDPDOCTOR_BUCKET_TIMING=off``, in interleaved order, and report the median step time of
-each mode relative to plain. Also reports the trace size
-per rank per step, and the per-event cost of a recorded collective measured in-process.
+with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs), with
+``--no-buckets`` under the doctor with ``DDPDOCTOR_BUCKET_TIMING=off``, and with
+``--python-timer`` under the doctor timing buckets with its Python hook (as where its C++ timer
+is not built), in interleaved order, and report the median step time of each mode relative to
+plain. Also reports the trace size per rank per step, and the per-event cost of a recorded
+collective measured in-process.
 
     python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400] [--json]
 
@@ -90,6 +91,8 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     if mode == "doctor_no_buckets":  # the doctor with DDP's own C++ reduction left alone
         env[_env.BUCKET_TIMING] = "off"
+    if mode == "doctor_python_timer":  # buckets timed by the Python hook: no C++ timer built there
+        env[_env.CACHE] = str(workdir / "no-native-timer")
     if mode.startswith("doctor"):
         cmd = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *job]
     elif mode in ("profiler", "python_hook"):
@@ -140,8 +143,9 @@ def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
       the call site, the live status, the record) around a small model's forward, recorded
       minus not (thread CPU): a hook event's cost among the forward's own Python, where caches
       are cold, not a loop of recording calls alone;
-    - ``bucket_us``: a backward of 48 one-bucket layers, per bucket, under the doctor's timing
-      comm hook minus DDP's built-in C++ reduction, next to ``python_hook_bucket_us``, the
+    - ``bucket_us``: a backward of 48 one-bucket layers, per bucket, under the doctor's bucket
+      timer (the C++ one where it is built) minus DDP's built-in C++ reduction, next to
+      ``python_hook_bucket_us``, the
       same for torch's own Python ``allreduce_hook``: what any comm hook written in Python
       costs (a GIL trip per bucket and one for its completion)."""
     code = f"""
@@ -230,11 +234,15 @@ def main() -> None:
     parser.add_argument(
         "--no-buckets", action="store_true", help="add the doctor with DDPDOCTOR_BUCKET_TIMING=off"
     )
+    parser.add_argument(
+        "--python-timer", action="store_true", help="add the doctor timing buckets with its Python hook"
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
     modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
     modes += ["python_hook"] if args.python_hook else []
     modes += ["doctor_no_buckets"] if args.no_buckets else []
+    modes += ["doctor_python_timer"] if args.python_timer else []
     say = (lambda *a, **k: None) if args.json else print
     result: dict[str, object] = dict(per_event_cost_us())
     say(f"per-event cost: {json.dumps(result)}")
