@@ -137,8 +137,10 @@ def test_bucket_timing_auto_leaves_millisecond_steps_to_ddp_and_still_knows_thei
     assert job.returncode == 0, job.stderr
     records = read_lines(job.run_dir / "trace-rank1.jsonl")
     (hook,) = [r for r in records if r[0] == "comm_hook"]
-    assert hook[4]["timed"] is False and hook[4]["auto"]["buckets"] >= 8
-    assert hook[4]["auto"]["step_ms"] < 40
+    auto = hook[4]["auto"]
+    assert hook[4]["timed"] is False and auto["buckets"] >= 8
+    # The decision follows from what it measured (how long a step took here is the machine's).
+    assert auto["buckets"] * auto["cost_us"] > auto["share"] * auto["step_ms"] * 1e3
     assert not any(r[0] == "allreduce" for r in records)
     layout = [r[4] for r in records if r[0] == "bucket"]  # from DDP's logging data, untimed
     assert [b["index"] for b in layout] == list(range(hook[4]["auto"]["buckets"]))
