@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,24 @@ def test_native_command_says_where_the_build_is(native_timer: Path, tmp_path: Pa
     env = {"DDPDOCTOR_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     missing = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert missing.returncode == 1 and json.loads(missing.stdout)["built"] is False
+
+
+def test_a_failed_build_says_why_and_leaves_the_python_timer(tmp_path: Path) -> None:
+    """A compiler that fails (no headers, no room): the command says what it printed, exits 1,
+    and leaves no build behind for a rank to load."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --version|-dumpfullversion|-dumpversion) exec c++ "$@";; esac\n'
+        'echo "fake-cxx: no room to compile" >&2\nexit 1\n'
+    )
+    cxx.chmod(0o755)
+    env = {**os.environ, "DDPDOCTOR_CACHE": str(tmp_path / "cache"), "CXX": str(cxx)}
+    cmd = [sys.executable, "-m", "ddpdoctor", "native", "--build", "--json"]
+    failed = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert failed.returncode == 1, failed.stderr
+    result = json.loads(failed.stdout)
+    assert result["built"] is False and "build_s" not in result
+    assert result["error"].startswith("RuntimeError: Error building extension")
+    assert "fake-cxx: no room to compile" in result["error"]
+    assert not list((tmp_path / "cache").rglob("*.so"))
