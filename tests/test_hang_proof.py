@@ -11,6 +11,7 @@ from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor.activity import ActivityTracker
 from ddpdoctor.supervisor.waits import WaitNotes
 from ddpdoctor.trace.reader import load_run
+from ddpdoctor.trace.stacktext import runs_own_code
 
 NOW = 100.0
 
@@ -135,6 +136,62 @@ def test_ddp_backward_waits_only_when_its_cpu_is_idle() -> None:
     assert v.state == "proven" and "rank(s) 0 allreduce vs rank(s) 1 barrier" in v.proof
     fwd = {0: st(0, "forward", "train"), 1: st(1, "collective", "barrier")}
     assert judge(fwd, {0: Activity(True, 2.0, 0.0)}, NOW).state == "blocked", "forward's op is unknown"
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+PROBE = "/venv/lib/python3.11/site-packages/ddpdoctor/probes/ddp.py"
+
+
+def frames(*files: str) -> list[dict]:
+    """A main thread's frames, innermost first, from their files."""
+    return [{"file": f, "line": i + 1, "function": f"f{i}"} for i, f in enumerate(files)]
+
+
+def test_own_code_inside_a_ddp_pass_is_told_from_a_wait_for_peers() -> None:
+    engine = (f"{TORCH}/autograd/graph.py", f"{TORCH}/autograd/__init__.py", PROBE, "/home/u/train.py")
+    # A custom autograd Function's backward that sleeps: the user's code, inside the backward.
+    assert runs_own_code(frames("/home/u/ops.py", f"{TORCH}/autograd/function.py", *engine))
+    # Waiting in the reducer: no user frame inside the pass.
+    assert not runs_own_code(frames(*engine))
+    # A Python comm hook waiting on its all-reduce's future, or a collective the hook issued
+    # (its probe's frame): waits for peers, inside the user's hook.
+    assert not runs_own_code(frames(f"{TORCH}/futures/__init__.py", "/home/u/hooks.py", *engine))
+    assert not runs_own_code(frames(PROBE, f"{TORCH}/distributed/c10d.py", "/home/u/hooks.py", *engine))
+    # A lock in the user's code: the standard library's frames inside it do not wait for peers.
+    assert runs_own_code(frames("/usr/lib/python3.11/threading.py", "/home/u/cache.py", *engine))
+    # User code with no probe around it (a stack `attach` took): no pass to be inside of.
+    assert not runs_own_code(frames("/home/u/train.py", "/home/u/train.py"))
+
+
+def test_a_rank_blocked_in_its_own_code_inside_its_backward_is_stalled_not_waiting() -> None:
+    statuses = {0: st(0, "backward", "allreduce"), 1: st(1, "backward", "allreduce")}
+    idle = Activity(True, 4.0, 0.0, "f0() train.py:1")
+    v = judge(statuses, {0: idle, 1: idle}, NOW)
+    assert v.state == "blocked" and v.culprits == [0, 1], "both idle in the reducer: nothing says who"
+    v = judge(statuses, {0: Activity(True, 4.0, 0.0, "load() cache.py:9", own_code=True), 1: idle}, NOW)
+    assert v.state == "stalled" and v.culprits == [0] and v.waiting == [1]
+    assert v.proof.startswith("rank 0 makes no progress in its own code inside its DDP backward (load()")
+    assert is_hang(v, 3.0, hang_timeout=None, longest=4.0, quiet=4.0, started=True)
+
+
+def test_the_tracker_reads_the_stacks_of_idle_ranks_in_a_ddp_pass_once_none_is_elsewhere() -> None:
+    engine = (f"{TORCH}/autograd/__init__.py", PROBE, "/home/u/train.py")
+    stacks = {10: frames("/home/u/ops.py", *engine), 11: frames(*engine)}
+
+    def dump(pid: int) -> dict:
+        return {"method": "py-spy", "threads": [{"name": "MainThread", "frames": stacks[pid]}]}
+
+    tr = ActivityTracker(dump=dump, cpu=lambda pid: 1.0, spawn=lambda work: work())
+    statuses = {r: RankStatus.of(st(r, "backward", "allreduce")) for r in (0, 1)}
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0):
+        acts = tr.look(statuses, t, {0, 1}, {0: True, 1: True}, since={0: 0.0, 1: 0.0})
+    assert acts[0].own_code and acts[0].frame == "f0() ops.py:1"
+    assert not acts[1].own_code and acts[1].frame == "f2() train.py:3"
+    tr.forget()
+    statuses[1] = RankStatus.of(st(1))  # a rank outside every sync point: its stack is the question
+    for t in (10.0, 11.0, 12.0, 13.0, 14.0):
+        acts = tr.look(statuses, t, {0, 1}, {0: True, 1: True}, since={0: 10.0, 1: 10.0})
+    assert acts[0].frame is None and acts[1].frame == "f2() train.py:3"
 
 
 def test_waiting_on_a_busy_rank_is_not_a_hang_and_names_where_it_is() -> None:

@@ -290,6 +290,36 @@ def test_a_rank_that_sleeps_outside_sync_points_is_a_stall_at_the_threshold(tmp_
     assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "wait_for_peer"
 
 
+def test_a_rank_blocked_in_its_own_backward_code_is_named_not_the_all_reduce(
+    tmp_path: Path, native_timer: Path
+) -> None:
+    # Rank 0 sleeps in a custom autograd Function's backward after its first gradient bucket
+    # was reduced; rank 1 waits for the next bucket. Both statuses say "backward, #14": only
+    # rank 0's stack (its own code inside the pass, CPU idle) says which one the other awaits.
+    job = run_doctor(
+        tmp_path,
+        torchrun(2, SLOW, "--mode", "backward_sleep"),
+        "--on-hang",
+        "kill",
+        DDPDOCTOR_HANG_FLOOR_S="5",
+    )
+    assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
+    verdict = hang_summary(job.run_dir)["verdict"]
+    assert verdict["state"] == "stalled" and verdict["culprits"] == [0], verdict
+    assert "in its own code inside its DDP backward (wait_for_peer()" in verdict["proof"]
+    [hang] = findings(job.run_dir, "hang")
+    assert hang["ranks"] == [0] and hang["summary"].startswith("Rank(s) 0 never finished its DDP backward")
+    assert "wait for it in the gradient all-reduce (from collective #" in hang["summary"]
+    assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "wait_for_peer"
+    for rank in (0, 1):
+        # The bucket both reduced in the step that hung reached the trace from the writer thread
+        # (the C++ timer's notes; the backward that would have packed them never ended).
+        records = read_lines(job.run_dir / f"trace-rank{rank}.jsonl")
+        last = max(r[3] for r in records if r[0] == "backward")
+        hung = [r for r in records if r[0] == "allreduce" and r[3] == last + 1]
+        assert [r[4] for r in hung] == [0], hung
+
+
 def test_a_new_group_only_rank0_creates_is_proven_against_the_ddp_constructor(
     tmp_path: Path, write_script
 ) -> None:

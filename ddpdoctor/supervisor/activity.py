@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.hung.hang import main_thread, user_frame
-from ddpdoctor.analysis.hung.proof import Activity
+from ddpdoctor.analysis.hung.proof import COMPOUND, Activity
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.supervisor import stacks as _stacks
+from ddpdoctor.trace.stacktext import runs_own_code
 
 WINDOW_S = 1.0
 MIN_RATE = 0.05  # CPU seconds per second
@@ -76,14 +77,16 @@ def zombie_signal(pid: int) -> int | None:
     return code & 0x7F or None
 
 
-def describe_frame(dump: dict[str, Any]) -> tuple[tuple[Any, ...], str | None]:
-    """(signature of the main thread's stack, 'evaluate() train.py:27' or None)."""
+def describe_frame(dump: dict[str, Any]) -> tuple[tuple[Any, ...], str | None, bool]:
+    """(signature of the main thread's stack, 'evaluate() train.py:27' or None, whether it runs
+    the user's own code inside a DDP pass)."""
     frames = main_thread(dump.get("threads") or [])
     sig = tuple((f.get("file"), f.get("line"), f.get("function")) for f in frames)
     user = user_frame(frames)
     if user is None:
-        return sig, None
-    return sig, f"{user.get('function')}() {os.path.basename(str(user.get('file')))}:{user.get('line')}"
+        return sig, None, False
+    where = f"{user.get('function')}() {os.path.basename(str(user.get('file')))}:{user.get('line')}"
+    return sig, where, runs_own_code(frames)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _Track:
     stack_t: float = 0.0
     stack_sig: tuple[Any, ...] = ()
     frame: str | None = None
+    own_code: bool = False  # the last stack: the user's own code inside a DDP pass
     sample: _Sample | None = None
 
 
@@ -147,6 +151,9 @@ class ActivityTracker:
         ``since``: when each rank last recorded an event, the latest progress known before the
         first measurement."""
         out: dict[int, Activity] = {}
+        # Stacks of ranks inside a DDP pass only when no rank is elsewhere: that one is the
+        # question then, and dumps are few (DUMPS_PER_S).
+        any_outside = any(not st.in_sync for r, st in statuses.items() if r in ranks)
         for rank, st in statuses.items():
             pid = st.pid or 0
             if rank not in ranks or not alive.get(rank, True) or pid <= 0:
@@ -172,12 +179,15 @@ class ActivityTracker:
                 tr.ref_t, tr.ref_cpu = now, cpu
             self._read_sample(tr)
             idle_cpu = tr.rate is None or tr.rate < MIN_RATE
-            outside = not st.in_sync  # compound phases: CPU only
+            # A rank in a DDP pass with its CPU idle waits for its peers or is blocked in its own
+            # code there (a hook, an autograd Function): its stack tells which.
+            compound = (st.phase or {}).get("name") in COMPOUND and not any_outside
+            outside = not st.in_sync
             needs_frame = want_frame is not None and rank in want_frame and tr.frame is None
             if (
                 self._dump is not None
-                and outside
-                and (idle_cpu or needs_frame)
+                and (outside or compound)
+                and (idle_cpu or (outside and needs_frame))
                 and now - tr.stack_t >= STACK_EVERY_S
                 and now >= self._next_dump
                 and (self._sampling is None or self._sampling.done.is_set())
@@ -213,14 +223,15 @@ class ActivityTracker:
         tr.sample = None
         dump = sample.dump or {}
         if dump.get("threads"):
-            sig, frame = describe_frame(dump)
+            sig, frame, own = describe_frame(dump)
             if tr.stack_sig and sig != tr.stack_sig:
                 tr.moved_t = max(tr.moved_t, sample.t)
-            tr.stack_sig, tr.frame = sig, frame or tr.frame
+            tr.stack_sig, tr.frame, tr.own_code = sig, frame or tr.frame, own
 
     @staticmethod
     def _activity(tr: _Track, now: float) -> Activity:
-        return Activity(True, (now - tr.moved_t) if tr.known else None, tr.rate, tr.frame, not tr.known)
+        idle = (now - tr.moved_t) if tr.known else None
+        return Activity(True, idle, tr.rate, tr.frame, not tr.known, tr.own_code)
 
 
 def pyspy_sample(pid: int) -> dict[str, Any]:

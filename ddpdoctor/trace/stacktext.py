@@ -37,6 +37,27 @@ def is_user_frame(filename: str) -> bool:
     return not any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
+# Calls that wait for peers when a rank's own code makes them: a collective (its probe or
+# torch.distributed itself) or a future of one.
+_PEER_WAIT_MARKERS = tuple(os.sep + os.path.join("torch", part, "") for part in ("distributed", "futures"))
+
+
+def runs_own_code(frames: list[dict[str, Any]]) -> bool:
+    """Inside a DDP pass its probe wrapped (a forward, a backward), is the rank running the
+    user's own code (a custom autograd Function, a hook, a module's forward) rather than
+    waiting for its peers? ``frames`` innermost first: the innermost user frame lies inside
+    a ddpdoctor frame (the pass) and no call inside it waits for peers. A rank whose CPU is idle
+    there is blocked in its own code (a lock, a sleep, a read), not in the gradient all-reduce."""
+    for i, frame in enumerate(frames):
+        name = str(frame.get("file") or "")
+        if is_user_frame(name):
+            inner = (str(f.get("file") or "") for f in frames[:i])
+            if any(is_doctor_frame(f) or any(m in f for m in _PEER_WAIT_MARKERS) for f in inner):
+                return False
+            return any(is_doctor_frame(str(f.get("file") or "")) for f in frames[i + 1 :])
+    return False
+
+
 def parse_pyspy_json(text: str) -> dict[str, Any]:
     """``py-spy dump --json`` output as a dump: threads with their frames (innermost first)."""
     try:

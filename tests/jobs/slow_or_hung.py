@@ -7,6 +7,10 @@ slow_ckpt   rank 0 writes checkpoints for --busy-s seconds (torch.save, fsync) w
 sleep       rank 0 sleeps in user code (no CPU, the same stack) while rank 1 waits in
             dist.barrier(): stalled, a hang once the threshold passes
 early_exit  rank 1 returns (exit code 0) before the last all_reduce that rank 0 waits in
+backward_sleep
+            rank 0 sleeps inside the second epoch's first backward (a custom autograd
+            Function's), after its last layer's gradient bucket was reduced: rank 1 waits
+            for the next bucket
 """
 
 import argparse
@@ -44,6 +48,27 @@ def wait_for_peer() -> None:
     time.sleep(3600)
 
 
+class SleepInBackward(torch.autograd.Function):
+    """The identity; its backward sleeps on rank 0 once ``armed`` (a hang inside a backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if SleepInBackward.armed:
+            wait_for_peer()
+        return grad
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SleepInBackward.apply(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="slow_eval")
@@ -53,8 +78,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 2))
-    model = DDP(net)
+    if args.mode == "backward_sleep":
+        # The last layer (1 MiB) fills DDP's first bucket: it is reduced before the Gate's backward.
+        net = nn.Sequential(nn.Linear(64, 128), Gate(), nn.ReLU(), nn.Linear(128, 2048))
+        model = DDP(net, bucket_cap_mb=1)
+    else:
+        net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 2))
+        model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 64), torch.randint(0, 2, (16,))
     for epoch in range(2):
@@ -69,6 +99,8 @@ def main() -> None:
                 save_checkpoint(model.module, os.path.join(os.getcwd(), "ckpt.pt"), args.busy_s)
             elif args.mode == "sleep":
                 wait_for_peer()
+            elif args.mode == "backward_sleep":
+                SleepInBackward.armed = True
         dist.barrier()
         if args.mode == "early_exit" and rank == 1 and epoch == 1:
             return  # leaves early and cleanly: rank 0 waits in the all_reduce below alone

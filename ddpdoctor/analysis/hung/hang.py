@@ -18,7 +18,7 @@ from ddpdoctor.analysis.hung.patterns import ranks_label
 from ddpdoctor.analysis.hung.proof import Verdict
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace.livephase import SYNC_LIVE_PHASES, LivePhase
-from ddpdoctor.trace.stacktext import is_user_frame
+from ddpdoctor.trace.stacktext import is_user_frame, runs_own_code
 
 Frame = dict[str, Any]  # {"file", "line", "function"}
 
@@ -66,8 +66,16 @@ class RankState:
     stack_method: str | None
 
     @property
+    def own_code(self) -> bool:
+        """Inside a DDP pass (its forward, its backward), running the user's own code there (a
+        custom autograd Function, a hook): the pass waits on it, not on the peers."""
+        live = LivePhase.of((self.phase or {}).get("name"))
+        return live is not None and live.waits == "compound" and runs_own_code(self.frames)
+
+    @property
     def in_sync(self) -> bool:
-        return bool(self.phase) and self.phase.get("name") in SYNC_LIVE_PHASES  # type: ignore[union-attr]
+        in_phase = bool(self.phase) and self.phase.get("name") in SYNC_LIVE_PHASES  # type: ignore[union-attr]
+        return in_phase and not self.own_code
 
     @property
     def seq(self) -> int:

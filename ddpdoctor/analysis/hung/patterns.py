@@ -128,9 +128,28 @@ def _never_reached(k: Look, culprits: list[int]) -> str:
     what = "waits for a batch from its DataLoader" if k.in_data else "is stuck in user code"
     if k.busy:
         what = "is busy in user code"
+    if first.own_code:  # a hook or an autograd Function of its own, inside DDP's pass
+        name = (first.phase or {}).get("name")
+        waits = f", while rank(s) {rank_list(k.waiting)} wait for it in{_points(k)}" if k.waiting else ""
+        return (
+            f"Rank(s) {rank_list(culprits)} never finished its DDP {name}: rank {first.rank} "
+            f"{what.replace('user code', 'its own code')} inside it{_loc(first)}{waits}."
+        )
     return f"Rank(s) {rank_list(culprits)} never reached{target}: rank {first.rank} {what}{_loc(first)}" + (
         f", while rank(s) {rank_list(k.waiting)} wait for it." if k.waiting else "."
     )
+
+
+def _points(k: Look) -> str:
+    """Where the waiting ranks wait: ' the gradient all-reduce (from collective #14 on)'."""
+    seqs = sorted({s.seq for s in k.waiting.values()})
+    passes = {LivePhase.of((s.phase or {}).get("name")) for s in k.waiting.values()}
+    live = passes.pop() if len(passes) == 1 else None
+    if live is None or len(seqs) != 1 or seqs[0] < 0:
+        return " their sync points"
+    if live.waits == "compound":  # a DDP pass issues several collectives from its first
+        return f" the {live.label} (from collective #{seqs[0]} on)"
+    return f" collective #{seqs[0]}"
 
 
 _BUSY_FIX = (

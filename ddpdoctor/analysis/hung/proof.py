@@ -73,6 +73,8 @@ class Activity:
     # Measurement has begun and its first window is not over: idle_s is unknown for a second,
     # not unknowable, so the clock must not decide in its place.
     pending: bool = False
+    # Its stack: inside a DDP pass, in the user's own code there (stacktext.runs_own_code).
+    own_code: bool = False
 
 
 class VerdictState(enum.StrEnum):
@@ -222,7 +224,8 @@ def judge(
         fresh = now - (st.heartbeat_wall or 0.0) <= STALE_S
         settled = st.in_phase_s(now) >= CONFIRM_S
         idle = acts[r].idle_s
-        if fresh and settled and (phase["name"] in ATOMIC or (idle is not None and idle >= CONFIRM_S)):
+        idle_wait = idle is not None and idle >= CONFIRM_S and not acts[r].own_code
+        if fresh and settled and (phase["name"] in ATOMIC or idle_wait):
             waits[r] = phase
             where[r] = point(phase)
     wait_s = max((live[r].in_phase_s(now) for r in waits), default=0.0)
@@ -263,8 +266,11 @@ def judge(
     if waits and stalled:
         idle = min(float(acts[r].idle_s or 0.0) for r in stalled)
         culprit = stalled[0]
+        place = "outside any sync point"
+        if acts[culprit].own_code:
+            place = f"in its own code inside its DDP {(live[culprit].phase or {}).get('name')}"
         text = (
-            f"rank {culprit} makes no progress outside any sync point ({where[culprit]}) while "
+            f"rank {culprit} makes no progress {place} ({where[culprit]}) while "
             f"rank(s) {rank_list(sorted(waits))} wait in {_same_point(waits)}"
         )
         return Verdict(VerdictState.STALLED, text, stalled, sorted(waits), wait_s, idle, where, waits)
