@@ -318,6 +318,15 @@ def test_a_rank_blocked_in_its_own_backward_code_is_named_not_the_all_reduce(
         last = max(r[3] for r in records if r[0] == "backward")
         hung = [r for r in records if r[0] == "allreduce" and r[3] == last + 1]
         assert [r[4] for r in hung] == [0], hung
+    # Where they parted: the bucket after the one both reduced, which rank 0 never issued.
+    view = diagnose_json(job.run_dir)["failure"]
+    parting = view["parting"]
+    assert parting["seq"] == hung[0][6] + 1
+    row = parting["rows"][str(parting["seq"])]
+    assert row["0"] is None and row["1"]["op"] == "gradient all-reduce" and row["1"]["in_flight"]
+    spans = {(s["rank"], s["kind"]): s for s in view["open_spans"]}
+    assert set(spans) == {(0, "backward"), (1, "backward"), (1, "allreduce")}, "rank 0: no all-reduce open"
+    assert spans[(1, "allreduce")]["label"] == f"gradient all-reduce #{parting['seq']}"
 
 
 def test_a_new_group_only_rank0_creates_is_proven_against_the_ddp_constructor(

@@ -118,7 +118,9 @@ def failure_view(
             continue
         end_s, ended_by = _end_of(run, clock, rank, book.ending, hang, killed)
         died_in = next((p for p in book.points if p.died_in), None)
-        spans, frames = open_spans(run, clock, rank, trace, book.ending, hang, end_s, ended_by, died_in)
+        flight = next((p for p in reversed(book.points) if p.in_flight), None)
+        ending = book.ending
+        spans, frames = open_spans(run, clock, rank, trace, ending, hang, end_s, ended_by, died_in, flight)
         stacks[rank] = frames
         view.open_spans.extend(spans)
         view.ranks[rank] = _rank_end(rank, trace, book, spans, end_s)

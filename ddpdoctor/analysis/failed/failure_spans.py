@@ -20,7 +20,7 @@ from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
+from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame, runs_own_code
 
 # The phases whose outermost span carries the sequence number the watcher saw.
 _WATCHED_PHASES = {p.value: p.spans[0][0] for p in (LivePhase.BACKWARD, LivePhase.COLLECTIVE)}
@@ -79,9 +79,12 @@ def open_spans(
     end_s: float,
     ended_by: str,
     died_in: ledgers.Point | None = None,
+    in_flight: ledgers.Point | None = None,
 ) -> tuple[list[OpenSpan], list[dict[str, Any]]]:
     """The spans the rank never left, and its stack (innermost first) at the end; ``died_in``:
-    the sync point a signal killed it in, as its ledger read it from its death stack."""
+    the sync point a signal killed it in, as its ledger read it from its death stack;
+    ``in_flight``: the one a hang found it in, as its ledger placed it (a backward's next
+    bucket; none where its own code ran inside a DDP pass)."""
     if not ended_by:
         return [], []
     step = int(trace.kind(schema.FORWARD).step.max(initial=-1))
@@ -101,7 +104,15 @@ def open_spans(
             # end inside their backward).
             floor = clock.last_end(rank, trace, but=schema.ALLREDUCE)
             start = min(max(start if start is not None else last, floor), end_s)
-            return _from_phase(rank, phase, start, end_s, step, user, ended_by), frames
+            spans = _from_phase(rank, phase, start, end_s, step, user, ended_by)
+            if in_flight is None and runs_own_code(frames):  # its own code, inside the pass
+                return [s for s in spans if s.lane == int(schema.Lane.COMPUTE)], frames
+            if in_flight is not None and in_flight.seq >= 0:
+                for span in spans:
+                    if span.seq is not None and span.seq != in_flight.seq:
+                        span.label = span.label.replace(f"#{span.seq}", f"#{in_flight.seq}")
+                        span.seq = in_flight.seq
+            return spans, frames
         return [_user_code(rank, last, end_s, step, user, ended_by)], frames
     if ending.how == "exception" and ending.error:
         frames = [

@@ -37,6 +37,7 @@ from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
+from ddpdoctor.trace.stacktext import runs_own_code
 
 # DDP's own sync points, as ledger ops: the live phases' names in the user's words.
 GRAD_ALLREDUCE = LivePhase.BACKWARD.label
@@ -138,17 +139,24 @@ def sites_of(trace: RankTrace) -> dict[int, str]:
     }
 
 
-def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
-    """The sync point a rank was inside when the last hang was recorded, and its stack's place."""
+def _in_flight(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
+    """The sync point a rank was inside when the last hang was recorded, and its stack's place.
+    None inside a DDP pass whose stack shows the user's own code running there (a hook, an
+    autograd Function): the pass waits on it, no collective is in flight."""
     if not run.hangs:
         return None, ""
     summary = run.hangs[-1]
     status = RankStatus.of((summary.get("statuses") or {}).get(str(rank)) or {"rank": rank})
-    place = user_frame(hang_frames(summary, rank))
+    frames = hang_frames(summary, rank)
+    place = user_frame(frames)
     phase = status.phase or {}
     name, op = phase.get("name"), phase.get("op")
     live = status.live_phase
-    if not name or live is LivePhase.DATA:
+    if (
+        not name
+        or live is LivePhase.DATA
+        or (live is not None and live.waits == "compound" and runs_own_code(frames))
+    ):
         return None, place
     if live is LivePhase.COLLECTIVE:
         label = str(op)
@@ -158,9 +166,14 @@ def _in_flight(run: Run, rank: int) -> tuple[Point | None, str]:
         label = live.label if live is not None else str(name)
         if live is LivePhase.SYNC_BUFFERS and "eval" in str(op):
             label += " (eval)"
-    seq = phase.get("seq")
+    seq = int(phase["seq"]) if isinstance(phase.get("seq"), int) else -1
+    if live is LivePhase.BACKWARD and seq >= 0:  # past the buckets this backward has reduced
+        done = [
+            p.seq for p in ledger.points if p.op == GRAD_ALLREDUCE and p.step == status.step and p.seq >= seq
+        ]
+        seq = max(done, default=seq - 1) + 1
     point = Point(
-        int(seq) if isinstance(seq, int) else -1, label, 0, "WORLD", status.step, place,
+        seq, label, 0, "WORLD", status.step, place,
         in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
         root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip
@@ -235,7 +248,7 @@ def _build(run: Run) -> dict[int, Ledger]:
         if trace is not None:
             _fill(ledger, trace, world)
         ledger.stack = user_frames(last_frames(run, rank, ledger))
-        flight, place = _in_flight(run, rank)
+        flight, place = _in_flight(run, rank, ledger)
         if flight is None:
             flight, place = died_in(run, rank, ledger)
             if any(p.died_in for p in ledger.points):  # its trace says which one raised
