@@ -42,10 +42,15 @@ def _status(rank: int, now: float, **phase: object) -> RankStatus:
 
 def test_a_nodes_look_travels_and_lands_on_the_readers_clock() -> None:
     view = NodeView(
-        1, "b", "/runs/n1", 1000.0, {1: _status(1, 999.5)}, {1: Activity(True, 4.0, 0.0, "f() x.py:3")}
+        1,
+        "b",
+        "/runs/n1",
+        1000.0,
+        {1: _status(1, 999.5)},
+        {1: Activity(True, 4.0, 0.0, "f() x.py:3", own_code=True)},
     )
     back = NodeView.from_json(view.to_json())
-    assert back.activity[1] == Activity(True, 4.0, 0.0, "f() x.py:3") and back.statuses[1] == view.statuses[1]
+    assert back.activity[1] == view.activity[1] and back.statuses[1] == view.statuses[1]
     moved = back.shifted(+7.0)  # its clock is 7 s behind ours
     assert moved.wall == 1007.0 and moved.statuses[1].heartbeat_wall == 1006.5
 

@@ -38,7 +38,7 @@ class NodeView:
                 "wall": self.wall,
                 "statuses": {str(r): s.to_json() for r, s in self.statuses.items()},
                 "activity": {
-                    str(r): [a.alive, a.idle_s, a.cpu_rate, a.frame, a.pending]
+                    str(r): [a.alive, a.idle_s, a.cpu_rate, a.frame, a.pending, a.own_code]
                     for r, a in self.activity.items()
                 },
                 "measuring": self.measuring,
