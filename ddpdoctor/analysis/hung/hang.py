@@ -52,6 +52,8 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
     seq = phase.get("seq", -1)
     num = f"collective #{seq}" if isinstance(seq, int) and seq >= 0 else "collective"
     live = LivePhase.of(phase.get("name")) or LivePhase.COLLECTIVE
+    if live.waits == "compound" and runs_own_code(frames):
+        return f"its DDP {live.value}, running its own code there (entered at {num})"
     return live.where.format(op=phase.get("op"), num=num)
 
 
