@@ -311,6 +311,7 @@ def test_a_rank_blocked_in_its_own_backward_code_is_named_not_the_all_reduce(
     assert hang["ranks"] == [0] and hang["summary"].startswith("Rank(s) 0 never finished its DDP backward")
     assert "wait for it in the gradient all-reduce (from collective #" in hang["summary"]
     assert hang["details"]["ranks"]["0"]["user_frame"]["function"] == "wait_for_peer"
+    assert hang["fix"].startswith("Find what wait_for_peer() at slow_or_hung.py:")
     for rank in (0, 1):
         # The bucket both reduced in the step that hung reached the trace from the writer thread
         # (the C++ timer's notes; the backward that would have packed them never ended).

@@ -152,6 +152,21 @@ def _points(k: Look) -> str:
     return f" collective #{seqs[0]}"
 
 
+def _own_code_fix(k: Look, culprits: list[int]) -> str:
+    """What to do about a rank whose own code, run inside its DDP pass, does not return."""
+    state = k.outside[culprits[0]]
+    u = state.user or {}
+    where = f"{os.path.basename(str(u.get('file')))}:{u.get('line')}"
+    func = f"{u.get('function')}() at {where}" if u else "its code"
+    return (
+        f"Find what {func} waits for on rank {state.rank} (a lock, a queue, a file, a remote "
+        f"call, a value only some ranks produce): it runs inside the DDP {(state.phase or {}).get('name')} "
+        f"(a hook, an autograd Function, a module's forward), so the other ranks wait in"
+        f"{_points(k)} until it returns. Make what it waits for come on every rank, or fetch it "
+        "before the step."
+    )
+
+
 _BUSY_FIX = (
     "If that work is expected (evaluation, a checkpoint), spread it over every rank or raise "
     "--hang-timeout; if not, its stack shows the loop that never ends."
@@ -243,6 +258,8 @@ PATTERNS: tuple[Pattern, ...] = (
         lambda k, c: (
             _BUSY_FIX
             if k.busy
+            else _own_code_fix(k, c)
+            if k.outside[c[0]].own_code
             else "Look at the stack of that rank: an infinite loop, a lock, a blocking read or a "
             "rank-dependent branch keeps it from the collective the others are in."
         ),
