@@ -157,6 +157,8 @@ def test_own_code_inside_a_ddp_pass_is_told_from_a_wait_for_peers() -> None:
     # (its probe's frame): waits for peers, inside the user's hook.
     assert not runs_own_code(frames(f"{TORCH}/futures/__init__.py", "/home/u/hooks.py", *engine))
     assert not runs_own_code(frames(PROBE, f"{TORCH}/distributed/c10d.py", "/home/u/hooks.py", *engine))
+    # A device synchronisation in a hook may wait on an NCCL kernel that waits for a peer.
+    assert not runs_own_code(frames(f"{TORCH}/cuda/__init__.py", "/home/u/hooks.py", *engine))
     # A lock in the user's code: the standard library's frames inside it do not wait for peers.
     assert runs_own_code(frames("/usr/lib/python3.11/threading.py", "/home/u/cache.py", *engine))
     # User code with no probe around it (a stack `attach` took): no pass to be inside of.

@@ -37,9 +37,12 @@ def is_user_frame(filename: str) -> bool:
     return not any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
-# Calls that wait for peers when a rank's own code makes them: a collective (its probe or
-# torch.distributed itself) or a future of one.
-_PEER_WAIT_MARKERS = tuple(os.sep + os.path.join("torch", part, "") for part in ("distributed", "futures"))
+# Calls that may wait for peers when a rank's own code makes them: a collective (its probe or
+# torch.distributed itself), a future of one, or a device synchronisation (the stream may hold
+# an NCCL kernel waiting for a peer): never counted as the rank's own code.
+_PEER_WAIT_MARKERS = tuple(
+    os.sep + os.path.join("torch", part, "") for part in ("distributed", "futures", "cuda")
+)
 
 
 def runs_own_code(frames: list[dict[str, Any]]) -> bool:
