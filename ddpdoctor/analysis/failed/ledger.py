@@ -31,13 +31,13 @@ from ddpdoctor.analysis.failed.stacks import (
     user_frame,
     user_frames,
 )
+from ddpdoctor.analysis.hung.hang import in_own_code
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import runs_own_code
 
 # DDP's own sync points, as ledger ops: the live phases' names in the user's words.
 GRAD_ALLREDUCE = LivePhase.BACKWARD.label
@@ -152,11 +152,7 @@ def _in_flight(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     phase = status.phase or {}
     name, op = phase.get("name"), phase.get("op")
     live = status.live_phase
-    if (
-        not name
-        or live is LivePhase.DATA
-        or (live is not None and live.waits == "compound" and runs_own_code(frames))
-    ):
+    if not name or live is LivePhase.DATA or in_own_code(phase, frames):
         return None, place
     if live is LivePhase.COLLECTIVE:
         label = str(op)

@@ -42,6 +42,13 @@ def user_frame(frames: list[Frame]) -> Frame | None:
     return next((f for f in frames if is_user_frame(str(f.get("file", "")))), None)
 
 
+def in_own_code(phase: dict[str, Any] | None, frames: list[Frame]) -> bool:
+    """Inside a DDP pass (its forward, its backward), running the user's own code there (a
+    custom autograd Function, a hook): the pass waits on it, not on the peers."""
+    live = LivePhase.of((phase or {}).get("name"))
+    return live is not None and live.waits == "compound" and runs_own_code(frames)
+
+
 def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
     """Where a rank waits, in the words a DDP user knows."""
     if not phase:
@@ -52,7 +59,7 @@ def describe_phase(phase: dict[str, Any] | None, frames: list[Frame]) -> str:
     seq = phase.get("seq", -1)
     num = f"collective #{seq}" if isinstance(seq, int) and seq >= 0 else "collective"
     live = LivePhase.of(phase.get("name")) or LivePhase.COLLECTIVE
-    if live.waits == "compound" and runs_own_code(frames):
+    if in_own_code(phase, frames):
         return f"its DDP {live.value}, running its own code there (entered at {num})"
     return live.where.format(op=phase.get("op"), num=num)
 
@@ -69,10 +76,7 @@ class RankState:
 
     @property
     def own_code(self) -> bool:
-        """Inside a DDP pass (its forward, its backward), running the user's own code there (a
-        custom autograd Function, a hook): the pass waits on it, not on the peers."""
-        live = LivePhase.of((self.phase or {}).get("name"))
-        return live is not None and live.waits == "compound" and runs_own_code(self.frames)
+        return in_own_code(self.phase, self.frames)
 
     @property
     def in_sync(self) -> bool:
