@@ -15,12 +15,12 @@ from typing import Any
 
 from ddpdoctor.analysis.failed import endings
 from ddpdoctor.analysis.failed import ledger as ledgers
-from ddpdoctor.analysis.hung.hang import main_thread
+from ddpdoctor.analysis.hung.hang import in_own_code, main_thread
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.merge import TimeBase
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame, runs_own_code
+from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
 
 # The phases whose outermost span carries the sequence number the watcher saw.
 _WATCHED_PHASES = {p.value: p.spans[0][0] for p in (LivePhase.BACKWARD, LivePhase.COLLECTIVE)}
@@ -105,7 +105,7 @@ def open_spans(
             floor = clock.last_end(rank, trace, but=schema.ALLREDUCE)
             start = min(max(start if start is not None else last, floor), end_s)
             spans = _from_phase(rank, phase, start, end_s, step, user, ended_by)
-            if in_flight is None and runs_own_code(frames):  # its own code, inside the pass
+            if in_own_code(phase, frames):  # its own code inside the pass: no collective open
                 return [s for s in spans if s.lane == int(schema.Lane.COMPUTE)], frames
             if in_flight is not None and in_flight.seq >= 0:
                 for span in spans:
