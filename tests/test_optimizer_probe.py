@@ -14,14 +14,23 @@ from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import optimizer as probe
 
 
+class _Names:
+    def intern(self, value: str) -> str:
+        return value
+
+
 class _Collector:
+    """What the probe uses of a collector: it packs its record with the name interned."""
+
     def __init__(self) -> None:
         self.disabled: set[str] = set()
         self.optimizer_t0 = 0
         self.optimizer_outer: Any = None
         self.records: list[tuple] = []
+        self.events = self.step = 0
+        self.optimizer_kind, self.writer = "optimizer", _Names()
 
-    def emit(self, kind: str, t0: int, t1: int, *fields: Any) -> None:
+    def pack(self, kind: str, t0: int, t1: int, step: int, fields: tuple) -> None:
         self.records.append((kind, t0, t1, *fields))
 
 

@@ -62,6 +62,19 @@ model = DDP(torch.nn.Linear(2, 2))
 with torch.no_grad():
     for _ in range(3):
         model(torch.ones(1, 2))  # FORWARD_LINE: called through nn.Module's frames; found in C once learnt
+class TwoHeads(torch.nn.Module):  # the second head is used at even steps only
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    def forward(self, x, step):
+        return self.a(x) + (self.b(x) if step % 2 == 0 else 0)
+heads = DDP(TwoHeads())
+opt = torch.optim.SGD(heads.parameters(), lr=0.1)
+for step in range(2):  # a training step: backward (run-queue read), unused check, optimizer
+    opt.zero_grad()
+    heads(torch.ones(1, 2), step).sum().backward()  # TRAIN_LINE
+    opt.step()
+heads.require_backward_grad_sync = True  # the unused head would make DDP raise at a third forward
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -86,6 +99,10 @@ def _events(records: list[list]) -> list[list]:
             r = [*r[:4], dict(r[4], file=Path(r[4]["file"]).name)]
         if r[0] == "raised":
             r = [*r[:4], dict(r[4], dur_us=0)]
+        if r[0] == "backward":  # the run-queue delay so far: known, not equal from run to run
+            r = [*r[:4], r[4] >= 0]
+        if r[0] == "comm_hook":  # which timer timed the buckets (C++ where built, or Python)
+            r = [*r[:4], {k: v for k, v in r[4].items() if k != "native"}]
         if r[0] not in ("end", "header", "clock"):
             out.append([r[0], *r[3:]])
     return out
@@ -149,8 +166,16 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
 
     assert not [r for r in calls if sites[r[10]] == _line(JOB, "ODD_LINE")]
     forwards = [r for r in records if r[0] == "forward"]  # fields: grad, training, seq, site
-    assert [sites[r[7]] for r in forwards] == [_line(JOB, "FORWARD_LINE")] * 3
+    train_line, no_grad_line = _line(JOB, "TRAIN_LINE"), _line(JOB, "FORWARD_LINE")
+    assert [sites[r[7]] for r in forwards] == [no_grad_line] * 3 + [train_line] * 2
     assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
+    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][3:]
+    step = ["forward", "backward", "optimizer"]
+    assert [r[0] for r in train] == [*step, *step[:2], "unused", step[2]]
+    assert all(r[4] >= 0 for r in train if r[0] == "backward")  # the run-queue delay, read
+    assert [r[4]["params"] for r in train if r[0] == "unused"] == [[2, 3]]  # b's weight and bias
+    names = {r[4]["id"]: r[4]["value"] for r in records if r[0] == "string"}
+    assert [names.get(r[4], r[4]) for r in train if r[0] == "optimizer"] == ["SGD", "SGD"]
 
     # Both paths record the same events, in the same order, with the same fields.
     assert _events(records) == _events(pure_python_records)

@@ -9,6 +9,7 @@
  * - Packer: the trace writer's pack (trace/writer.py) of one event of one kind into the ring.
  * - site(): the call-site lookup of probes/callsite.py for a call made from an instruction
  *   whose site is known; None sends the caller to the Python walk, which learns it.
+ * - run_queue_us(), none_grads(params): the backward probe's per-step reads (_fast_step.c).
  * - exit_code(path): the status a rank exits with through exit() (the script's end, sys.exit,
  *   SystemExit), which Python tells no handler of its own (probes/lastwords.py).
  *
@@ -394,10 +395,11 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_collective_kind, "collective_kind");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0) return NULL;
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
+    if (PyModule_AddFunctions(m, step_functions) < 0 ||
+        PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0) {

@@ -1,5 +1,6 @@
 /* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
- * site()) and _fast_collective.c (the collective probe). */
+ * site()), _fast_collective.c (the collective probe) and _fast_step.c (the backward
+ * probe's per-step reads). */
 #ifndef DDPDOCTOR_FAST_H
 #define DDPDOCTOR_FAST_H
 
@@ -56,5 +57,9 @@ void head_to(RingRef *r, PyObject *n_obj);
 
 /* The collective probe (_fast_collective.c). */
 extern PyTypeObject CollectiveType;
+
+/* The backward probe's per-step reads (_fast_step.c): module functions, added at import. */
+extern PyMethodDef step_functions[];
+int step_init(void);
 
 #endif

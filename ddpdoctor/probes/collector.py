@@ -88,6 +88,9 @@ class Collector:
         self.collective_kind = self.writer.kind(schema.COLLECTIVE)
         self.collective_pack = (self.collective_kind.pack_into, self.collective_kind.kid)
         self.forward_kind = self.writer.kind(schema.FORWARD)  # the DDP forward's, packed as is
+        self.backward_kind = self.writer.kind(schema.BACKWARD)  # and its backward's
+        self.optimizer_kind = self.writer.kind(schema.OPTIMIZER)
+        self.bucket_kind = self.writer.kind(schema.ALLREDUCE)  # the C++ timer's notes (commhook.py)
         self.calls: dict[tuple, tuple] = {}
 
     @property

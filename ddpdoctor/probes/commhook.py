@@ -229,9 +229,10 @@ def drain(c: _c.Collector) -> None:
                 model.layout[index] = nbytes
                 names = [model.names.get(p, "?") for p in ptrs]
                 c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": names})
+            kind, pack = c.bucket_kind, c.pack  # c.record's lookups, once per drain
             for step, t0, t1, index, nbytes, seq in notes:
-                c.events += 1
-                c.record(_BUCKET, t0, t1, step, (index, nbytes, seq))
+                pack(kind, t0, t1, step, (index, nbytes, seq))
+            c.events += len(notes)
             c.writer.dropped += dropped  # reported with the ring's own (a full buffer)
         except Exception as exc:
             c.fail(NATIVE, exc)

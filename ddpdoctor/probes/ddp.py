@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, commhook, guard, native
+from ddpdoctor.probes import callsite, commhook, fastpath, guard, native
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
@@ -22,7 +22,7 @@ from ddpdoctor.trace.livephase import LivePhase
 PROBE = "ddp"
 _now = time.monotonic_ns
 _BROADCAST, _ALLREDUCE = LivePhase.SYNC_BUFFERS.op, LivePhase.BACKWARD.op  # looked up once
-_FORWARD, _TRAIN, _EVAL = LivePhase.FORWARD, "train", "eval"
+_FORWARD, _BACKWARD, _TRAIN, _EVAL = LivePhase.FORWARD, LivePhase.BACKWARD, "train", "eval"
 
 
 def install() -> None:
@@ -236,10 +236,17 @@ def check_unused(c: _c.Collector) -> None:
             info = {"params": short, "used_on_ranks": used, "scope": "global", "model": state.index}
             c.meta(schema.UNUSED, info)
     else:
-        missing = [i for i, p in enumerate(state.params) if p.grad is None]
+        missing = _none_grads(state.params)
         if missing:
             info = {"params": missing, "used_on_ranks": None, "scope": "local", "model": state.index}
             c.meta(schema.UNUSED, info)
+
+
+def _py_none_grads(params: list[Any]) -> list[int]:
+    return [i for i, p in enumerate(params) if p.grad is None]
+
+
+_none_grads = getattr(fastpath.module(), "none_grads", _py_none_grads)  # the C loop where built
 
 
 def _wrap_sync_buffers(sync: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,7 +275,9 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if c is None or not c.awaiting_backward or PROBE in c.disabled:
             return backward(*args, **kwargs)
         c.awaiting_backward = False
-        prev = c.enter(LivePhase.BACKWARD, _ALLREDUCE, c.progress_seq())
+        prev = c.progress  # c.enter and c.leave, inlined: once per step
+        t0 = _now()
+        c.progress = (_BACKWARD, _ALLREDUCE, c.progress_seq(), t0)
         timer = _ct.ACTIVE
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:
@@ -281,7 +290,10 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
                 timer.finish(span)  # type: ignore[union-attr]
         if c.native:  # the buckets this backward reduced, before the backward's own record
             commhook.drain(c)
-        c.leave(prev, schema.BACKWARD, run_queue_us())
+        runq = run_queue_us()
+        c.progress = prev
+        c.events += 1
+        c.pack(c.backward_kind, t0, _now(), c.step, (runq,))
         try:
             check_unused(c)
         except Exception as exc:

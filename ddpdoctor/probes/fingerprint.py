@@ -156,6 +156,9 @@ class Fingerprints:
         self.opt_checked: set[int] = set()
         # (event, host copy, device tensor, (record, values so far, indices the copy fills))
         self.pending: deque[tuple[Any, Any, Any, tuple]] = deque()
+        import torch
+
+        self.compiling = torch.compiler.is_compiling  # looked up once: read after every step
 
     def add(self, ddp: Any, index: int, registered: list[Any]) -> None:
         model = _Model(ddp, index, registered)
@@ -367,9 +370,7 @@ def after_step(c: Any, optimizer: Any) -> None:
     if fp is None or fp.c is not c or PROBE in c.disabled:
         return
     try:
-        import torch
-
-        if torch.compiler.is_compiling():  # an optimizer step being traced: nothing to hash
+        if fp.compiling():  # an optimizer step being traced: nothing to hash
             return
         fp.after_step(optimizer)
     except Exception as exc:

@@ -16,7 +16,6 @@ from typing import Any
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
-from ddpdoctor.trace import schema
 
 PROBE = "optimizer"
 _now = time.monotonic_ns
@@ -50,7 +49,8 @@ def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if c.optimizer_outer is not None and c.optimizer_outer() is not optimizer:
         return  # an inner optimizer's step: the outer one's post hook records the step
     t0, c.optimizer_t0, c.optimizer_outer = c.optimizer_t0, 0, None
-    c.emit(schema.OPTIMIZER, t0, _now(), type(optimizer).__name__)
+    c.events += 1  # c.emit, without its generic interning: once per step
+    c.pack(c.optimizer_kind, t0, _now(), c.step, (c.writer.intern(type(optimizer).__name__),))
     timer = _ct.ACTIVE
     if timer is not None and timer.optimizer_span is not None:
         span, timer.optimizer_span = timer.optimizer_span, None
