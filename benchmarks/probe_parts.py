@@ -4,7 +4,8 @@
 differences spread by ±50 µs, more than any one part. Here one process (world size 1, gloo)
 trains the tiny model with timing wrappers around each part the doctor adds: the DDP forward
 probe (outer wrapper minus the wrapped forward), the backward probe, within it the C++ timer's
-drain, the run-queue read and the unused-parameter check, and the optimizer's pre and post
+drain (and, on the Python path only, the run-queue read and the unused-parameter check; the C
+probe does both inline), and the optimizer's pre and post
 hooks with the fingerprint's after-step check. Parts are timed where they run, after autograd's
 and the optimizer's own work, where a Python line costs several times what it costs in a
 warm loop. Each wrapper adds about half a microsecond to what it measures; compare checkouts
@@ -63,10 +64,10 @@ def main() -> None:
 
     optimizer._pre = timed("optimizer_pre", optimizer._pre)  # registered by install: wrap first
     optimizer._post = timed("optimizer_post", optimizer._post)
+    commhook.drain = timed("drain", commhook.drain)  # the C probe holds it from install on
     probes.install()
-    ddp.run_queue_us = timed("run_queue", ddp.run_queue_us)
+    ddp.run_queue_us = timed("run_queue", ddp.run_queue_us)  # the Python path's (in C: its own)
     ddp.check_unused = timed("unused_check", ddp.check_unused)
-    commhook.drain = timed("drain", commhook.drain)
     fingerprint.after_step = timed("fingerprint", fingerprint.after_step)
     DDP.forward = timed("outer_forward", DDP.forward)
     torch.autograd.backward = timed("outer_backward", torch.autograd.backward)

@@ -74,7 +74,17 @@ for step in range(2):  # a training step: backward (run-queue read), unused chec
     opt.zero_grad()
     heads(torch.ones(1, 2), step).sum().backward()  # TRAIN_LINE
     opt.step()
+for bad in ("forward", "backward"):  # calls that raise: the patient's error goes on unchanged
+    try:
+        if bad == "forward":
+            heads(torch.ones(1, 2), 0)  # RAISES_FORWARD: DDP's error, step 1 left b without a gradient
+        else:
+            model(torch.ones(1, 2)).detach().sum().backward()  # RAISES_BACKWARD: nothing requires grad
+    except RuntimeError as exc:
+        print("raised:", bad, str(exc).splitlines()[0][:50], exc.__traceback__.tb_lineno)
 heads.require_backward_grad_sync = True  # the unused head would make DDP raise at a third forward
+from ddpdoctor.probes import ddp
+print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -99,6 +109,8 @@ def _events(records: list[list]) -> list[list]:
             r = [*r[:4], dict(r[4], file=Path(r[4]["file"]).name)]
         if r[0] == "raised":
             r = [*r[:4], dict(r[4], dur_us=0)]
+            if r[4]["kind"] == "backward":  # its run-queue delay
+                r[4]["fields"] = [v >= 0 for v in r[4]["fields"]]
         if r[0] == "backward":  # the run-queue delay so far: known, not equal from run to run
             r = [*r[:4], r[4] >= 0]
         if r[0] == "comm_hook":  # which timer timed the buckets (C++ where built, or Python)
@@ -128,6 +140,14 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     # CI builds the C module (pyproject's ext-modules): its path must be the one measured here
     assert f"c path: {pure_python != '1'}" in proc.stdout, proc.stdout
+    # The DDP probes in C took the steady state: each model's first forward and first training
+    # forward go to Python (its group is named, its bucket timing decided), calls that raised
+    # are not counted: 2 of the 3 no-grad forwards, heads' second forward; both backwards.
+    in_c = "{'backward': 2, 'forward': 3}" if pure_python != "1" else "{}"
+    assert f"recorded in C: {in_c}" in proc.stdout, proc.stdout
+    forward, backward = _line(JOB, "RAISES_FORWARD"), _line(JOB, "RAISES_BACKWARD")
+    assert f"raised: forward Expected to have finished reduction in the prior i {forward}" in proc.stdout
+    assert f"raised: backward element 0 of tensors does not require grad and doe {backward}" in proc.stdout
     return read_lines(run_dir / "trace-rank0.jsonl")
 
 
@@ -155,8 +175,14 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     assert helper == [(first, "float32"), (second, "float32"), (third, "float64")] * 3
 
     # A call that raised is a ``raised`` record naming its whole signature, never a span.
-    raised = [r[4] for r in records if r[0] == "raised"]
+    raised = [r[4] for r in records if r[0] == "raised" and r[4]["kind"] == "collective"]
     assert [(x["kind"], *x["fields"][:2]) for x in raised] == [("collective", "broadcast", 12)] * 2
+    ddp_raised = [(r[4]["kind"], r[4]["fields"]) for r in records if r[0] == "raised" and r[4] not in raised]
+    assert ddp_raised[0] == ("forward", [1, 1, ddp_raised[0][1][2], ddp_raised[0][1][3]])
+    assert sites[ddp_raised[0][1][3]] == _line(JOB, "RAISES_FORWARD")
+    assert [k for k, _ in ddp_raised] == ["forward", "backward"]
+    errors = [r[4] for r in records if r[0] == "ddp_error"]  # the parameters DDP's error names
+    assert [(e["error"], e["params"]) for e in errors] == [("unfinished_reduction", ["b.weight", "b.bias"])]
     assert {sites[x["fields"][6]] for x in raised} == {_line(JOB, "RAISES_LINE")}
     broadcasts = [r for r in records if r[0] == "collective" and r[4] == "broadcast"]
     assert [(sites[r[10]], sigs[r[11]]["root"]) for r in broadcasts] == [(_line(JOB, "ROOT_LINE"), 0)] * 3
@@ -167,9 +193,10 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     assert not [r for r in calls if sites[r[10]] == _line(JOB, "ODD_LINE")]
     forwards = [r for r in records if r[0] == "forward"]  # fields: grad, training, seq, site
     train_line, no_grad_line = _line(JOB, "TRAIN_LINE"), _line(JOB, "FORWARD_LINE")
-    assert [sites[r[7]] for r in forwards] == [no_grad_line] * 3 + [train_line] * 2
+    backward_raises = _line(JOB, "RAISES_BACKWARD")  # its forward returned, its backward raised
+    assert [sites[r[7]] for r in forwards] == [no_grad_line] * 3 + [train_line] * 2 + [backward_raises]
     assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
-    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][3:]
+    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][3:-1]
     step = ["forward", "backward", "optimizer"]
     assert [r[0] for r in train] == [*step, *step[:2], "unused", step[2]]
     assert all(r[4] >= 0 for r in train if r[0] == "backward")  # the run-queue delay, read

@@ -6,9 +6,11 @@
  *   replaced torch.distributed's function (it stays Python so that torch.compile still inlines
  *   it and sees torch.compiler.is_compiling()); every other case goes to that path,
  *   ``slow(*args, **kwargs)``: a new call site, a non-tensor first argument.
- * - Packer: the trace writer's pack (trace/writer.py) of one event of one kind into the ring.
+ * - Packer: the trace writer's pack (trace/writer.py) of one event of one kind into the ring,
+ *   or of many at once (_fast_packer.c).
  * - site(): the call-site lookup of probes/callsite.py for a call made from an instruction
  *   whose site is known; None sends the caller to the Python walk, which learns it.
+ * - DdpProbe: the DDP forward and backward probes' steady state (_fast_ddp.c).
  * - run_queue_us(), none_grads(params): the backward probe's per-step reads (_fast_step.c).
  * - exit_code(path): the status a rank exits with through exit() (the script's end, sys.exit,
  *   SystemExit), which Python tells no handler of its own (probes/lastwords.py).
@@ -64,7 +66,7 @@ int parse_format(Layout *self, const char *fmt) {
 }
 
 /* Store one value by its code; 0 when it does not fit (the Python path then coerces it). */
-static int store(char *base, char code, int offset, Value value) {
+int store(char *base, char code, int offset, Value value) {
     char *p = base + offset;
     int64_t v = value.i;
     switch (code) {
@@ -87,21 +89,6 @@ int64_t as_i64(PyObject *v, int *bad) {
         return 0;
     }
     return x;
-}
-
-/* A Python value as the value of a field of type ``code``, as struct would take it. */
-static Value as_value(PyObject *v, char code, int *bad) {
-    Value out;
-    if (code == 'd') {
-        out.d = PyFloat_AsDouble(v);
-        if (out.d == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            *bad = 1;
-        }
-    } else {
-        out.i = as_i64(v, bad);
-    }
-    return out;
 }
 
 void ring_clear(RingRef *r) {
@@ -173,81 +160,11 @@ void head_to(RingRef *r, PyObject *n_obj) {
     if (PyObject_SetAttr(r->ring, s_head, n_obj) < 0) PyErr_Clear();
 }
 
-/* ------------------------------------------------------------------ Packer */
-
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    Layout layout;
-    long long kid;
-    RingRef ring;
-} Packer;
-
-static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
-
-static int Packer_init(Packer *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"fmt", "kid", NULL};
-    const char *fmt;
-    long long kid;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sL", names, &fmt, &kid)) return -1;
-    if (parse_format(&self->layout, fmt) < 0 || self->layout.ncodes < 5 ||
-        self->layout.codes[self->layout.ncodes - 1] != 'Q' || self->layout.size > RING_SLOT) {
-        PyErr_Format(PyExc_ValueError, "unsupported record format %s", fmt);
-        return -1;
-    }
-    self->kid = kid;
-    self->vectorcall = (vectorcallfunc)Packer_vectorcall;
-    return 0;
-}
-
-static void Packer_dealloc(Packer *self) {
-    ring_clear(&self->ring);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-/* packer(ring, step, t0, t1, fields): None once packed; (offset, seq) of a slot taken whose
- * values did not all fit, for the writer's pack_odd; False when no slot was taken. */
-static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
-    if (PyVectorcall_NARGS(nargsf) != 5 || kwnames != NULL || !PyTuple_Check(argv[4])) {
-        PyErr_SetString(PyExc_TypeError, "Packer(ring, step, t0, t1, fields: tuple)");
-        return NULL;
-    }
-    PyObject *fields = argv[4];
-    const Layout *layout = &self->layout;
-    Py_ssize_t nfields = PyTuple_GET_SIZE(fields);
-    if (ring_set(&self->ring, argv[0]) < 0) Py_RETURN_FALSE;
-    Value values[MAX_FIELDS];
-    int bad = nfields != layout->ncodes - 5;
-    values[0].i = self->kid;
-    for (int i = 1; i < 4; i++) values[i].i = as_i64(argv[i], &bad);
-    for (Py_ssize_t i = 0; i < nfields && !bad; i++)
-        values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
-    Py_ssize_t at;
-    PyObject *n_obj = take_slot(&self->ring, &at);
-    if (n_obj == NULL) Py_RETURN_FALSE;
-    if (write_slot(&self->ring, layout, values, bad, n_obj, at)) {
-        head_to(&self->ring, n_obj);
-        Py_DECREF(n_obj);
-        Py_RETURN_NONE;
-    }
-    return Py_BuildValue("(nN)", at, n_obj);
-}
-
 /* ------------------------------------------------------------------ site() */
 
-/* site(frame_depth, calls, is_user): the interned site of the first user frame at or above the
- * caller's ``frame_depth``-th frame, when callsite.py has already learnt it; else None. */
-static PyObject *site(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(argv[1]) || !PyDict_Check(argv[2])) {
-        PyErr_SetString(PyExc_TypeError, "site(depth, calls: dict, is_user: dict)");
-        return NULL;
-    }
-    long depth = PyLong_AsLong(argv[0]);
-    if (depth == -1 && PyErr_Occurred()) return NULL;
-    PyObject *calls = argv[1], *is_user = argv[2], *found = Py_None;
-    PyFrameObject *frame = PyEval_GetFrame();
+PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
+    PyObject *found = Py_None;
     Py_XINCREF(frame);
-    for (long i = 0; i < depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
     for (int hop = 0; frame && hop < 64; hop++) {
         /* is_user[id(code)] = (is it the user's, code); calls[(id(code), instruction)] = site,
          * for user frames only */
@@ -275,18 +192,22 @@ static PyObject *site(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
     return Py_NewRef(found);
 }
 
-static PyTypeObject PackerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ddpdoctor.probes._fast.Packer",
-    .tp_basicsize = sizeof(Packer),
-    .tp_vectorcall_offset = offsetof(Packer, vectorcall),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "Packs one kind's events into the ring (see trace/writer.py's pack).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Packer_init,
-    .tp_dealloc = (destructor)Packer_dealloc,
-    .tp_call = PyVectorcall_Call,
-};
+/* site(frame_depth, calls, is_user): the interned site of the first user frame at or above the
+ * caller's ``frame_depth``-th frame, when callsite.py has already learnt it; else None. */
+static PyObject *site(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(argv[1]) || !PyDict_Check(argv[2])) {
+        PyErr_SetString(PyExc_TypeError, "site(depth, calls: dict, is_user: dict)");
+        return NULL;
+    }
+    long depth = PyLong_AsLong(argv[0]);
+    if (depth == -1 && PyErr_Occurred()) return NULL;
+    PyFrameObject *frame = PyEval_GetFrame();
+    Py_XINCREF(frame);
+    for (long i = 0; i < depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
+    PyObject *found = site_from(frame, argv[1], argv[2]);
+    Py_XDECREF(frame);
+    return found;
+}
 
 #ifdef __GLIBC__
 #include <fcntl.h>
@@ -395,12 +316,14 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_collective_kind, "collective_kind");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0) return NULL;
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddFunctions(m, step_functions) < 0 ||
         PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
+        PyModule_AddObjectRef(m, "DdpProbe", (PyObject *)&DdpProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0) {
         Py_DECREF(m);

@@ -1,6 +1,6 @@
 /* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
- * site()), _fast_collective.c (the collective probe) and _fast_step.c (the backward
- * probe's per-step reads). */
+ * site()), _fast_packer.c (the packer), _fast_collective.c (the collective probe), _fast_step.c
+ * (the backward probe's per-step work) and _fast_ddp.c (the DDP forward and backward probes). */
 #ifndef DDPDOCTOR_FAST_H
 #define DDPDOCTOR_FAST_H
 
@@ -55,11 +55,35 @@ PyObject *take_slot(RingRef *r, Py_ssize_t *at);
 int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
 void head_to(RingRef *r, PyObject *n_obj);
 
+int store(char *base, char code, int offset, Value value);
+
+/* The packer (_fast_packer.c). */
+extern PyTypeObject PackerType;
+
 /* The collective probe (_fast_collective.c). */
 extern PyTypeObject CollectiveType;
 
 /* The backward probe's per-step reads (_fast_step.c): module functions, added at import. */
 extern PyMethodDef step_functions[];
 int step_init(void);
+PyObject *run_queue_now(void);
+PyObject *none_grads_of(PyObject *params);
+/* The error being raised, normalised, as (type, value, traceback): restored unchanged. */
+typedef struct {
+    PyObject *type, *value, *tb;
+} Raised;
+Raised fetch(void);
+/* c.pack(kind, t0, t1, step, fields), ``d`` the collector's dict, ``kind_attr`` its kind's name */
+void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields);
+/* After a recorded backward: drain, run-queue read, its record, the unused check. */
+void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObject *helpers, PyObject *kind_attr);
+
+/* The DDP forward and backward probes (_fast_ddp.c). */
+extern PyTypeObject DdpProbeType;
+int ddp_init(void);
+
+/* The site callsite.py learnt for the first user frame from ``frame`` up: a new reference,
+ * None when not learnt yet, NULL on error (_fast.c). */
+PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user);
 
 #endif

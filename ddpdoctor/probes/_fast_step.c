@@ -1,11 +1,18 @@
-/* Two per-step reads of probes/ddp.py's backward probe in C: in a step's context (after
- * autograd's C++ ran, caches cold) their Python took about 12 and 7 µs of a 0.7 ms step here.
+/* The backward probe's work after the call, in C (_fast_ddp.c's DdpProbe calls it), and its
+ * two per-step reads, which the Python path calls too. In a step's context (after autograd's
+ * C++ ran, caches cold) their Python took about 12 and 7 µs of a 0.7 ms step here.
  *
  * - run_queue_us(): probes/cpuwait.py's read of this thread's run-queue delay from
  *   /proc/thread-self/schedstat, one pread of a descriptor kept per thread.
  * - none_grads(params): the indices of the parameters whose .grad is None (ddp.check_unused).
+ * - after_backward(): the C++ timer's notes, the run-queue read, the backward's record, the
+ *   unused check, as probes/ddp.py's backward probe does them; pack_event(): a record packed
+ *   as trace/writer.py's pack does it.
  */
 #include "_fast.h"
+
+static PyObject *s_grad, *s_fast, *s_pack, *s_native, *s_native_name, *s_step_model, *s_find_unused,
+    *s_params, *s_unused_name;
 
 #ifdef __linux__
 #include <fcntl.h>
@@ -16,7 +23,7 @@ static int opened, broken;             /* written under the GIL */
 
 /* As cpuwait.run_queue_us: -1 where the kernel does not say, and from then on; at most 8
  * threads get a descriptor (a new thread each step would leak them). */
-static PyObject *run_queue_us(PyObject *module, PyObject *unused) {
+PyObject *run_queue_now(void) {
     if (broken) return PyLong_FromLong(-1);
     if (schedstat_fd < 0) {
         if (opened >= 8) {
@@ -52,13 +59,14 @@ static PyObject *run_queue_us(PyObject *module, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(waited / 1000);
 }
 #else
-static PyObject *run_queue_us(PyObject *module, PyObject *unused) { return PyLong_FromLong(-1); }
+PyObject *run_queue_now(void) { return PyLong_FromLong(-1); }
 #endif
 
-static PyObject *s_grad;
+static PyObject *run_queue_us(PyObject *module, PyObject *unused) { return run_queue_now(); }
+
 
 /* none_grads(params: list | tuple): [i for i, p in enumerate(params) if p.grad is None] */
-static PyObject *none_grads(PyObject *module, PyObject *params) {
+PyObject *none_grads_of(PyObject *params) {
     PyObject *seq = PySequence_Fast(params, "none_grads(params): a list or tuple");
     if (seq == NULL) return NULL;
     PyObject *out = PyList_New(0);
@@ -81,6 +89,115 @@ static PyObject *none_grads(PyObject *module, PyObject *params) {
     return out;
 }
 
+static PyObject *none_grads(PyObject *module, PyObject *params) { return none_grads_of(params); }
+
+/* c.pack(kind, t0, t1, step, fields) as trace/writer.py's pack does it, with the kind's C
+ * packer called from here. Never fails: the call returned, a record we cannot make is lost. */
+void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields) {
+    PyObject *kind = PyDict_GetItemWithError(d, kind_attr), *step = PyDict_GetItemWithError(d, s_step);
+    PyObject *writer = PyDict_GetItemWithError(d, s_writer);
+    if (kind == NULL || step == NULL || writer == NULL) goto out;
+    PyObject *ring = PyObject_GetAttr(writer, s_ring);
+    PyObject *fast = ring && ring != Py_None ? PyObject_GetAttr(kind, s_fast) : NULL;
+    PyObject *t0_obj = fast ? PyLong_FromLongLong(t0) : NULL, *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
+    PyObject *r = NULL;
+    if (t1_obj != NULL && fast != Py_None) {
+        PyObject *a[5] = {ring, step, t0_obj, t1_obj, fields};
+        r = PyObject_Vectorcall(fast, a, 5, NULL);
+        if (r != NULL && r != Py_None && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+            /* a slot taken whose values did not all fit: the writer's pack_odd fills it */
+            PyObject *head = PyTuple_Pack(3, step, t0_obj, t1_obj);
+            PyObject *done = head ? PyObject_CallMethodObjArgs(writer, s_pack_odd, kind, ring, PyTuple_GET_ITEM(r, 0),
+                                                               head, fields, PyTuple_GET_ITEM(r, 1), NULL) : NULL;
+            if (done && PyObject_SetAttr(ring, s_head, PyTuple_GET_ITEM(r, 1)) < 0) PyErr_Clear();
+            Py_XDECREF(done); Py_XDECREF(head);
+        } else if (r != NULL && r != Py_None) { /* no slot taken: the writer's own path */
+            PyObject *again = PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL);
+            Py_XDECREF(again);
+        }
+    } else if (t1_obj != NULL) {
+        PyObject *again = PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL);
+        Py_XDECREF(again);
+    }
+    Py_XDECREF(r); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(fast); Py_XDECREF(ring);
+out:
+    PyErr_Clear();
+}
+
+/* The error being raised, normalised, as (type, value, traceback): restored unchanged. */
+Raised fetch(void) {
+    Raised e;
+    PyErr_Fetch(&e.type, &e.value, &e.tb);
+    PyErr_NormalizeException(&e.type, &e.value, &e.tb);
+    if (e.tb && e.value) PyException_SetTraceback(e.value, e.tb);
+    return e;
+}
+
+/* helpers: (commhook.drain, ddp.check_unused, ddp.note_unused); errors are logged through
+ * c.fail, as in Python, but for a signal handler's, left set for the caller. */
+static int call_helper(PyObject *helpers, PyObject *c, PyObject *what, int i, PyObject *a, PyObject *b) {
+    PyObject *r = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(helpers, i), c, a, b, NULL);
+    if (r != NULL) {
+        Py_DECREF(r);
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    Raised e = fetch();
+    PyObject *f = PyObject_CallMethod(c, "fail", "OO", what, e.value ? e.value : Py_None);
+    Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
+    if (f == NULL) return PyErr_ExceptionMatches(PyExc_Exception) ? (PyErr_Clear(), 0) : -1;
+    Py_DECREF(f);
+    return 0;
+}
+
+/* After a recorded backward returned: the C++ timer's notes before the backward's own record,
+ * the run-queue read, the record, then the unused-parameter check (probes/ddp.py's order). */
+void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObject *helpers, PyObject *kind_attr) {
+    PyObject *native = PyDict_GetItemWithError(d, s_native);
+    int drain = native ? PyObject_IsTrue(native) : 0;
+    PyErr_Clear();
+    if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) return;
+    PyObject *runq = run_queue_now();
+    PyObject *fields = runq ? PyTuple_Pack(1, runq) : NULL;
+    Py_XDECREF(runq);
+    if (fields != NULL && PyDict_SetItem(d, s_progress, prev) == 0) {
+        PyObject *events = PyDict_GetItemWithError(d, s_events);
+        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
+        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0)
+            pack_event(d, kind_attr, t0, now_ns(), fields);
+        Py_XDECREF(more);
+    }
+    Py_XDECREF(fields);
+    PyErr_Clear();
+    /* which parameters got no gradient: DDP's used map with find_unused_parameters (Python),
+     * else the parameters whose .grad is still None, noted in Python when there are any */
+    PyObject *state = PyDict_GetItemWithError(d, s_step_model);
+    if (state == NULL || state == Py_None) {
+        PyErr_Clear();
+        return;
+    }
+    Py_INCREF(state);
+    PyObject *sd = PyObject_GenericGetDict(state, NULL);
+    PyObject *find = sd ? PyDict_GetItemWithError(sd, s_find_unused) : NULL;
+    PyObject *params = find ? PyDict_GetItemWithError(sd, s_params) : NULL;
+    int global = params ? PyObject_IsTrue(find) : -1;
+    PyObject *missing = global == 0 ? none_grads_of(params) : NULL;
+    if (global == 1) {
+        call_helper(helpers, c, s_unused_name, 1, NULL, NULL);
+    } else if (missing != NULL && PyList_GET_SIZE(missing) > 0) {
+        call_helper(helpers, c, s_unused_name, 2, state, missing);
+    } else if (missing == NULL) { /* as an error in Python's check: logged, the probe goes on */
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a model state without its parameters");
+        if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            Raised e = fetch();
+            PyObject *f = PyObject_CallMethod(c, "fail", "OO", s_unused_name, e.value ? e.value : Py_None);
+            Py_XDECREF(f); Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear();
+        }
+    }
+    Py_XDECREF(missing); Py_XDECREF(sd); Py_DECREF(state);
+}
+
 PyMethodDef step_functions[] = {
     {"run_queue_us", run_queue_us, METH_NOARGS, "This thread's run-queue delay so far, µs (-1 unknown)."},
     {"none_grads", none_grads, METH_O, "The indices of the parameters whose .grad is None."},
@@ -88,6 +205,10 @@ PyMethodDef step_functions[] = {
 };
 
 int step_init(void) {
-    s_grad = PyUnicode_InternFromString("grad");
-    return s_grad == NULL ? -1 : 0;
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
+    INTERN(s_grad, "grad"); INTERN(s_fast, "fast"); INTERN(s_pack, "pack"); INTERN(s_native, "native");
+    INTERN(s_native_name, "comm_hook_native"); INTERN(s_step_model, "step_model");
+    INTERN(s_find_unused, "find_unused"); INTERN(s_params, "params"); INTERN(s_unused_name, "unused");
+#undef INTERN
+    return 0;
 }

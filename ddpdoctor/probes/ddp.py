@@ -22,6 +22,7 @@ from ddpdoctor.trace.livephase import LivePhase
 PROBE = "ddp"
 _now = time.monotonic_ns
 _BROADCAST, _ALLREDUCE = LivePhase.SYNC_BUFFERS.op, LivePhase.BACKWARD.op  # looked up once
+IN_C: dict[str, Any] = {}  # "forward"/"backward" -> the C probe, where it runs (its ``recorded``)
 _FORWARD, _BACKWARD, _TRAIN, _EVAL = LivePhase.FORWARD, LivePhase.BACKWARD, "train", "eval"
 
 
@@ -168,9 +169,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         try:
             result = forward(self, *inputs, **kwargs)
         except BaseException as exc:
-            c.raised(prev, schema.FORWARD, *fields)
-            if isinstance(exc, RuntimeError) and state is not None and _UNFINISHED_REDUCTION in str(exc):
-                _record_ddp_error(c, state, str(exc))
+            _forward_raised(c, prev, state, fields, exc)
             raise
         finally:
             if span is not None:
@@ -181,7 +180,76 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         c.pack(c.forward_kind, t0, t1, c.step, fields)
         return result
 
-    return forward_
+    probe = _in_c(
+        False, forward, forward_, _forward_raised, (native.set_step,), LivePhase.FORWARD, _TRAIN, _EVAL
+    )
+    if probe is None:
+        return forward_
+
+    def forward_c(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        return probe(self, inputs, kwargs)
+
+    return forward_c
+
+
+def _forward_raised(
+    c: _c.Collector, prev: Any, state: ModelState | None, fields: tuple, exc: BaseException
+) -> None:
+    """A DDP forward raised: its ``raised`` record, and the unused parameters DDP's error names."""
+    c.raised(prev, schema.FORWARD, *fields)
+    if isinstance(exc, RuntimeError) and state is not None and _UNFINISHED_REDUCTION in str(exc):
+        _record_ddp_error(c, state, str(exc))
+
+
+def _in_c(
+    backward: bool,
+    orig: Callable[..., Any],
+    slow: Callable[..., Any],
+    raised: Callable[..., Any],
+    helpers: tuple,
+    phase: LivePhase,
+    op: str,
+    op_eval: str,
+) -> Any:
+    """The C module's probe for the steady state (``_fast_ddp.c``; ``slow`` for everything
+    else), or None where the Python path runs alone."""
+    fast = fastpath.module()
+    if fast is None:
+        return None
+    try:
+        IN_C["backward" if backward else "forward"] = probe = fast.DdpProbe(
+            backward=backward,
+            orig=orig,
+            slow=slow,
+            failed=_broke,
+            raised=raised,
+            helpers=helpers,
+            globals=vars(_c),
+            cuda_globals=vars(_ct),
+            site_globals=vars(callsite),
+            grad_enabled=_grad_enabled(),
+            phase=phase,
+            op=op,
+            op_eval=op_eval,
+            kind_attr="backward_kind" if backward else "forward_kind",
+            state_attr=STATE,
+            depth=1,  # the user's frame is the Python wrapper's caller
+        )
+        return probe
+    except Exception as exc:  # a C module from another version of this file
+        guard.passthrough(exc)
+        return None
+
+
+def _grad_enabled() -> Callable[[], bool]:
+    import torch
+
+    return torch.is_grad_enabled
+
+
+def _broke(c: _c.Collector, exc: BaseException) -> None:
+    """The C path's ``except Exception`` before the call: log it, switch the probe off."""
+    c.fail(PROBE, exc)
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -236,10 +304,14 @@ def check_unused(c: _c.Collector) -> None:
             info = {"params": short, "used_on_ranks": used, "scope": "global", "model": state.index}
             c.meta(schema.UNUSED, info)
     else:
-        missing = _none_grads(state.params)
-        if missing:
-            info = {"params": missing, "used_on_ranks": None, "scope": "local", "model": state.index}
-            c.meta(schema.UNUSED, info)
+        note_unused(c, state, _none_grads(state.params))
+
+
+def note_unused(c: _c.Collector, state: ModelState, missing: list[int]) -> None:
+    """The parameters whose .grad is still None after this rank's backward (indices)."""
+    if missing:
+        info = {"params": missing, "used_on_ranks": None, "scope": "local", "model": state.index}
+        c.meta(schema.UNUSED, info)
 
 
 def _py_none_grads(params: list[Any]) -> list[int]:
@@ -282,8 +354,8 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         span = timer.begin(_ct.DEV_BACKWARD, c.step) if timer else None
         try:
             result = backward(*args, **kwargs)
-        except BaseException:
-            c.raised(prev, schema.BACKWARD, run_queue_us())
+        except BaseException as exc:
+            _backward_raised(c, prev, None, (), exc)
             raise
         finally:
             if span is not None:
@@ -300,4 +372,16 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             c.fail("unused", exc)
         return result
 
-    return backward_
+    helpers = (commhook.drain, check_unused, note_unused)
+    probe = _in_c(True, backward, backward_, _backward_raised, helpers, LivePhase.BACKWARD, _ALLREDUCE, "")
+    if probe is None:
+        return backward_
+
+    def backward_c(*args: Any, **kwargs: Any) -> Any:
+        return probe(args, kwargs)
+
+    return backward_c
+
+
+def _backward_raised(c: _c.Collector, prev: Any, state: Any, fields: Any, exc: BaseException) -> None:
+    c.raised(prev, schema.BACKWARD, run_queue_us())

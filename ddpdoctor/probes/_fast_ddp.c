@@ -1,0 +1,344 @@
+/* The DDP forward and backward probes in C, for the steady state of a training loop.
+ *
+ * In a step's context (caches cold after autograd's C++ and the optimizer ran) each line of a
+ * probe's Python costs several times what it costs in a warm loop: the forward probe took
+ * about 23 µs and the backward probe 16 µs of its own (besides the drain, the run-queue read
+ * and the unused check) on a 0.7 ms step here (benchmarks/probe_parts.py). The patched
+ * functions stay Python (a method must bind, torch.compile must see a function) and hand their
+ * arguments to these objects, which do what probes/ddp.py's Python path does when nothing is
+ * unusual: a model whose state, group and bucket timing are known, a call site learnt before,
+ * no CUDA timer. Anything else, before anything is changed, goes to that path, ``slow``; a
+ * probe that breaks before the call logs once and switches off (``failed``), as in Python.
+ */
+#include "_fast.h"
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *orig;     /* DistributedDataParallel.forward, or torch.autograd.backward */
+    PyObject *slow;     /* the Python path: slow(*args, **kwargs) */
+    PyObject *failed;   /* failed(collector, exc): the probe broke before the call */
+    PyObject *raised;   /* raised(collector, prev, state, fields, exc): a call that raised */
+    PyObject *helpers;  /* forward: (native.set_step,); backward: (drain, check_unused, note_unused) */
+    PyObject *globals, *cuda_globals, *site_globals; /* collector, cuda_timing, callsite dicts */
+    PyObject *grad_enabled; /* torch.is_grad_enabled */
+    PyObject *phase, *op, *op_eval, *kind_attr, *state_attr;
+    int depth;
+    long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
+} DdpProbe;
+
+static PyObject *s_pace_model, *s_accumulating, *s_native, *s_awaiting, *s_step_model, *s_last_step,
+    *s_max_step, *s_default_pg, *s_seq_method, *s_sync_flag, *s_training, *s_group_named,
+    *s_seq_of, *s_registered, *s_untimed, *s_owner, *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
+
+static void DdpProbe_dealloc(DdpProbe *self) {
+    Py_XDECREF(self->orig); Py_XDECREF(self->slow); Py_XDECREF(self->failed); Py_XDECREF(self->raised);
+    Py_XDECREF(self->helpers); Py_XDECREF(self->globals); Py_XDECREF(self->cuda_globals);
+    Py_XDECREF(self->site_globals); Py_XDECREF(self->grad_enabled); Py_XDECREF(self->phase);
+    Py_XDECREF(self->op); Py_XDECREF(self->op_eval); Py_XDECREF(self->kind_attr); Py_XDECREF(self->state_attr);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
+static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
+
+static int DdpProbe_init(DdpProbe *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"backward", "orig", "slow", "failed", "raised", "helpers", "globals",
+                            "cuda_globals", "site_globals", "grad_enabled", "phase", "op", "op_eval",
+                            "kind_attr", "state_attr", "depth", NULL};
+    int backward, depth;
+    PyObject *o[14];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOOOO!O!O!O!OOUOUUi", names, &backward, &o[0], &o[1], &o[2],
+                                     &o[3], &PyTuple_Type, &o[4], &PyDict_Type, &o[5], &PyDict_Type, &o[6], &PyDict_Type,
+                                     &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &depth))
+        return -1;
+    PyObject **fields[] = {&self->orig, &self->slow, &self->failed, &self->raised, &self->helpers,
+                           &self->globals, &self->cuda_globals, &self->site_globals, &self->grad_enabled,
+                           &self->phase, &self->op, &self->op_eval, &self->kind_attr, &self->state_attr};
+    for (int i = 0; i < 14; i++) {
+        Py_INCREF(o[i]);
+        Py_XSETREF(*fields[i], o[i]);
+    }
+    self->depth = depth;
+    self->vectorcall = (vectorcallfunc)(backward ? backward_call : forward_call);
+    return 0;
+}
+
+/* The probe broke before the call: failed(c, exc) logs it and switches the probe off (or
+ * re-raises what a signal handler raised); -1 then, else the caller runs the call plainly. */
+static int broke(DdpProbe *self, PyObject *c) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1; /* KeyboardInterrupt: the program's */
+    Raised e = fetch();
+    PyObject *r = PyObject_CallFunctionObjArgs(self->failed, c, e.value ? e.value : Py_None, NULL);
+    Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The call raised: raised(c, prev, state, fields, exc) records it; the patient's exception
+ * goes on, unchanged, whatever happens there. */
+static void on_raise(DdpProbe *self, PyObject *c, PyObject *prev, PyObject *state, PyObject *fields) {
+    Raised e = fetch();
+    PyObject *r = PyObject_CallFunctionObjArgs(self->raised, c, prev, state, fields, e.value ? e.value : Py_None, NULL);
+    if (r == NULL) PyErr_Clear();
+    Py_XDECREF(r);
+    PyErr_Restore(e.type, e.value, e.tb);
+}
+
+/* forward_(self, inputs, kwargs): DistributedDataParallel.forward(self, *inputs, **kwargs). */
+static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames || !PyTuple_Check(argv[1]) || !PyDict_Check(argv[2])) {
+        PyErr_SetString(PyExc_TypeError, "forward probe(module, inputs: tuple, kwargs: dict)");
+        return NULL;
+    }
+    PyObject *module = argv[0], *inputs = argv[1], *kwargs = PyDict_GET_SIZE(argv[2]) ? argv[2] : NULL;
+    Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
+    PyObject *stack_args[8], **call_args = n_in < 8 ? stack_args : PyMem_Malloc((n_in + 1) * sizeof(PyObject *));
+    if (call_args == NULL) return PyErr_NoMemory();
+    call_args[0] = module;
+    for (Py_ssize_t i = 0; i < n_in; i++) call_args[i + 1] = PyTuple_GET_ITEM(inputs, i);
+
+    PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
+    PyObject *d = NULL, *md = NULL, *sd = NULL, *state = NULL, *grad_obj = NULL, *site = NULL, *seq = NULL;
+    PyObject *prev = NULL, *progress = NULL, *fields = NULL, *t0_obj = NULL;
+    if (c == NULL || c == Py_None) {
+        if (PyErr_Occurred()) goto fail;
+        goto plain;
+    }
+    Py_INCREF(c);
+    if ((d = PyObject_GenericGetDict(c, NULL)) == NULL) goto broken;
+    PyObject *disabled = PyDict_GetItemWithError(d, s_disabled);
+    if (disabled == NULL || !PySet_Check(disabled)) goto slow_or_broken;
+    int off = PySet_Contains(disabled, s_ddp);
+    if (off) goto plain_or_broken;
+    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    if (timer != Py_None) goto slow_or_broken; /* device spans: the Python path's */
+    if ((grad_obj = PyObject_CallNoArgs(self->grad_enabled)) == NULL) goto broken;
+    int grad = PyObject_IsTrue(grad_obj);
+    if (grad < 0) goto broken;
+    if ((md = PyObject_GenericGetDict(module, NULL)) == NULL) goto broken;
+    state = PyDict_GetItemWithError(md, self->state_attr);
+    if (state == NULL || state == Py_None) goto slow_or_broken;
+    Py_INCREF(state);
+    if ((sd = PyObject_GenericGetDict(state, NULL)) == NULL) goto broken;
+    PyObject *named = PyDict_GetItemWithError(sd, s_group_named);
+    if (named == NULL || !PyTuple_Check(named) || PyTuple_GET_SIZE(named) != 3) goto slow_or_broken;
+    PyObject *pace = PyDict_GetItemWithError(d, s_pace_model);
+    if (grad) {
+        PyObject *registered = PyDict_GetItemWithError(sd, s_registered);
+        PyObject *untimed = registered ? PyDict_GetItemWithError(sd, s_untimed) : NULL;
+        if (pace == NULL || pace == Py_None || untimed == NULL) goto slow_or_broken;
+        if (!PyObject_IsTrue(registered) && !PyObject_IsTrue(untimed)) goto slow; /* the timer goes in now */
+    }
+    /* the call site, learnt before (callsite.py), from the wrapper's caller on */
+    PyObject *owner = PyDict_GetItemWithError(self->site_globals, s_owner);
+    PyObject *calls = PyDict_GetItemWithError(self->site_globals, s_calls_dict);
+    PyObject *is_user = PyDict_GetItemWithError(self->site_globals, s_is_user);
+    if (owner == NULL || !PyList_Check(owner) || PyList_GET_SIZE(owner) < 1 || PyList_GET_ITEM(owner, 0) != c ||
+        calls == NULL || is_user == NULL)
+        goto slow_or_broken;
+    PyFrameObject *frame = PyEval_GetFrame();
+    Py_XINCREF(frame);
+    for (int i = 0; i < self->depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
+    site = frame ? site_from(frame, calls, is_user) : NULL;
+    Py_XDECREF(frame);
+    if (site == NULL) goto broken;
+    if (site == Py_None) goto slow; /* a site not learnt yet: the Python path walks and learns it */
+    PyObject *seq_of = PyDict_GetItemWithError(sd, s_seq_of);
+    if (seq_of == NULL || (seq = PyObject_CallNoArgs(seq_of)) == NULL) goto slow_or_broken;
+    PyObject *training = PyObject_GetAttr(module, s_training);
+    int train = training ? PyObject_IsTrue(training) : -1;
+    Py_XDECREF(training);
+    if (train < 0) goto broken;
+
+    /* Nothing unusual: the step's bookkeeping, as the Python path does it. */
+    int new_step = 0;
+    if (grad) {
+        PyObject *acc = PyDict_GetItemWithError(d, s_accumulating);
+        int accumulating = acc ? PyObject_IsTrue(acc) : -1;
+        if (accumulating < 0) goto broken;
+        new_step = state == pace && !accumulating;
+        if (new_step) {
+            PyObject *step = PyDict_GetItemWithError(d, s_step);
+            PyObject *next = step ? PyNumber_Add(step, one) : NULL;
+            int ok = next && PyDict_SetItem(d, s_step, next) == 0;
+            PyObject *native = ok ? PyDict_GetItemWithError(d, s_native) : NULL;
+            if (ok && native && PyObject_IsTrue(native)) {
+                PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(self->helpers, 0), next); /* native.set_step */
+                ok = r != NULL;
+                Py_XDECREF(r);
+            }
+            Py_XDECREF(next);
+            if (!ok) goto broken;
+        }
+        if (state == pace) { /* micro-batches under no_sync() share one optimizer step */
+            PyObject *sync = PyObject_GetAttr(module, s_sync_flag);
+            if (sync == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                sync = Py_NewRef(Py_True);
+            }
+            int syncs = sync ? PyObject_IsTrue(sync) : -1;
+            Py_XDECREF(sync);
+            if (syncs < 0 || PyDict_SetItem(d, s_accumulating, syncs ? Py_False : Py_True) < 0) goto broken;
+        }
+        if (PyDict_SetItem(d, s_awaiting, Py_True) < 0 || PyDict_SetItem(d, s_step_model, state) < 0) goto broken;
+    }
+    int64_t t0 = now_ns();
+    if ((t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
+    if (new_step) {
+        PyObject *last = PyDict_GetItemWithError(d, s_last_step), *most = PyDict_GetItemWithError(d, s_max_step);
+        int bad = 0;
+        int64_t last_ns = last ? as_i64(last, &bad) : 0, max_ns = most ? as_i64(most, &bad) : 0;
+        if (last == NULL || most == NULL || bad) goto broken;
+        if (last_ns && t0 - last_ns > max_ns) {
+            PyObject *v = PyLong_FromLongLong(t0 - last_ns);
+            int ok = v && PyDict_SetItem(d, s_max_step, v) == 0;
+            Py_XDECREF(v);
+            if (!ok) goto broken;
+        }
+        if (PyDict_SetItem(d, s_last_step, t0_obj) < 0) goto broken;
+    }
+    prev = PyDict_GetItemWithError(d, s_progress);
+    if (prev == NULL) goto broken;
+    Py_INCREF(prev);
+    progress = PyTuple_Pack(8, self->phase, grad ? self->op : self->op_eval, seq, t0_obj, PyTuple_GET_ITEM(named, 1),
+                            PyTuple_GET_ITEM(named, 2), minus_one, PyTuple_GET_ITEM(named, 0));
+    fields = progress ? Py_BuildValue("(iiOO)", grad, train, seq, site) : NULL;
+    if (fields == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+
+    result = PyObject_VectorcallDict(self->orig, call_args, n_in + 1, kwargs);
+    if (result == NULL) {
+        on_raise(self, c, prev, state, fields);
+        goto done;
+    }
+    int64_t t1 = now_ns();
+    if (PyDict_SetItem(d, s_progress, prev) == 0) {
+        PyObject *events = PyDict_GetItemWithError(d, s_events);
+        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
+        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0) pack_event(d, self->kind_attr, t0, t1, fields);
+        Py_XDECREF(more);
+    }
+    PyErr_Clear();
+    self->recorded++;
+    goto done;
+
+plain_or_broken:
+    if (PyErr_Occurred()) goto broken;
+    goto plain;
+slow_or_broken:
+    if (!PyErr_Occurred()) goto slow;
+broken:
+    if (broke(self, c) < 0) goto fail;
+plain:
+    result = PyObject_VectorcallDict(self->orig, call_args, n_in + 1, kwargs);
+    goto done;
+slow:
+    result = PyObject_VectorcallDict(self->slow, call_args, n_in + 1, kwargs);
+    goto done;
+fail:
+    result = NULL;
+done:
+    Py_XDECREF(t0_obj); Py_XDECREF(fields); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq);
+    Py_XDECREF(site); Py_XDECREF(sd); Py_XDECREF(state); Py_XDECREF(md); Py_XDECREF(grad_obj);
+    Py_XDECREF(d); Py_XDECREF(c);
+    if (call_args != stack_args) PyMem_Free(call_args);
+    return result;
+}
+
+/* backward_(args, kwargs): torch.autograd.backward(*args, **kwargs). */
+static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames || !PyTuple_Check(argv[0]) || !PyDict_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "backward probe(args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
+    PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
+    PyObject *d = NULL, *seq = NULL, *prev = NULL, *progress = NULL, *t0_obj = NULL;
+    if (c == NULL || c == Py_None) {
+        if (PyErr_Occurred()) return NULL;
+        return PyObject_Call(self->orig, args, kwargs);
+    }
+    Py_INCREF(c);
+    if ((d = PyObject_GenericGetDict(c, NULL)) == NULL) goto broken;
+    PyObject *awaiting = PyDict_GetItemWithError(d, s_awaiting);
+    PyObject *disabled = awaiting ? PyDict_GetItemWithError(d, s_disabled) : NULL;
+    if (disabled == NULL || !PySet_Check(disabled)) goto slow_or_broken;
+    int waits = PyObject_IsTrue(awaiting);
+    if (waits <= 0 || PySet_Contains(disabled, s_ddp)) goto plain_or_broken;
+    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    if (timer != Py_None) goto slow_or_broken;
+    PyObject *pg = PyDict_GetItemWithError(d, s_default_pg);
+    if (pg == NULL || (seq = PyObject_CallMethodNoArgs(pg, s_seq_method)) == NULL) {
+        PyErr_Clear(); /* the Python path reads it as -1, or re-raises a signal handler's */
+        goto slow;
+    }
+    if (PyDict_SetItem(d, s_awaiting, Py_False) < 0) goto broken;
+    int64_t t0 = now_ns();
+    prev = PyDict_GetItemWithError(d, s_progress);
+    if (prev == NULL || (t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
+    Py_INCREF(prev);
+    progress = PyTuple_Pack(4, self->phase, self->op, seq, t0_obj);
+    if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+
+    result = PyObject_Call(self->orig, args, kwargs);
+    if (result == NULL) {
+        on_raise(self, c, prev, Py_None, Py_None);
+        goto done;
+    }
+    self->recorded++;
+    after_backward(c, d, prev, t0, self->helpers, self->kind_attr);
+    if (PyErr_Occurred()) Py_CLEAR(result); /* a signal handler's exception: the program's */
+    goto done;
+
+plain_or_broken:
+    if (PyErr_Occurred()) goto broken;
+    result = PyObject_Call(self->orig, args, kwargs);
+    goto done;
+slow_or_broken:
+    if (!PyErr_Occurred()) goto slow;
+broken:
+    if (broke(self, c) < 0) goto done;
+    result = PyObject_Call(self->orig, args, kwargs);
+    goto done;
+slow:
+    result = PyObject_Call(self->slow, args, kwargs);
+done:
+    Py_XDECREF(t0_obj); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq); Py_XDECREF(d); Py_DECREF(c);
+    return result;
+}
+
+static PyMemberDef DdpProbe_members[] = {
+    {"recorded", T_LONGLONG, offsetof(DdpProbe, recorded), READONLY, "calls recorded in C"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyTypeObject DdpProbeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ddpdoctor.probes._fast.DdpProbe",
+    .tp_basicsize = sizeof(DdpProbe),
+    .tp_vectorcall_offset = offsetof(DdpProbe, vectorcall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "The DDP forward or backward probe's steady state (see probes/ddp.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)DdpProbe_init,
+    .tp_dealloc = (destructor)DdpProbe_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_members = DdpProbe_members,
+};
+
+int ddp_init(void) {
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
+    INTERN(s_pace_model, "pace_model"); INTERN(s_accumulating, "accumulating"); INTERN(s_native, "native");
+    INTERN(s_awaiting, "awaiting_backward"); INTERN(s_step_model, "step_model");
+    INTERN(s_last_step, "last_step_ns"); INTERN(s_max_step, "max_step_ns");
+    INTERN(s_default_pg, "default_pg"); INTERN(s_seq_method, "_get_sequence_number_for_group");
+    INTERN(s_sync_flag, "require_backward_grad_sync"); INTERN(s_training, "training");
+    INTERN(s_group_named, "group_named"); INTERN(s_seq_of, "seq_of"); INTERN(s_registered, "timer_registered");
+    INTERN(s_untimed, "untimed"); INTERN(s_owner, "_owner");
+    INTERN(s_calls_dict, "_calls"); INTERN(s_is_user, "_is_user"); INTERN(s_ddp, "ddp");
+#undef INTERN
+    if ((minus_one = PyLong_FromLong(-1)) == NULL) return -1;
+    return PyType_Ready(&DdpProbeType);
+}
