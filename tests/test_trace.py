@@ -329,3 +329,30 @@ def test_read_workers_hand_over_the_same_traces(tmp_path: Path, monkeypatch, for
         assert len(unpacked) == (40 if forked and slot_bytes > 2048 else 0)
         arrays = [ev._dur.data for t in run.ranks.values() for ev in t.events.values()]  # noqa: SLF001
         assert all(a.flags.writeable and a.flags.aligned for a in arrays if a is not None)
+
+
+def test_the_cpp_timers_notes_packed_at_once_read_back_as_packed_one_by_one(
+    tmp_path: Path, packer: Any
+) -> None:
+    """The C++ timer's notes (int64 rows, ``commhook._NOTE``) go into the ring in one call of
+    the C packer, or one by one in Python; a row with a value that does not fit its field (a
+    bucket index wider than 32 bits) is lost and counted, as by the writer's pack, and the rows
+    after it are kept."""
+    from types import SimpleNamespace
+
+    from ddpdoctor.probes import commhook
+
+    path = tmp_path / "trace-rank0.bin"
+    w = TraceWriter(str(path), header(), flush_interval=60, packer=packer)
+    c = SimpleNamespace(bucket_kind=w.kind(schema.ALLREDUCE), writer=w, pack=w.pack)
+    rows = [
+        (0, 5_000_000_000, 5_000_001_000, 0, 4096, 7),
+        (0, 5_000_002_000, 5_000_003_000, 2**40, 64, 8),
+        (1, 5_000_004_000, 5_000_005_000, 1, 2**40, 9),
+    ]
+    commhook._pack_notes(c, b"".join(commhook._NOTE.pack(*r) for r in rows))
+    w.close()
+    t = read_trace(path)
+    got = _rows(t.kind(schema.ALLREDUCE))  # (ts µs, dur µs, step, index, bytes, seq)
+    assert got == [(0, 1, 0, 0, 4096, 7), (4, 1, 1, 1, 2**40, 9)]
+    assert t.meta[schema.DROPPED][0][2] == {"count": 1}

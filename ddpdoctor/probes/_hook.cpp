@@ -39,9 +39,10 @@ int64_t now_ns() {  // time.monotonic_ns()'s clock
 
 std::atomic<int64_t> g_step{-1};  // the training step the probes count (set_step)
 
-struct Note {
+struct Note {  // drained as these six int64, in this order (commhook.py's _NOTE)
   int64_t step, t0, t1, index, nbytes, seq;
 };
+static_assert(sizeof(Note) == 6 * sizeof(int64_t), "a note is six int64 with no padding");
 
 struct Layout {  // a bucket seen with a new size: which parameters it holds
   int64_t index, nbytes;
@@ -149,8 +150,9 @@ class Handle {
  public:
   explicit Handle(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
 
-  // (notes, layouts, dropped): notes as (step, t0, t1, index, nbytes, seq); layouts as
-  // (index, nbytes, [data_ptr]); None when there is nothing new (the common, cheap case).
+  // (notes, layouts, dropped): notes as bytes, six int64 a note (step, t0, t1, index, nbytes,
+  // seq), packed into the ring by the C packer in one call; layouts as (index, nbytes,
+  // [data_ptr]); None when there is nothing new.
   py::object drain() {
     std::vector<Note> done;
     std::vector<Layout> layouts;
@@ -164,11 +166,7 @@ class Handle {
       layouts.swap(shared_->layouts);
       std::swap(dropped, shared_->dropped);
     }
-    py::list notes(done.size());
-    for (size_t i = 0; i < done.size(); ++i) {
-      const Note& n = done[i];
-      notes[i] = py::make_tuple(n.step, n.t0, n.t1, n.index, n.nbytes, n.seq);
-    }
+    py::bytes notes(reinterpret_cast<const char*>(done.data()), done.size() * sizeof(Note));
     py::list shapes(layouts.size());
     for (size_t i = 0; i < layouts.size(); ++i) {
       shapes[i] = py::make_tuple(layouts[i].index, layouts[i].nbytes, py::cast(layouts[i].params));
