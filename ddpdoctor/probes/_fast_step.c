@@ -191,8 +191,8 @@ void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObje
         if (PyErr_ExceptionMatches(PyExc_Exception)) {
             Raised e = fetch();
             PyObject *f = PyObject_CallMethod(c, "fail", "OO", s_unused_name, e.value ? e.value : Py_None);
+            if (f == NULL && PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* else a signal's */
             Py_XDECREF(f); Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear();
         }
     }
     Py_XDECREF(missing); Py_XDECREF(sd); Py_DECREF(state);

@@ -242,8 +242,8 @@ _NOTE = struct.Struct("<6q")  # a C++ timer's note: step, t0, t1, bucket index, 
 
 
 def _pack_notes(c: _c.Collector, notes: bytes) -> None:
-    """The notes as bucket all-reduce records: by the C packer in one call where it runs (a
-    note whose value does not fit its field, coerced as the writer's pack does), else one by one."""
+    """The notes as bucket all-reduce records: by the C packer in one call where it runs, else
+    one by one; a note with a value its field cannot hold is handled as the writer's pack does."""
     kind, writer = c.bucket_kind, c.writer
     ring = writer.ring
     if ring is None:

@@ -384,4 +384,5 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _backward_raised(c: _c.Collector, prev: Any, state: Any, fields: Any, exc: BaseException) -> None:
+    """A recorded backward raised: its ``raised`` record (the C probe's callback's signature)."""
     c.raised(prev, schema.BACKWARD, run_queue_us())
