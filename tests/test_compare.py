@@ -70,3 +70,19 @@ def test_compare_terminal_and_bad_input(runs: tuple[Path, Path], tmp_path: Path)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _compare(str(empty), str(b)).returncode == 2
+
+
+def test_a_kind_the_other_run_has_only_as_a_note_counts_as_new() -> None:
+    """A healthy run on a busy 2-core machine can carry a straggler note (a rank 0.6 ms late,
+    12 ms in all); the same kind as a warning in the other run is what changed."""
+    from ddpdoctor.analysis.slow.compare import _worse, _worst
+
+    def found(*pairs: tuple[str, str]) -> list[dict]:
+        return [{"kind": k, "severity": s, "summary": k} for k, s in pairs]
+
+    a = found(("straggler", "info"), ("comm_bound", "info"))
+    b = found(("straggler", "warning"), ("comm_bound", "info"), ("data_wait", "warning"))
+    only_b = _worse(b, _worst(a))
+    assert [(f["kind"], f["other_severity"]) for f in only_b] == [("straggler", "info"), ("data_wait", None)]
+    assert _worse(a, _worst(b)) == []  # nothing is worse in A
+    assert sorted(k for k, r in _worst(a).items() if _worst(b).get(k) == r) == ["comm_bound"]

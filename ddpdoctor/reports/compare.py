@@ -56,8 +56,9 @@ def render(cmp: dict[str, Any]) -> str:
     found = cmp["findings"]
     for side, key in (("A", "only_a"), ("B", "only_b")):
         for f in found[key]:
+            milder = f" (the other: {f['other_severity']})" if f.get("other_severity") else ""
             lines += textwrap.wrap(
-                f"only in {side}: {f['severity']} {f['kind']}: {f['summary']}",
+                f"only in {side}: {f['severity']} {f['kind']}{milder}: {f['summary']}",
                 WIDTH - 2,
                 initial_indent="  ",
                 subsequent_indent="      ",

@@ -1,5 +1,6 @@
 """Two runs side by side: throughput, step-time distribution, phase breakdown, and the findings
-that one run has and the other has not (a fix that worked, or a regression).
+that one run has and the other has not, or has only as something milder (a fix that worked, or
+a regression: a straggler note that became a warning is a regression).
 
 Pure: takes two Diagnoses, returns plain data (schema ``ddpdoctor.compare/1``); renderers in
 ``reports/compare.py``.
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.diagnosis import Diagnosis
+from ddpdoctor.analysis.findings import SEVERITIES
 from ddpdoctor.analysis.slow.phases import step_times
 from ddpdoctor.trace import schema
 
@@ -91,8 +93,7 @@ def compare(a: Diagnosis, b: Diagnosis) -> dict[str, Any]:
             "delta_s": round((vb or 0.0) - (va or 0.0), 6),
             "ratio": _ratio(vb, va),
         }
-    kinds_a = {f["kind"] for f in sa["findings"]}
-    kinds_b = {f["kind"] for f in sb["findings"]}
+    worst_a, worst_b = _worst(sa["findings"]), _worst(sb["findings"])
     return {
         "schema": SCHEMA,
         "a": {k: v for k, v in sa.items() if k != "findings"},
@@ -106,8 +107,29 @@ def compare(a: Diagnosis, b: Diagnosis) -> dict[str, Any]:
         },
         "phases": phases,
         "findings": {
-            "only_a": [f for f in sa["findings"] if f["kind"] not in kinds_b],
-            "only_b": [f for f in sb["findings"] if f["kind"] not in kinds_a],
-            "both": sorted(kinds_a & kinds_b),
+            "only_a": _worse(sa["findings"], worst_b),
+            "only_b": _worse(sb["findings"], worst_a),
+            "both": sorted(k for k, rank in worst_a.items() if worst_b.get(k) == rank),
         },
     }
+
+
+def _worst(findings: list[dict[str, Any]]) -> dict[str, int]:
+    """Each kind's most severe finding, as an index into SEVERITIES (0 is the worst)."""
+    worst: dict[str, int] = {}
+    for f in findings:
+        rank = SEVERITIES.index(f["severity"])
+        worst[f["kind"]] = min(rank, worst.get(f["kind"], rank))
+    return worst
+
+
+def _worse(findings: list[dict[str, Any]], other: dict[str, int]) -> list[dict[str, Any]]:
+    """The findings the other run has not at this severity: kinds it has not, or has only as
+    something milder (a straggler note in a healthy run, a straggler warning after a change:
+    the warning is what changed). Each carries ``other_severity``, the other run's, if any."""
+    out = []
+    for f in findings:
+        mine, theirs = SEVERITIES.index(f["severity"]), other.get(f["kind"])
+        if theirs is None or mine < theirs:
+            out.append({**f, "other_severity": None if theirs is None else SEVERITIES[theirs]})
+    return out
