@@ -10,7 +10,7 @@ python3 -c "import torch,sys,os;print('torch',torch.__version__,'py',sys.version
 python3 -c "import click, plotly, numpy, pynvml; print('deps ok')" || echo "deps missing"
 el build _fast
 gcc -O2 -shared -fPIC -Werror=implicit-function-declaration -I$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])") \
-  ddpdoctor/probes/_fast.c ddpdoctor/probes/_fast_collective.c ddpdoctor/probes/_fast_step.c ddpdoctor/probes/_fast_ddp.c ddpdoctor/probes/_fast_packer.c \
+  ddpdoctor/probes/_fast*.c \
   -o ddpdoctor/probes/_fast$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))") && echo fast built
 python3 -c "from ddpdoctor.probes import fastpath; print('fast module', fastpath.module() is not None)"
 export DDPDOCTOR_CACHE=/tmp/ddpcache
