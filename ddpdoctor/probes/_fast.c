@@ -17,7 +17,8 @@
  *
  * A record is packed by the layout of the ``struct`` format the Python writer packs the same
  * kind with (trace/ring.py's slot_struct), parsed once here: the format stays the one
- * declaration. A value that does not fit its type goes to the writer's pack_odd, as in Python.
+ * declaration. A value is coerced to its type as the writer's pack_odd coerces it (``as_value``);
+ * a record that still does not fit leaves its slot void and is counted in the ring's ``lost``.
  * The slot's seq, its last value, is stored last, as the Python path does, so that a slot
  * caught mid-write by a death keeps its old seq.
  */
@@ -26,7 +27,7 @@
 /* Names looked up on each call, interned once. */
 PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
     *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_pack_odd, *s_collective_kind, *one;
+    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *one;
 
 int64_t now_ns(void) {
     struct timespec ts;
@@ -65,7 +66,7 @@ int parse_format(Layout *self, const char *fmt) {
     return 0;
 }
 
-/* Store one value by its code; 0 when it does not fit (the Python path then coerces it). */
+/* Store one value by its code; 0 when it does not fit. */
 int store(char *base, char code, int offset, Value value) {
     char *p = base + offset;
     int64_t v = value.i;
@@ -89,6 +90,39 @@ int64_t as_i64(PyObject *v, int *bad) {
         return 0;
     }
     return x;
+}
+
+/* A Python value as a field of type ``code``, as the writer packs it: struct's own conversion
+ * where it takes the value, else writer._coerce's (int(v), or -1 where int() refuses it; a
+ * float field takes 0.0 for what is not a number). ``*bad``: it fits no field of this type
+ * (an int too wide for 64 bits), so the record is lost. */
+Value as_value(PyObject *v, char code, int *bad) {
+    Value out;
+    if (code == 'd') {
+        out.d = PyFloat_AsDouble(v);
+        if (out.d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            if (PyLong_Check(v) || PyFloat_Check(v)) *bad = 1; /* float(v) raises: too wide */
+            out.d = 0.0;
+        }
+        return out;
+    }
+    if (PyLong_Check(v)) {
+        out.i = as_i64(v, bad);
+        return out;
+    }
+    PyObject *n = PyNumber_Long(v);
+    if (n == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
+            !PyErr_ExceptionMatches(PyExc_OverflowError))
+            *bad = 1; /* int(v) raised something else: _coerce lets it through, pack_odd loses it */
+        PyErr_Clear();
+        out.i = -1;
+        return out;
+    }
+    out.i = as_i64(n, bad);
+    Py_DECREF(n);
+    return out;
 }
 
 void ring_clear(RingRef *r) {
@@ -117,7 +151,7 @@ int ring_set(RingRef *r, PyObject *ring) {
 
 /* Take the ring's next slot: its seq (a new reference), or NULL when none was taken (then
  * nothing is owed to the writer). Once a slot is taken it must be written, or the writer
- * thread would wait for it: by ``write_slot``, else by the writer's pack_odd. */
+ * thread would wait for it: ``write_slot`` does. */
 PyObject *take_slot(RingRef *r, Py_ssize_t *at) {
     PyObject *n_obj = PyObject_CallNoArgs(r->next);
     int bad = 0;
@@ -131,29 +165,41 @@ PyObject *take_slot(RingRef *r, Py_ssize_t *at) {
     return n_obj;
 }
 
-/* Write ``values`` (all but the seq) and then the seq into the slot at ``at``. 1: written or
- * lost with an unmapped ring (a late event after close); 0: a value does not fit its type. */
-int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj,
-                      Py_ssize_t at) {
+/* ring.lost += 1: a record lost to a value out of its type's range (rare: Python is fine). */
+static void count_lost(RingRef *r) {
+    PyObject *lost = PyObject_GetAttr(r->ring, s_lost);
+    PyObject *more = lost ? PyNumber_Add(lost, one) : NULL;
+    if (more == NULL || PyObject_SetAttr(r->ring, s_lost, more) < 0) PyErr_Clear();
+    Py_XDECREF(more); Py_XDECREF(lost);
+}
+
+/* Write ``values`` (all but the seq) and then the seq into the slot at ``at``; ``bad``, or a
+ * value out of its type's range, leaves the slot void (its seq must be written all the same,
+ * or the writer would wait for it) and counts the record in the ring's ``lost``, as does a
+ * ring unmapped by close under a late event. */
+void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at) {
     Py_buffer view;
     if (PyObject_GetBuffer(r->mm, &view, PyBUF_WRITABLE) < 0) {
-        PyErr_Clear(); /* a ring unmapped by close under a late event: that event is lost */
-        return 1;
+        PyErr_Clear();
+        count_lost(r);
+        return;
     }
-    if (!bad && at + layout->size <= view.len) {
+    if (at + layout->size <= view.len) {
         char *base = (char *)view.buf + at;
         for (int i = 0; i < layout->ncodes - 1 && !bad; i++)
             if (!store(base, layout->codes[i], layout->offsets[i], values[i])) bad = 1;
-        if (!bad) {
-            uint64_t seq = (uint64_t)PyLong_AsUnsignedLongLong(n_obj);
-            __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the record first, then its seq */
-            memcpy(base + layout->offsets[layout->ncodes - 1], &seq, 8);
+        if (bad) {
+            uint16_t void_kind = RING_VOID;
+            memcpy(base, &void_kind, 2);
         }
+        uint64_t seq = (uint64_t)PyLong_AsUnsignedLongLong(n_obj);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the record first, then its seq */
+        memcpy(base + layout->offsets[layout->ncodes - 1], &seq, 8);
     } else {
         bad = 1;
     }
     PyBuffer_Release(&view);
-    return !bad;
+    if (bad) count_lost(r);
 }
 
 void head_to(RingRef *r, PyObject *n_obj) {
@@ -312,7 +358,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_events, "events"); INTERN(s_writer, "writer"); INTERN(s_ring, "ring"); INTERN(s_mm, "mm");
     INTERN(s_mask, "mask"); INTERN(s_next, "next"); INTERN(s_head, "head"); INTERN(s_dtype, "dtype");
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
-    INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_pack_odd, "pack_odd");
+    INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
     INTERN(s_collective_kind, "collective_kind");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
@@ -325,7 +371,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddObjectRef(m, "DdpProbe", (PyObject *)&DdpProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
-        PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0) {
+        PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0 ||
+        PyModule_AddIntConstant(m, "RING_VOID", RING_VOID) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -17,8 +17,9 @@
 #endif
 
 #define MAX_FIELDS 32
-#define RING_HEADER 64 /* trace/ring.py's HEADER_BYTES and SLOT, checked against it at import */
+#define RING_HEADER 64 /* trace/ring.py's HEADER_BYTES, SLOT and VOID, checked against it at import */
 #define RING_SLOT 128
+#define RING_VOID 0xFFFF /* the kind id of a slot that holds no event */
 
 /* A record's layout: one struct code and offset per value (kind id, step, t0, t1, fields...,
  * seq last). */
@@ -42,7 +43,7 @@ typedef union {
 /* Names looked up on each call, interned once. */
 extern PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
     *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_pack_odd, *s_collective_kind, *one;
+    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *one;
 
 
 /* Shared by the module's parts (_fast.c). */
@@ -52,7 +53,8 @@ int64_t as_i64(PyObject *v, int *bad);
 void ring_clear(RingRef *r);
 int ring_set(RingRef *r, PyObject *ring);
 PyObject *take_slot(RingRef *r, Py_ssize_t *at);
-int write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
+void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
+Value as_value(PyObject *v, char code, int *bad);
 void head_to(RingRef *r, PyObject *n_obj);
 
 int store(char *base, char code, int offset, Value value);

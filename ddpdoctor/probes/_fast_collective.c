@@ -136,56 +136,32 @@ static int ring_now(Collective *self, PyObject *c, PyObject *d) {
     return 0;
 }
 
-/* writer.pack_odd(kind, ring, at, (step, t0, t1), fields, n): a value that does not fit its
- * type, coerced, or the slot voided, as the Python path does. */
-static void pack_odd(PyObject *c, PyObject *ring, Py_ssize_t at, PyObject *n_obj, PyObject *step,
-                     int64_t t0, int64_t t1, PyObject *known, PyObject *seq, PyObject *site, int async_) {
-    PyObject *writer = PyObject_GetAttr(c, s_writer);
-    PyObject *kind = writer ? PyObject_GetAttr(c, s_collective_kind) : NULL;
-    PyObject *head = kind ? Py_BuildValue("(OLL)", step, (long long)t0, (long long)t1) : NULL;
-    PyObject *fields = head ? Py_BuildValue("(OOOOOiOO)", PyTuple_GET_ITEM(known, 5), PyTuple_GET_ITEM(known, 3),
-                                            PyTuple_GET_ITEM(known, 6), PyTuple_GET_ITEM(known, 2), seq, async_,
-                                            site, PyTuple_GET_ITEM(known, 9)) : NULL;
-    PyObject *at_obj = fields ? PyLong_FromSsize_t(at) : NULL;
-    PyObject *r = at_obj ? PyObject_CallMethodObjArgs(writer, s_pack_odd, kind, ring, at_obj, head, fields,
-                                                      n_obj, NULL) : NULL;
-    Py_XDECREF(r); Py_XDECREF(at_obj); Py_XDECREF(fields); Py_XDECREF(head); Py_XDECREF(kind);
-    Py_XDECREF(writer);
-    PyErr_Clear();
-}
-
 /* The record of a call that returned, into the ring's next slot (the Python path's inlined
  * pack). */
 static void record(Collective *self, PyObject *c, PyObject *d, PyObject *known, PyObject *seq_obj,
                    PyObject *site_obj, int async_, int64_t t0, int64_t t1) {
     PyObject *step = PyDict_GetItemWithError(d, s_step);
     if (step == NULL || ring_now(self, c, d) < 0) return;
-    PyObject *ring = Py_NewRef(self->ring.ring);
     int bad = 0;
     /* kind id, step, t0, t1, then the fields in schema.COLLECTIVE's order: op, bytes, group,
      * group size, seq, async, site, signature */
+    PyObject *given[12] = {NULL, step, NULL, NULL, PyTuple_GET_ITEM(known, 5), PyTuple_GET_ITEM(known, 3),
+                           PyTuple_GET_ITEM(known, 6), PyTuple_GET_ITEM(known, 2), seq_obj, NULL, site_obj,
+                           PyTuple_GET_ITEM(known, 9)};
     Value values[12];
+    for (int i = 0; i < 12; i++)
+        if (given[i] != NULL) values[i] = as_value(given[i], self->layout.codes[i], &bad);
     values[0].i = self->kid;
-    values[1].i = as_i64(step, &bad);
     values[2].i = t0;
     values[3].i = t1;
-    values[4].i = as_i64(PyTuple_GET_ITEM(known, 5), &bad);
-    values[5].i = as_i64(PyTuple_GET_ITEM(known, 3), &bad);
-    values[6].i = as_i64(PyTuple_GET_ITEM(known, 6), &bad);
-    values[7].i = as_i64(PyTuple_GET_ITEM(known, 2), &bad);
-    values[8].i = as_i64(seq_obj, &bad);
     values[9].i = async_;
-    values[10].i = as_i64(site_obj, &bad);
-    values[11].i = as_i64(PyTuple_GET_ITEM(known, 9), &bad);
     Py_ssize_t at;
     PyObject *n_obj = take_slot(&self->ring, &at);
     if (n_obj != NULL) {
-        if (!write_slot(&self->ring, &self->layout, values, bad, n_obj, at))
-            pack_odd(c, ring, at, n_obj, step, t0, t1, known, seq_obj, site_obj, async_);
+        write_slot(&self->ring, &self->layout, values, bad, n_obj, at);
         head_to(&self->ring, n_obj);
         Py_DECREF(n_obj);
     }
-    Py_DECREF(ring);
 }
 
 static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs) {

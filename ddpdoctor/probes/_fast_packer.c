@@ -2,21 +2,6 @@
  * C++ bucket timer's notes many at once (see _fast.c for the layout and the ring). */
 #include "_fast.h"
 
-/* A Python value as the value of a field of type ``code``, as struct would take it. */
-static Value as_value(PyObject *v, char code, int *bad) {
-    Value out;
-    if (code == 'd') {
-        out.d = PyFloat_AsDouble(v);
-        if (out.d == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            *bad = 1;
-        }
-    } else {
-        out.i = as_i64(v, bad);
-    }
-    return out;
-}
-
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -47,8 +32,9 @@ static void Packer_dealloc(Packer *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* packer(ring, step, t0, t1, fields): None once packed; (offset, seq) of a slot taken whose
- * values did not all fit, for the writer's pack_odd; False when no slot was taken. */
+/* packer(ring, step, t0, t1, fields): None once the slot is written (the record, or void and
+ * counted in ring.lost when a value does not fit its type even coerced); False when no slot
+ * was taken (not a ring: the writer's Python path). */
 static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 5 || kwnames != NULL || !PyTuple_Check(argv[4])) {
         PyErr_SetString(PyExc_TypeError, "Packer(ring, step, t0, t1, fields: tuple)");
@@ -57,29 +43,26 @@ static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t n
     PyObject *fields = argv[4];
     const Layout *layout = &self->layout;
     Py_ssize_t nfields = PyTuple_GET_SIZE(fields);
-    if (ring_set(&self->ring, argv[0]) < 0) Py_RETURN_FALSE;
+    if (nfields != layout->ncodes - 5 || ring_set(&self->ring, argv[0]) < 0) Py_RETURN_FALSE;
     Value values[MAX_FIELDS];
-    int bad = nfields != layout->ncodes - 5;
+    int bad = 0;
     values[0].i = self->kid;
-    for (int i = 1; i < 4; i++) values[i].i = as_i64(argv[i], &bad);
-    for (Py_ssize_t i = 0; i < nfields && !bad; i++)
-        values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
+    for (int i = 1; i < 4; i++) values[i] = as_value(argv[i], 'q', &bad);
+    for (Py_ssize_t i = 0; i < nfields; i++) values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
     Py_ssize_t at;
     PyObject *n_obj = take_slot(&self->ring, &at);
     if (n_obj == NULL) Py_RETURN_FALSE;
-    if (write_slot(&self->ring, layout, values, bad, n_obj, at)) {
-        head_to(&self->ring, n_obj);
-        Py_DECREF(n_obj);
-        Py_RETURN_NONE;
-    }
-    return Py_BuildValue("(nN)", at, n_obj);
+    write_slot(&self->ring, layout, values, bad, n_obj, at);
+    head_to(&self->ring, n_obj);
+    Py_DECREF(n_obj);
+    Py_RETURN_NONE;
 }
 
 
 /* packer.many(ring, notes: bytes): pack records given as int64 rows (step, t0, t1, fields...),
- * the C++ bucket timer's notes. None once all are packed; a list of (offset, seq, row) for the
- * rows whose slot was taken but whose values did not all fit (the writer's pack_odd fills
- * them); the index of the first row no slot could be taken for (the writer packs those). */
+ * the C++ bucket timer's notes. None once all are packed (a row with a value its field cannot
+ * hold leaves its slot void, counted in ring.lost); else the index of the first row no slot
+ * could be taken for (the writer packs those). */
 static PyObject *Packer_many(Packer *self, PyObject *const *argv, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(argv[1])) {
         PyErr_SetString(PyExc_TypeError, "many(ring, notes: bytes)");
@@ -93,7 +76,6 @@ static PyObject *Packer_many(Packer *self, PyObject *const *argv, Py_ssize_t nar
     }
     if (ring_set(&self->ring, argv[0]) < 0) return PyLong_FromLong(0);
     const char *data = PyBytes_AS_STRING(argv[1]);
-    PyObject *odd = NULL;
     for (Py_ssize_t row = 0; row < size / (width * 8); row++) {
         Value values[MAX_FIELDS];
         values[0].i = self->kid;
@@ -103,24 +85,12 @@ static PyObject *Packer_many(Packer *self, PyObject *const *argv, Py_ssize_t nar
         }
         Py_ssize_t at;
         PyObject *n_obj = take_slot(&self->ring, &at);
-        if (n_obj == NULL) {
-            Py_XDECREF(odd);
-            return PyLong_FromSsize_t(row); /* rows before this one are packed */
-        }
-        if (write_slot(&self->ring, layout, values, 0, n_obj, at)) {
-            head_to(&self->ring, n_obj);
-            Py_DECREF(n_obj);
-            continue;
-        }
-        PyObject *item = Py_BuildValue("(nNn)", at, n_obj, row);
-        if (item == NULL || (odd == NULL && (odd = PyList_New(0)) == NULL) || PyList_Append(odd, item) < 0) {
-            Py_XDECREF(item);
-            Py_XDECREF(odd);
-            return NULL;
-        }
-        Py_DECREF(item);
+        if (n_obj == NULL) return PyLong_FromSsize_t(row); /* rows before this one are packed */
+        write_slot(&self->ring, layout, values, 0, n_obj, at);
+        head_to(&self->ring, n_obj);
+        Py_DECREF(n_obj);
     }
-    return odd ? odd : Py_NewRef(Py_None);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef Packer_methods[] = {

@@ -103,19 +103,9 @@ void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObje
     PyObject *r = NULL;
     if (t1_obj != NULL && fast != Py_None) {
         PyObject *a[5] = {ring, step, t0_obj, t1_obj, fields};
-        r = PyObject_Vectorcall(fast, a, 5, NULL);
-        if (r != NULL && r != Py_None && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
-            /* a slot taken whose values did not all fit: the writer's pack_odd fills it */
-            PyObject *head = PyTuple_Pack(3, step, t0_obj, t1_obj);
-            PyObject *done = head ? PyObject_CallMethodObjArgs(writer, s_pack_odd, kind, ring, PyTuple_GET_ITEM(r, 0),
-                                                               head, fields, PyTuple_GET_ITEM(r, 1), NULL) : NULL;
-            if (done && PyObject_SetAttr(ring, s_head, PyTuple_GET_ITEM(r, 1)) < 0) PyErr_Clear();
-            Py_XDECREF(done); Py_XDECREF(head);
-        } else if (r != NULL && r != Py_None) { /* no slot taken: the writer's own path */
-            PyObject *again = PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL);
-            Py_XDECREF(again);
-        }
-    } else if (t1_obj != NULL) {
+        if ((r = PyObject_Vectorcall(fast, a, 5, NULL)) == NULL) PyErr_Clear();
+    }
+    if (t1_obj != NULL && r != Py_None) { /* no C packer, or no slot taken: the writer's own path */
         PyObject *again = PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL);
         Py_XDECREF(again);
     }

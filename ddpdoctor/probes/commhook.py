@@ -243,22 +243,14 @@ _NOTE = struct.Struct("<6q")  # a C++ timer's note: step, t0, t1, bucket index, 
 
 def _pack_notes(c: _c.Collector, notes: bytes) -> None:
     """The notes as bucket all-reduce records: by the C packer in one call where it runs, else
-    one by one; a note with a value its field cannot hold is handled as the writer's pack does."""
-    kind, writer = c.bucket_kind, c.writer
-    ring = writer.ring
+    (and for the rows it could take no slot for) one by one by the writer's pack."""
+    kind, ring = c.bucket_kind, c.writer.ring
     if ring is None:
         return
-    odd = kind.fast.many(ring, notes) if kind.fast is not None else 0
-    if odd is None:
-        return
-    if isinstance(odd, int):  # the rows from ``odd`` on took no slot: the writer's own path
-        for step, t0, t1, *fields in _NOTE.iter_unpack(notes[odd * _NOTE.size :]):
+    rest = kind.fast.many(ring, notes) if kind.fast is not None else 0
+    if rest is not None:
+        for step, t0, t1, *fields in _NOTE.iter_unpack(notes[rest * _NOTE.size :]):
             c.pack(kind, t0, t1, step, tuple(fields))
-        return
-    for at, seq, row in odd:
-        step, t0, t1, *fields = _NOTE.unpack_from(notes, row * _NOTE.size)
-        writer.pack_odd(kind, ring, at, (step, t0, t1), tuple(fields), seq)
-        ring.head = max(ring.head, seq)
 
 
 def _default_hook(ddp: Any, bucket: Any) -> Any:

@@ -36,7 +36,8 @@ def _load() -> Any:
         from ddpdoctor.probes import _fast
         from ddpdoctor.trace import ring
 
-        if (_fast.RING_HEADER, _fast.RING_SLOT) != (ring.HEADER_BYTES, ring.SLOT):
+        built = (_fast.RING_HEADER, _fast.RING_SLOT, getattr(_fast, "RING_VOID", None))
+        if built != (ring.HEADER_BYTES, ring.SLOT, ring.VOID):
             return None  # built from another version of the ring's layout
         return _fast
     except Exception as exc:

@@ -86,6 +86,7 @@ class Ring:
         self.next = itertools.count(1).__next__  # event numbers; atomic under the GIL
         self.head = 0  # the last seq written (by any thread)
         self.taken = 0  # the last seq taken by the writer: slots above it are not free
+        self.lost = 0  # events whose values did not fit their types even coerced: slots void
 
     def take(self) -> tuple[np.ndarray, int, int, int]:
         """(slots, seq_lo, seq_hi, lapped): a copy of the slots written since the last take, in

@@ -148,14 +148,8 @@ class TraceWriter:
         ring = self.ring
         if ring is None:
             return
-        if k.fast is not None:
-            odd = k.fast(ring, step, t0, t1, fields)
-            if odd is None:  # packed
-                return
-            if odd is not False:  # a slot taken, a value that does not fit its type
-                self.pack_odd(k, ring, odd[0], (step, t0, t1), fields, odd[1])
-                ring.head = odd[1]
-                return
+        if k.fast is not None and k.fast(ring, step, t0, t1, fields) is None:  # packed in C
+            return
         seq = ring.next()
         off = HEADER_BYTES + (seq & ring.mask) * SLOT
         try:
@@ -173,15 +167,18 @@ class TraceWriter:
             values[i] = sid if sid is not None else self.intern(v)
         return tuple(values)
 
-    def pack_odd(self, k: _Kind, ring: Ring, off: int, head: tuple, fields: tuple, seq: int) -> None:
-        """Coerce each value to its type (None, floats or huge numbers become -1) or leave the
-        slot void: the seq must be written either way, or the writer would wait for it. Never
-        raises (a ring unmapped by ``close`` under a late event loses that event)."""
+    @staticmethod
+    def pack_odd(k: _Kind, ring: Ring, off: int, head: tuple, fields: tuple, seq: int) -> None:
+        """Coerce each value to its type (None and what ``int`` refuses become -1) or, where one
+        still does not fit, leave the slot void and count the event in ``ring.lost``: the seq
+        must be written either way, or the writer would wait for it. The C packer does the same
+        (``as_value``, ``write_slot``). Never raises (a ring unmapped by ``close`` under a late
+        event loses that event)."""
         try:
-            values = [_coerce(v, c) for v, c in zip(fields, k.spec, strict=True)]
-            k.pack_into(ring.mm, off, k.kid, *(int(v) for v in head), *values, seq)
+            values = [_coerce(v, c) for v, c in zip((*head, *fields), "iii" + k.spec, strict=True)]
+            k.pack_into(ring.mm, off, k.kid, *values, seq)
         except Exception:
-            self.dropped += 1
+            ring.lost += 1
             with contextlib.suppress(Exception):
                 VOID_SLOT.pack_into(ring.mm, off, VOID, seq)
 
@@ -265,8 +262,9 @@ class TraceWriter:
             if tap is not None:
                 with contextlib.suppress(Exception):  # a tap that fails must not cost the trace
                     tap(event)
-        if self.dropped != self._reported_dropped:
-            count, self._reported_dropped = self.dropped, self.dropped
+        count = self.dropped + ring.lost
+        if count != self._reported_dropped:
+            self._reported_dropped = count
             dropped = [schema.DROPPED, time.monotonic_ns(), 0, -1, {"count": count}]
             self._write(binfmt.json_block(binfmt.META, dropped))
 
