@@ -267,3 +267,57 @@ def test_a_worker_killed_while_the_rank_waits_for_its_batch_is_a_data_wait(tmp_p
     assert job.returncode == 1, job.stderr
     r1 = diagnose_json(job.run_dir)["failure"]["ranks"]["1"]
     assert r1["open_point"] == "data wait" and r1["step_text"] == "before its first step", r1
+
+
+FORKED_HELPER = """
+    import multiprocessing as mp
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+    def helper(started):
+        started.set()
+        while True:
+            time.sleep(0.01)
+
+
+    def main():
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        child = None
+        if rank == 0:  # the job's own forked helper, stopped by SIGTERM at the end
+            started = mp.get_context("fork").Event()
+            child = mp.get_context("fork").Process(target=helper, args=(started,), daemon=True)
+            child.start()
+            started.wait()
+        model = DDP(nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        if child is not None:
+            child.terminate()
+            child.join()
+            print("helper ended by", child.exitcode)
+        dist.destroy_process_group()
+
+
+    main()
+"""
+
+
+def test_a_forked_helper_stopped_by_sigterm_is_not_the_rank_dying(tmp_path: Path, write_script) -> None:
+    """A child the rank forked inherits the rank's SIGTERM and crash handlers: its SIGTERM must
+    not write stacks into the rank's files, where the job read as rank 0 killed by SIGTERM."""
+    job = run_doctor(tmp_path, torchrun(2, write_script("forked_helper.py", FORKED_HELPER)), timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert "helper ended by -15" in job.stdout
+    assert (job.run_dir / "sigterm-rank0.txt").read_text() == ""
+    doc = diagnose_json(job.run_dir)
+    assert [f for f in doc["findings"] if f["severity"] != "info"] == [], doc["findings"]

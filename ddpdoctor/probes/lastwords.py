@@ -46,6 +46,7 @@ TEE_ENV = "DDPDOCTOR_TEE"  # "0": leave the rank's stderr as it is
 _TEE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_tee.py")
 _files: list[Any] = []  # kept open for faulthandler's C handlers
 _done: set[str] = set()  # steps already taken in this process (early, before init)
+_ours: set[str] = set()  # the faulthandler registrations made here: undone in a forked child
 
 
 def filename(kind: str, rank: int) -> str:
@@ -78,6 +79,7 @@ def _fatal(c: _c.Collector) -> None:
     if faulthandler.is_enabled():
         return  # the job's own (PYTHONFAULTHANDLER, -X faulthandler): it writes to stderr
     faulthandler.enable(file=_open(c, "fatal"), all_threads=True)
+    _ours.add("fatal")
 
 
 def _sigterm(c: _c.Collector) -> None:
@@ -86,6 +88,21 @@ def _sigterm(c: _c.Collector) -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return  # the job handles SIGTERM: never stand in its way
     faulthandler.register(signal.SIGTERM, file=_open(c, "sigterm"), all_threads=True, chain=True)
+    _ours.add("sigterm")
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, the job's own multiprocessing fork) is not the rank:
+    a SIGTERM or a crash there must not write its stacks into the rank's files, where they would
+    read as the rank's death. The child's signals go back to what they were without us."""
+    if "sigterm" in _ours:
+        faulthandler.unregister(signal.SIGTERM)
+    if "fatal" in _ours:
+        faulthandler.disable()
+    _ours.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _exit_code(c: _c.Collector) -> None:
