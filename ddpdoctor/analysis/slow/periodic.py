@@ -4,11 +4,14 @@ hits.
 
 Every other rank waits for the late one at the next sync, so the cost of a 250 ms metrics write
 every 5th step is the whole job's: a warning when it is at least ``COST_WARNING`` of the run
-time, named with its period and cost.
+time, named with its period and cost. The cost is the rank's own: the lateness less its extra
+wait for a CPU (the run-queue delay its backward records carry), which on a crowded host is the
+host's doing; a few ms of scheduling noise that happen to fall on a beat are not work.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 
@@ -100,6 +103,30 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     return ranks, waits[:, :n]
 
 
+def cpu_wait_excess(run: Run, ranks: list[int], row: int, steps: np.ndarray) -> np.ndarray:
+    """µs rank ``ranks[row]`` waited for a CPU during each of ``steps`` beyond the others'
+    median (its run-queue delay from the previous step's backward to this one's, as the
+    backward records carry it); 0 where the kernel did not say or it waited less."""
+    delay = np.full((len(ranks), len(steps)), np.nan)
+    for i, r in enumerate(ranks):
+        bwd = run.ranks[r].kind(schema.BACKWARD)
+        step, runq = bwd.step.astype(np.int64), bwd.ints(0, default=-1)
+        ok = (step >= 0) & (runq >= 0)
+        if not ok.any():
+            continue
+        at = np.full(int(step[ok].max()) + 2, np.nan)  # at[s + 1]: the delay so far at step s's end
+        np.fmax.at(at, step[ok] + 1, runq[ok].astype(np.float64))
+        known = steps + 1 < len(at)
+        delay[i, known] = at[steps[known] + 1] - at[steps[known]]
+    others = np.delete(delay, row, axis=0)
+    if not len(others) or np.isnan(others).all():
+        return np.zeros(len(steps))
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no other rank said: NaN, then 0
+        excess = delay[row] - np.nanmedian(others, axis=0)
+    return np.clip(np.nan_to_num(excess, nan=0.0), 0.0, None)
+
+
 def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     """(step, µs) of each step's last gradient bucket: the one the step waits for. The buckets'
     all-reduces overlap the backward and each other; summing them counts one wait many times."""
@@ -141,11 +168,15 @@ def periodic_work(run: Run) -> Iterable[Finding]:
         k = period_of(late, lateness.shape[1])
         if k is None:
             continue
-        cost_us = float(lateness[row, late].sum())
+        # What its own code took: the lateness less the rank's extra wait for a CPU, which on
+        # a crowded host is the host's doing (and, with nothing left, all of it).
+        waited = cpu_wait_excess(run, ranks, row, late)
+        own = np.clip(lateness[row, late] - waited, 0.0, None)
+        cost_us = float(own.sum())
         share = cost_us / total_us
         if share < COST_NOTE:
             continue
-        each_ms = float(np.median(lateness[row, late])) / 1e3
+        each_ms, waited_ms = float(np.median(own)) / 1e3, float(np.median(waited)) / 1e3
         speedup = total_us / max(total_us - cost_us, 1.0)
         reading = other_loader(run.ranks[rank], [int(s) for s in late])
         what = "(logging, metrics, checkpoints, evaluation?)"
@@ -156,7 +187,8 @@ def periodic_work(run: Run) -> Iterable[Finding]:
             "warning" if share >= COST_WARNING and each_ms >= MIN_EACH_MS else "info",
             [rank],
             f"every {k} steps rank {rank} spends {each_ms:.0f} ms in its own code between sync "
-            f"points {what} while the other ranks wait for it at the next sync point: "
+            f"points {what}{_waiting(waited_ms)} while the other ranks wait for it at the next "
+            "sync point: "
             f"{100 * share:.0f} % of the training time; the job would be {speedup:.2f}x faster "
             "without it",
             fix=OTHER_LOADER_FIX if reading else FIX,
@@ -168,5 +200,11 @@ def periodic_work(run: Run) -> Iterable[Finding]:
                 "cost_share": round(share, 4),
                 "what_if_speedup": round(speedup, 3),
                 "late_steps": [int(s) for s in late][:50],
+                "cpu_wait_ms": round(waited_ms, 3),
             },
         )
+
+
+def _waiting(ms: float) -> str:
+    """' (and 4 ms more waiting for a CPU)' where the rank's extra run-queue wait is material."""
+    return f" (and {ms:.0f} ms more waiting for a CPU)" if ms >= 1.0 else ""
