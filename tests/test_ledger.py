@@ -143,7 +143,6 @@ def test_periodic_work_is_timed_once_not_once_per_bucket() -> None:
     assert f.details["ms_each"] == pytest.approx(40.0, rel=0.1)
 
 
-
 def test_periodic_lateness_spent_waiting_for_a_cpu_is_the_hosts_not_rank_only_work() -> None:
     """Late every 9th step only because the rank sat in the run queue (a crowded host) is not
     work of its own; late with some of it spent waiting still is, and says how much."""
@@ -157,7 +156,10 @@ def test_periodic_lateness_spent_waiting_for_a_cpu_is_the_hosts_not_rank_only_wo
     (f,) = [f for f in diagnose(stretched).findings if f.kind == "periodic_rank_work"]
     assert f.ranks == [1] and f.details["period_steps"] == 9
     assert f.details["cpu_wait_ms"] == pytest.approx(10.0, rel=0.1)
-    assert f.details["ms_each"] == pytest.approx(30.0, rel=0.1) and "10 ms more waiting for a CPU" in f.summary
+    assert (
+        f.details["ms_each"] == pytest.approx(30.0, rel=0.1) and "10 ms more waiting for a CPU" in f.summary
+    )
+
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 GLOO_WORDS = [
