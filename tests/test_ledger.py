@@ -13,7 +13,7 @@ import pytest
 from ddpdoctor.analysis import diagnose
 from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
 from ddpdoctor.analysis.failed.parting import first_divergence
-from ddpdoctor.analysis.slow.periodic import period_of
+from ddpdoctor.analysis.slow.periodic import beat_in, beat_of
 from ddpdoctor.analysis.slow.phases import exclusive_durations
 from ddpdoctor.trace.reader import load_run
 
@@ -105,16 +105,34 @@ def test_same_ledgers_have_no_divergence(tmp_path: Path) -> None:
     assert first_divergence(build(load_run([tmp_path]))) is None
 
 
-def test_period_of_late_steps() -> None:
-    assert period_of(np.array([4, 9, 14, 19, 24])) == 5
-    assert period_of(np.array([4, 9, 14, 20, 24, 29])) == 5  # one gap off: still regular
-    assert period_of(np.array([1, 2, 7, 8, 20])) is None
-    assert period_of(np.array([4, 9])) is None
-    # Late steps that share a parity by chance are not work every 2 steps: most even steps
-    # of the 24 are on time.
-    assert period_of(np.array([3, 9, 11, 17, 21]), 24) is None
-    assert period_of(np.array([1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23]), 24) is None  # turns
-    assert period_of(np.array([7, 15, 23]), 24) == 8  # the end of each epoch
+def test_the_beat_of_late_steps() -> None:
+    assert beat_of(np.array([4, 9, 14, 19, 24])) == (5, 4)
+    assert beat_of(np.array([4, 9, 14, 20, 24, 29])) == (5, 4)  # one gap off: still regular
+    assert beat_of(np.array([1, 2, 7, 8, 20])) is None
+    assert beat_of(np.array([4, 9])) is None
+    assert beat_of(np.array([1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23])) is None  # ranks taking turns
+
+
+def _row(n: int, late: dict[int, float], noise: dict[int, float] | None = None) -> np.ndarray:
+    row = np.zeros(n)
+    for step, ms in {**(noise or {}), **late}.items():
+        row[step] = ms * 1e3
+    return row
+
+
+def test_a_beat_is_checked_on_the_whole_row() -> None:
+    k, late = beat_in(_row(24, {7: 80, 15: 80, 23: 80}))
+    assert (k, late.tolist()) == (8, [7, 15, 23])  # the end of each epoch
+    # Late steps that share a residue by chance are not work every k steps: most steps on
+    # that beat are on time, or as many off it are as late.
+    assert beat_in(_row(24, {3: 9, 9: 9, 11: 9, 17: 9, 21: 9})) is None
+    noisy = {s: 4.0 for s in (1, 2, 4, 5, 9, 12, 16, 20, 22)}
+    assert beat_in(_row(24, {0: 11, 7: 11, 14: 11, 18: 11}, noisy)) is None
+    # A first occurrence that warms a cache, and a last step that saves, far above the rest:
+    # the beat is still every 5th step, every one of its steps late.
+    warm = {5: 350, **{s: 90 for s in range(10, 60, 5)}}
+    k, late = beat_in(_row(60, warm, {59: 300}))
+    assert k == 5 and late.tolist() == list(range(5, 60, 5))
 
 
 def test_optimizer_time_excludes_the_forward_and_backward_run_inside_it(tmp_path: Path) -> None:

@@ -31,7 +31,9 @@ MIN_EACH_MS = 10.0  # a warning needs work this long each time: a few ms at an e
 # tiny job is the host's scheduling, not the user's code
 MIN_STEPS = 6
 MIN_REPEATS = 3  # late steps needed to call it periodic
-REGULAR = 0.7  # share of gaps between late steps that must equal the period
+REGULAR = 0.7  # share of late steps on the beat, and of the beat's steps that are late
+LEVEL_SHARE = 0.25  # a step on the beat is late above this share of a typical occurrence
+OFF_BEAT = 0.2  # at most this share of the steps off the beat may be as late
 FIX = (
     "Take the rank-only work off the training's critical path: run it in a background thread or "
     "process (write metrics/checkpoints asynchronously), do it less often, or share it across "
@@ -39,12 +41,9 @@ FIX = (
 )
 
 
-def period_of(steps: np.ndarray, n_steps: int | None = None) -> int | None:
-    """The regular gap between late steps (every k steps), or None when they are not regular.
-
-    Most late steps must fall on one residue mod k (one late step off the beat does not break
-    it), and, out of ``n_steps``, most steps on that beat must be late: a few late steps that
-    happen to share a parity (scheduling noise on a busy host) are not work every 2 steps."""
+def beat_of(steps: np.ndarray) -> tuple[int, int] | None:
+    """(k, residue): the regular gap between late steps and the residue mod k most of them
+    share (one late step off the beat does not break it), or None when they are not regular."""
     if len(steps) < MIN_REPEATS:
         return None
     steps = np.sort(steps)
@@ -52,12 +51,39 @@ def period_of(steps: np.ndarray, n_steps: int | None = None) -> int | None:
     if k < 3:  # every other step: indistinguishable from two ranks taking turns on busy cores
         return None
     residue, on_beat = _most_common(steps % k)
-    if on_beat < REGULAR * len(steps):
+    return (k, residue) if on_beat >= REGULAR * len(steps) else None
+
+
+def beat_in(row: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """(k, the late steps on the beat) of one rank's lateness per step (µs), or None.
+
+    The beat comes from the clearest occurrences: the steps late by over half the third
+    largest lateness (a first run that warms a cache, or a run's last step, can be several
+    times the rest). It is then checked on the whole row at a lower bar, a quarter of a
+    typical occurrence: most steps on the beat must reach it and few steps off it, or a few
+    late steps that share a residue by chance (scheduling noise on a busy host) would pass
+    for work every k steps."""
+    floor = LATE_FLOOR_US * 3
+    if len(row) < MIN_REPEATS:
         return None
-    first = int(steps[0]) - (int(steps[0]) - residue) % k  # the beat from the first late step on
-    last = int(steps[-1]) if n_steps is None else n_steps - 1
-    beat = len(range(first, last + 1, k))
-    return k if on_beat >= REGULAR * beat else None
+    top = float(np.partition(row, -MIN_REPEATS)[-MIN_REPEATS])
+    clear = np.flatnonzero(row > max(floor, 0.5 * top))
+    if len(clear) > 0.5 * len(row):
+        return None  # late on most steps: a straggler, not periodic work
+    found = beat_of(clear)
+    if found is None:
+        return None
+    k, residue = found
+    on = clear[clear % k == residue]
+    bar = max(floor, LEVEL_SHARE * float(np.median(row[on])))
+    beat = np.arange(int(on[0]), len(row), k)
+    late = beat[row[beat] > bar]
+    off = np.ones(len(row) - int(on[0]), bool)
+    off[beat - int(on[0])] = False
+    off_late = float(np.mean(row[int(on[0]) :][off] > bar)) if off.any() else 0.0
+    if len(late) < max(MIN_REPEATS, REGULAR * len(beat)) or off_late > OFF_BEAT:
+        return None
+    return k, late
 
 
 def _most_common(values: np.ndarray) -> tuple[int, int]:
@@ -161,13 +187,10 @@ def periodic_work(run: Run) -> Iterable[Finding]:
     if total_us <= 0:
         return
     for row, rank in enumerate(ranks):
-        peak = float(lateness[row].max())
-        late = np.flatnonzero(lateness[row] > max(LATE_FLOOR_US * 3, 0.5 * peak))
-        if len(late) > 0.5 * lateness.shape[1]:
-            continue  # late on most steps: a straggler, not periodic work
-        k = period_of(late, lateness.shape[1])
-        if k is None:
+        found = beat_in(lateness[row])
+        if found is None:
             continue
+        k, late = found
         # What its own code took: the lateness less the rank's extra wait for a CPU, which on
         # a crowded host is the host's doing (and, with nothing left, all of it).
         waited = cpu_wait_excess(run, ranks, row, late)
