@@ -35,6 +35,7 @@ JOB_KEY = PREFIX + "job"
 NODE_STALE_S = 5.0  # a node whose snapshot has not changed for this long is lost
 LEASE_S = 5.0  # a job state unchanged for this long: its leader is gone, the next one judges
 STORE_TIMEOUT_S = 2.0  # one store operation; a dead store costs the watcher at most this
+CONNECT_TIMEOUT_S = 10.0  # opening the client: a loaded host's agent answers its handshake late
 CONNECT_PATIENCE_S = 20.0  # after this long without the store, say so once and judge alone
 STACKS_WAIT_S = 6.0  # how long a node waits for the other nodes' stacks on a hang
 
@@ -87,19 +88,24 @@ class Board:
         assert self.layout.endpoint is not None
         host, port = self.layout.endpoint
         deadline = time.monotonic() + 3600.0
+        try:  # now, while torchrun starts: on a loaded host this import alone can take 20 s
+            dist = _quiet_torch_distributed()
+        except Exception as exc:
+            self._why = f"torch.distributed: {exc!r}"[:160]
+            return
         while time.monotonic() < deadline and not self._gone:
             try:
                 with socket.create_connection((host, port), timeout=1.0):
                     pass
-                dist = _quiet_torch_distributed()
-
-                self._store = dist.TCPStore(
+                store = dist.TCPStore(
                     host,
                     port,
                     is_master=False,
-                    timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                    timeout=timedelta(seconds=CONNECT_TIMEOUT_S),  # the handshake, on a busy agent
                     wait_for_workers=False,
                 )
+                store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+                self._store = store
                 return
             except Exception as exc:
                 self._why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
