@@ -11,14 +11,19 @@ host's doing; a few ms of scheduling noise that happen to fall on a beat are not
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector
-from ddpdoctor.analysis.slow.phases import first_per_step, training_forwards
+from ddpdoctor.analysis.slow.phases import (
+    StepGrid,
+    cpu_wait,
+    cpu_wait_excess,
+    first_per_step,
+    training_forwards,
+)
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
 from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
 from ddpdoctor.analysis.slow.synctable import lateness_from_waits
@@ -129,28 +134,12 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     return ranks, waits[:, :n]
 
 
-def cpu_wait_excess(run: Run, ranks: list[int], row: int, steps: np.ndarray) -> np.ndarray:
+def own_cpu_wait(run: Run, ranks: list[int], row: int, steps: np.ndarray) -> np.ndarray:
     """µs rank ``ranks[row]`` waited for a CPU during each of ``steps`` beyond the others'
-    median (its run-queue delay from the previous step's backward to this one's, as the
-    backward records carry it); 0 where the kernel did not say or it waited less."""
-    delay = np.full((len(ranks), len(steps)), np.nan)
-    for i, r in enumerate(ranks):
-        bwd = run.ranks[r].kind(schema.BACKWARD)
-        step, runq = bwd.step.astype(np.int64), bwd.ints(0, default=-1)
-        ok = (step >= 0) & (runq >= 0)
-        if not ok.any():
-            continue
-        at = np.full(int(step[ok].max()) + 2, np.nan)  # at[s + 1]: the delay so far at step s's end
-        np.fmax.at(at, step[ok] + 1, runq[ok].astype(np.float64))
-        known = steps + 1 < len(at)
-        delay[i, known] = at[steps[known] + 1] - at[steps[known]]
-    others = np.delete(delay, row, axis=0)
-    if not len(others) or np.isnan(others).all():
-        return np.zeros(len(steps))
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no other rank said: NaN, then 0
-        excess = delay[row] - np.nanmedian(others, axis=0)
-    return np.clip(np.nan_to_num(excess, nan=0.0), 0.0, None)
+    median; 0 where the kernel did not say or it waited less."""
+    grid = StepGrid(0, int(steps.max()) + 1 if len(steps) else 0)
+    delay = np.stack([cpu_wait(run.ranks[r], grid)[steps] for r in ranks])
+    return np.clip(np.nan_to_num(cpu_wait_excess(delay, row), nan=0.0), 0.0, None)
 
 
 def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +182,7 @@ def periodic_work(run: Run) -> Iterable[Finding]:
         k, late = found
         # What its own code took: the lateness less the rank's extra wait for a CPU, which on
         # a crowded host is the host's doing (and, with nothing left, all of it).
-        waited = cpu_wait_excess(run, ranks, row, late)
+        waited = own_cpu_wait(run, ranks, row, late)
         own = np.clip(lateness[row, late] - waited, 0.0, None)
         cost_us = float(own.sum())
         share = cost_us / total_us

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,28 @@ class StepGrid:
         if ufunc is not None and not reduced:  # unbuffered, in place: faster than a sort, if no cast
             ufunc.at(out, at, values.astype(np.float64, copy=False))
         return out, present
+
+
+def cpu_wait(trace: RankTrace, grid: StepGrid) -> np.ndarray:
+    """µs the rank's training thread waited for a CPU in each grid step, from the previous
+    step's backward end to this one's (its backward records carry the running total of its
+    run-queue delay: probes/cpuwait.py); NaN where the kernel did not say or a step, or the one
+    before it, has no backward. The straggler table and the periodic-work rule both read it."""
+    bwd = trace.kind(schema.BACKWARD)
+    total, has = grid.put(bwd.step, bwd.ints(0, default=-1).astype(np.float64))
+    has &= total >= 0
+    known = has & np.roll(has, 1)
+    known[:1] = False  # the step before the grid
+    return np.where(known, total - np.roll(total, 1), np.nan)
+
+
+def cpu_wait_excess(delay: np.ndarray, row: int) -> np.ndarray:
+    """Per step (column of a (ranks, steps) ``cpu_wait`` table), how much longer rank ``row``
+    waited for a CPU than the other ranks' median: the part of its lateness that is the host's,
+    not its own code's. NaN where it, or every other rank, did not say."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no other rank said: NaN
+        return delay[row] - np.nanmedian(np.delete(delay, row, axis=0), axis=0)
 
 
 def median_period(diffs: Iterable[np.ndarray]) -> float:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, large_detector, rank_list
 from ddpdoctor.analysis.slow.device import clock
+from ddpdoctor.analysis.slow.phases import cpu_wait_excess
 from ddpdoctor.analysis.slow.stalls import (
     LARGER_FIX,
     OTHER_LOADER_FIX,
@@ -129,7 +130,7 @@ def column_argmax(table: np.ndarray) -> np.ndarray:
     return np.concatenate(parts) if parts else table.argmax(axis=0)
 
 
-def cpu_wait_excess(table: SyncTable, row: int, late_steps: np.ndarray) -> float | None:
+def median_cpu_wait_excess(table: SyncTable, row: int, late_steps: np.ndarray) -> float | None:
     """Median run-queue delay (µs) of the late rank over the others' on its late steps; None
     where the kernel did not say."""
     if table.cpu_wait is None:
@@ -137,8 +138,7 @@ def cpu_wait_excess(table: SyncTable, row: int, late_steps: np.ndarray) -> float
     values = table.cpu_wait[:, late_steps]
     if np.isnan(values).any():
         return None
-    others = np.median(np.delete(values, row, axis=0), axis=0)
-    return float(np.median(values[row] - others))
+    return float(np.median(cpu_wait_excess(values, row)))
 
 
 def by_chance(n_late: int, n_steps: int, world: int) -> float:
@@ -219,7 +219,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
             # The rank's own phases are no longer than the others': the "lateness" is noise in
             # when completions were observed (a descheduled callback thread), not a straggler.
             continue
-        waited = cpu_wait_excess(table, row, late_steps)
+        waited = median_cpu_wait_excess(table, row, late_steps)
         # Late because it had no CPU, not because of its own work: the host's doing, when the
         # lateness left once its extra wait for a CPU is taken away is on time. A rank with more
         # work than the others also waits longer for a CPU on a crowded host: the wait stretches

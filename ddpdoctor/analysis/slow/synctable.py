@@ -16,6 +16,7 @@ import numpy as np
 from ddpdoctor.analysis.slow.device import device_timed
 from ddpdoctor.analysis.slow.phases import (
     StepGrid,
+    cpu_wait,
     first_per_step,
     median_period,
     narrow_periods,
@@ -79,10 +80,7 @@ def _rank_rows(
     }
     parts["other"] = np.maximum(0.0, (ready - prev_end) - sum(parts.values()))
     parts["last_dur"] = last_dur
-    runq, has_runq = grid.put(bwd.step, bwd.ints(0, default=-1).astype(np.float64))
-    has_runq &= runq >= 0
-    known = has_runq & np.roll(has_runq, 1)
-    parts["cpu_wait"] = np.where(known & has_prev, runq - np.roll(runq, 1), np.nan)
+    parts["cpu_wait"] = cpu_wait(trace, grid)
     return has_fwd & has_bwd & has_prev & has_ar, parts
 
 
@@ -98,7 +96,7 @@ def sync_table(run: Run) -> SyncTable | None:
     spanned, step_us = _steps_and_period(run, ranks)
     grid = StepGrid(spanned.lo - 1, spanned.n + 1)  # and the step before: its backward's end
     matrices = {name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur")}
-    cpu_wait = None  # allocated at the first rank whose kernel said (NaN rows before it)
+    waits = None  # cpu_wait, allocated at the first rank whose kernel said (NaN rows before it)
     common = np.ones(grid.n, bool)
     # Buckets untimed on some rank (DDPDOCTOR_BUCKET_TIMING): every rank's arrival is then
     # taken at the start of its backward, so that all are measured alike; a rank slow inside
@@ -112,10 +110,10 @@ def sync_table(run: Run) -> SyncTable | None:
         common &= complete
         for name, m in matrices.items():
             m[i] = values[name]
-        if cpu_wait is None and not np.isnan(values["cpu_wait"]).all():
-            cpu_wait = np.full((len(ranks), grid.n), np.nan, np.float32)
-        if cpu_wait is not None:
-            cpu_wait[i] = values["cpu_wait"]
+        if waits is None and not np.isnan(values["cpu_wait"]).all():
+            waits = np.full((len(ranks), grid.n), np.nan, np.float32)
+        if waits is not None:
+            waits[i] = values["cpu_wait"]
     if common.sum() < MIN_STEPS:
         return None
     shared = _columns(common)
@@ -123,10 +121,9 @@ def sync_table(run: Run) -> SyncTable | None:
         matrices[name] = matrices[name][:, shared]
     last_dur = matrices.pop("last_dur")
     lateness = lateness_from_waits(last_dur, out=last_dur)
-    cpu_wait = cpu_wait[:, shared] if cpu_wait is not None else None
-    known = cpu_wait is not None and not np.isnan(cpu_wait).all()
-    cpu_wait = cpu_wait if known else None
-    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, cpu_wait, untimed)
+    waits = waits[:, shared] if waits is not None else None
+    waits = None if waits is None or np.isnan(waits).all() else waits
+    return SyncTable(ranks, grid.steps[common], lateness, matrices, step_us, waits, untimed)
 
 
 def _columns(common: np.ndarray) -> slice | np.ndarray:
