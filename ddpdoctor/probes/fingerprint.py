@@ -370,6 +370,10 @@ def after_step(c: Any, optimizer: Any) -> None:
     if fp is None or fp.c is not c or PROBE in c.disabled:
         return
     try:
+        step = c.step
+        if not fp.pending and step < fp.next_due and step != fp.checked:
+            fp.stepped = step  # no check due: what Fingerprints.after_step does first, inline
+            return
         if fp.compiling():  # an optimizer step being traced: nothing to hash
             return
         fp.after_step(optimizer)
