@@ -145,7 +145,8 @@ def test_bucket_timing_auto_leaves_millisecond_steps_to_ddp_and_still_knows_thei
     layout = [r[4] for r in records if r[0] == "bucket"]  # from DDP's logging data, untimed
     assert [b["index"] for b in layout] == list(range(hook[4]["auto"]["buckets"]))
     assert sorted(p for b in layout for p in b["params"])[:2] == ["0.bias", "0.weight"]
-    from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
+    from ddpdoctor.analysis.failed.ledger import build
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
     from ddpdoctor.trace.reader import load_run
 
     ledger = build(load_run([job.run_dir]))[1]

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, build
+from ddpdoctor.analysis.failed.ledger import build
 from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
 from ddpdoctor.analysis.slow.periodic import beat_in, beat_of
 from ddpdoctor.analysis.slow.phases import exclusive_durations
 from ddpdoctor.trace.reader import load_run
@@ -201,14 +202,32 @@ def _ends(run_dir: Path, ranks: dict[int, dict]) -> None:
     (run_dir / "ends.json").write_text(json.dumps({"schema": "ddpdoctor.ends/1", "ranks": ranks}))
 
 
+# Rank 1's stack when the launcher's SIGTERM caught it formatting the exception its backward
+# raised (in ddpdoctor's excepthook, before the rank_error record was written): no frame of its
+# own code is left, only its trace's ``raised`` record says where the exception came from.
+_EXCEPTHOOK_STACK = (
+    "Thread 0x00007fdd8d1ff6c0 (most recent call first):\n"
+    '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n\n'
+    "Current thread 0x00007fddaec1bb80 (most recent call first):\n"
+    '  File "<frozen abc>", line 123 in __subclasscheck__\n'
+    '  File "/usr/lib/python3.11/traceback.py", line 869 in format_exception_only\n'
+    '  File "/venv/lib/python3.11/site-packages/ddpdoctor/probes/liveness.py", line 241 in _chain_text\n'
+    '  File "/venv/lib/python3.11/site-packages/ddpdoctor/probes/liveness.py", line 279 in excepthook\n'
+)
+
+
+@pytest.mark.parametrize("stopped", ["in its backward", "formatting what its backward raised"])
 def test_a_rank_killed_inside_a_collective_its_peer_never_issued_is_the_root_not_a_failure(
-    tmp_path: Path,
+    tmp_path: Path, stopped: str
 ) -> None:
     """Rank 0 aborts (SIGABRT: gloo saw a size it did not expect) inside an all_reduce after its
     last step; rank 1 was in its next step's gradient all-reduce when the launcher stopped it.
-    The traces hold neither in-flight call: the death stacks say where each rank was."""
+    The traces hold neither in-flight call: the death stacks say where each rank was, or, where
+    rank 1's stack shows only its exception being handled, its trace's raised backward does."""
     _write(tmp_path, 0, _steps(3), end=False)  # 3 of its pass's 8 batches: not out of data
-    _write(tmp_path, 1, [*_steps(3), ["forward", 4000, 100, 3, 1, 1, 6, 0]], end=False)
+    raised = ["raised", 4150, 0, 3, {"kind": "backward", "fields": [1], "dur_us": 51_457}]
+    last = [["forward", 4000, 100, 3, 1, 1, 6, 0], *([raised] if stopped.startswith("formatting") else [])]
+    _write(tmp_path, 1, [*_steps(3), *last], end=False)
     abort = _stack((C10D, 3252, "all_reduce"), ("/job/train.py", 40, "main"))
     term = _stack(
         ("/venv/lib/python3.11/site-packages/torch/autograd/__init__.py", 395, "backward"),
@@ -216,6 +235,8 @@ def test_a_rank_killed_inside_a_collective_its_peer_never_issued_is_the_root_not
         ("/job/train.py", 22, "main"),
         header="",
     )
+    if stopped.startswith("formatting"):
+        term = _EXCEPTHOOK_STACK
     _ends(
         tmp_path,
         {
@@ -547,7 +568,7 @@ def test_the_forward_where_the_ranks_parted_is_matched_by_count_across_cut_tails
     the place the wrapper's collectives went out of step, found with the ledgers' tails cut at
     different counts (each keeps its last forwards only)."""
     from ddpdoctor.analysis.failed.forwards import parted_forward
-    from ddpdoctor.analysis.failed.ledger import Ledger
+    from ddpdoctor.analysis.failed.points import Ledger
 
     train, probe = "train.py:72", "train.py:54"
     zero = [(s, True, True, train) for s in range(10)] + [(10, True, True, probe), (11, True, True, train)]

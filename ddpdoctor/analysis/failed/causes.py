@@ -12,15 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
-from ddpdoctor.analysis.failed.ledger import (
-    BUFFERS,
-    FORWARD,
-    GRAD_ALLREDUCE,
-    Ledger,
-    Point,
-    build,
-    forward_site,
-)
+from ddpdoctor.analysis.failed.ledger import build, forward_site
 from ddpdoctor.analysis.failed.parting import (
     FIX_BRANCH,
     Divergence,
@@ -30,6 +22,7 @@ from ddpdoctor.analysis.failed.parting import (
     rank_only_call,
     rank_only_logs,
 )
+from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.source import loop_left

@@ -28,6 +28,7 @@ from ddpdoctor.analysis.failed import endings
 from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.failed.failure_parts import StackGroup, parting_table, stack_groups
 from ddpdoctor.analysis.failed.failure_spans import Clock, OpenSpan, open_spans
+from ddpdoctor.analysis.failed.points import Ledger
 from ddpdoctor.analysis.findings import Finding, clip
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
@@ -254,9 +255,7 @@ def _end_of(
     return last, ""
 
 
-def _rank_end(
-    rank: int, trace: RankTrace, book: ledgers.Ledger, spans: list[OpenSpan], end_s: float
-) -> RankEnd:
+def _rank_end(rank: int, trace: RankTrace, book: Ledger, spans: list[OpenSpan], end_s: float) -> RankEnd:
     ending = book.ending
     cut = {(s.kind, s.recorded_ts) for s in spans if s.recorded_ts is not None}
     last = book.last_step

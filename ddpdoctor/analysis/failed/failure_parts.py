@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.analysis.failed import ledger as ledgers
 from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.hung.hang import group_ranks
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
@@ -62,7 +62,7 @@ def stack_groups(stacks: dict[int, list[dict[str, Any]]], where: dict[int, str])
     return [StackGroup(ranks, w, list(lines), users[(w, lines)]) for ranks, (w, lines) in group_ranks(keys)]
 
 
-def _cell(point: ledgers.Point, in_flight: bool) -> dict[str, Any]:
+def _cell(point: Point, in_flight: bool) -> dict[str, Any]:
     return {
         "op": point.op,
         "bytes": point.nbytes or None,
@@ -89,12 +89,12 @@ def _next_point(
         return last
     row = by_seq.setdefault(last + 1, {})
     for rank, span in inside.items():
-        op = ledgers.GRAD_ALLREDUCE if span.kind in (schema.BACKWARD, schema.ALLREDUCE) else span.label
-        row[rank] = _cell(ledgers.Point(last + 1, op, 0, "WORLD", span.step, span.user_frame), True)
+        op = GRAD_ALLREDUCE if span.kind in (schema.BACKWARD, schema.ALLREDUCE) else span.label
+        row[rank] = _cell(Point(last + 1, op, 0, "WORLD", span.step, span.user_frame), True)
     return last + 1
 
 
-def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) -> dict[str, Any]:
+def parting_table(books: dict[int, Ledger], open_spans: list[OpenSpan]) -> dict[str, Any]:
     """The collectives (default group) around where the ranks parted: ``{"seq": the parting
     sequence number, "seqs": [...], "rows": {seq: {rank: cell or None}}}`` where a cell is
     ``{op, bytes, site, step, in_flight}`` (in_flight: the rank entered it and never left; a
@@ -109,9 +109,7 @@ def parting_table(books: dict[int, ledgers.Ledger], open_spans: list[OpenSpan]) 
         if span.seq is not None and span.seq >= 0 and span.op:
             op = _DDP_LABELS.get(span.op, span.op)
             cells = by_seq.setdefault(span.seq, {})
-            cells[span.rank] = _cell(
-                ledgers.Point(span.seq, op, 0, "WORLD", span.step, span.user_frame), True
-            )
+            cells[span.rank] = _cell(Point(span.seq, op, 0, "WORLD", span.step, span.user_frame), True)
     if not by_seq:
         return {}
     present = [r for r, b in books.items() if b.ending.how != "never_started"]

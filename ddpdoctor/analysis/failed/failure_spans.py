@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.failed import endings
-from ddpdoctor.analysis.failed import ledger as ledgers
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Point
 from ddpdoctor.analysis.hung.hang import in_own_code, main_thread
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
@@ -78,8 +78,8 @@ def open_spans(
     hang: dict[str, Any] | None,
     end_s: float,
     ended_by: str,
-    died_in: ledgers.Point | None = None,
-    in_flight: ledgers.Point | None = None,
+    died_in: Point | None = None,
+    in_flight: Point | None = None,
 ) -> tuple[list[OpenSpan], list[dict[str, Any]]]:
     """The spans the rank never left, and its stack (innermost first) at the end; ``died_in``:
     the sync point a signal killed it in, as its ledger read it from its death stack;
@@ -130,7 +130,7 @@ def open_spans(
     end = run.ends.get(rank) or {}
     frames = _fatal_frames(str(end.get("stack") or ""))
     if died_in is not None:  # its death stack shows it inside a collective (ledger.died_in)
-        grad = died_in.op == ledgers.GRAD_ALLREDUCE
+        grad = died_in.op == GRAD_ALLREDUCE
         phase = {"name": "backward" if grad else "collective", "op": died_in.op, "seq": died_in.seq}
         return _from_phase(rank, phase, last, end_s, step, _user(frames), ended_by), frames
     return [_user_code(rank, last, end_s, step, _user(frames), ended_by)], frames

@@ -12,17 +12,14 @@ first part ways is ``parting.first_divergence``.
 from __future__ import annotations
 
 import os
-from collections import Counter
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.failed.endings import Ending, how_it_ended, last_step_started, merged_watch
-from ddpdoctor.analysis.failed.passes import Pass, passes
+from ddpdoctor.analysis.failed.endings import how_it_ended, last_step_started, merged_watch
+from ddpdoctor.analysis.failed.passes import passes
+from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.stacks import (
-    Frame,
     death_stack,
     error_frames,
     exit_stack,
@@ -38,96 +35,6 @@ from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
-
-# DDP's own sync points, as ledger ops: the live phases' names in the user's words.
-GRAD_ALLREDUCE = LivePhase.BACKWARD.label
-BUFFERS = LivePhase.SYNC_BUFFERS.label
-FORWARD = LivePhase.FORWARD.label
-
-
-@dataclass(slots=True)
-class Point:
-    """One sync point a rank issued (or was inside when the job was stopped)."""
-
-    seq: int  # the process group's collective sequence number at entry (-1: unknown)
-    op: str  # a dist op name, or GRAD_ALLREDUCE / BUFFERS / FORWARD
-    nbytes: int
-    group: str
-    step: int
-    site: str  # the user's file:line, "" when unknown
-    ts: int = 0
-    in_flight: bool = False
-    died_in: bool = False  # the rank died inside it (its death stack), seq: the next after its last
-    # It raised (a ``raised`` record): not completed, but its op and size are the recorded ones,
-    # so it still counts where ranks are compared (a size mismatch that made gloo raise).
-    raised: bool = False
-    dtype: str = ""  # the rest of a Python collective's signature ("", 0, -1, None: not recorded)
-    numel: int = 0
-    root: int = -1
-    ranks: str | None = None  # the group's global ranks ("0 1"), "" for WORLD
-    func: str = ""  # the function its site is in, where on record
-
-    def signature(self) -> dict[str, Any]:
-        """The fields ``signature.disagreement`` compares (bytes of a call in flight are unknown)."""
-        return {
-            "op": self.op,
-            "bytes": 0 if self.in_flight else self.nbytes,
-            "dtype": self.dtype,
-            "numel": self.numel,
-            "root": self.root,
-            "ranks": self.ranks,
-        }
-
-    def signature_key(self) -> tuple[Any, ...]:
-        """``signature()``'s values as a tuple: what ``first_divergence`` compares at every
-        sequence number of every rank (230,000 points at 1,024 ranks), without a dict each."""
-        return (self.op, 0 if self.in_flight else self.nbytes, self.dtype, self.numel, self.root, self.ranks)
-
-    def describe(self) -> str:
-        named = self.site and self.func and not self.func.startswith("<")  # not <module>
-        where = f" at {self.site}" + (f" in {self.func}()" if named else "") if self.site else ""
-        size = f", {self.nbytes} bytes" if self.nbytes else ""
-        seq = f" #{self.seq}" if self.seq >= 0 else ""
-        died = ", raised" if self.raised else ", where it ended" if self.died_in else ""
-        return f"{self.op}{seq} (step {self.step}{size}{died}){where}"
-
-
-@dataclass
-class Ledger:
-    rank: int
-    points: list[Point] = field(default_factory=list)
-    forwards: list[tuple[int, bool, bool, str]] = field(default_factory=list)  # step, grad, training, site
-    forwards_from: int = 0  # the rank's count of forwards before the first one kept (the tail)
-    steps: int = 0  # training steps whose backward finished
-    last_step: int = -1  # the last training step entered
-    passes: list[Pass] = field(default_factory=list)
-    ending: Ending = field(default_factory=lambda: Ending("running"))
-    place: str = ""  # where in the user's code it was last seen (a hang's stack, else its last site)
-    words: list[str] = field(default_factory=list)  # its last stderr lines (ends.json)
-    # metrics a framework all-reduces for it (Lightning's sync_dist): (the user's line, name)
-    sync_logs: set[tuple[str, str]] = field(default_factory=set)
-    files: dict[str, str] = field(default_factory=dict)  # a site's file name -> its path
-    funcs: dict[str, str] = field(default_factory=dict)  # a site (file:line) -> its function
-    # the user's frames where it was last seen (a hang's stack, its death's, its exception's):
-    # (path, line, function), outermost first
-    stack: list[Frame] = field(default_factory=list)
-    # The signature the probe wrote for a call after the rank's last recorded collective and
-    # used by no record: the call it died in (a signal kills it before the record is written).
-    unfinished: dict[str, Any] | None = None
-
-    @cached_property
-    def grad_forwards(self) -> Counter[int]:
-        """Grad-mode forwards per step in the ledger's window (read once per step compared)."""
-        return Counter(s for s, grad, _, _ in self.forwards if grad)
-
-    @cached_property
-    def first_grad_step(self) -> int:
-        return min(self.grad_forwards, default=-1)
-
-    def path_of(self, site: str) -> tuple[str, int]:
-        """(the file's path, the line) of a ``file:line`` site, ("", 0) when not on record."""
-        name, _, line = site.rpartition(":")
-        return (self.files.get(name, ""), int(line)) if line.isdigit() else ("", 0)
 
 
 def sites_of(trace: RankTrace) -> dict[int, str]:
@@ -191,11 +98,9 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
         frames = death_stack(run, rank)
     else:  # the traceback of what it raised (inside a collective, it was there), or its exit call
         frames = error_frames(ledger) or exit_stack(run, rank)
-    if not frames:
-        return None, ""
-    place = user_frame(frames)
+    place = user_frame(frames) if frames else ""
     op = None
-    for frame in reversed(frames):  # outermost first: the call the user made
+    for frame in reversed(frames or []):  # outermost first: the call the user made
         file = str(frame.get("file", "")).replace(os.sep, "/")
         if file.endswith(_C10D) and frame.get("function") in COLLECTIVE_OPS:
             op = str(frame["function"])
@@ -205,6 +110,10 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
             if ledger.forwards and ledger.forwards[-1][1]:
                 op = GRAD_ALLREDUCE
             break
+    if op is None and not place and _raised_last_in_backward(ledger):
+        # No frame of its own code (killed as its excepthook ran, say): the exception came out
+        # of its last step's backward, as a traceback through backward would have said.
+        op = GRAD_ALLREDUCE
     if op is None:
         return None, place
     seqs = [p.seq for p in ledger.points if p.group == "WORLD" and p.seq >= 0]
@@ -215,6 +124,15 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     if op != GRAD_ALLREDUCE:
         _sign(point, ledger.unfinished)
     return point, place
+
+
+def _raised_last_in_backward(ledger: Ledger) -> bool:
+    """Whether the rank's last record is its last training step's backward raising: no sync
+    point after it, and the step is its last grad-mode forward's."""
+    if ledger.backward_raised is None or not ledger.forwards or not ledger.forwards[-1][1]:
+        return False
+    ts, step = ledger.backward_raised
+    return step == ledger.forwards[-1][0] and all(p.ts <= ts for p in ledger.points)
 
 
 def _sign(point: Point, sig: dict[str, Any] | None) -> None:
@@ -310,6 +228,8 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         elif info.get("kind") == schema.SYNC_BUFFERS and fields:
             site, op, nbytes, group, seq = "", BUFFERS, 0, "WORLD", int(fields[0])
         else:
+            if info.get("kind") == schema.BACKWARD:
+                ledger.backward_raised = (ts, step)
             continue
         point = Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True)
         if len(fields) > 7:

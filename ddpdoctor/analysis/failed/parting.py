@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import BUFFERS, GRAD_ALLREDUCE, TAIL, Ledger, Point
+from ddpdoctor.analysis.failed.ledger import TAIL
+from ddpdoctor.analysis.failed.points import BUFFERS, GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, disagreement, fix_for
 from ddpdoctor.analysis.failed.source import branch_passed
 from ddpdoctor.analysis.failed.stacks import Frame

@@ -8,8 +8,8 @@ from __future__ import annotations
 import linecache
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import GRAD_ALLREDUCE, Ledger
 from ddpdoctor.analysis.failed.parting import Divergence
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger
 from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
 from ddpdoctor.analysis.findings import Finding
 

@@ -11,7 +11,7 @@ from ddpdoctor.trace.reader import Run
 from ddpdoctor.trace.stacktext import is_user_frame
 
 if TYPE_CHECKING:
-    from ddpdoctor.analysis.failed.ledger import Ledger
+    from ddpdoctor.analysis.failed.points import Ledger
 
 Frame = tuple[str, int, str]  # a stack's frame: (path, line, function as the stack names it)
 

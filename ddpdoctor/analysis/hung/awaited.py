@@ -15,7 +15,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import Ledger, build, died_in
+from ddpdoctor.analysis.failed.ledger import build, died_in
+from ddpdoctor.analysis.failed.points import Ledger
 from ddpdoctor.analysis.failed.stacks import death_stack
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.hung.waits import GENERIC_FIX, fix_for
