@@ -177,11 +177,17 @@ class Fingerprints:
             self.last = (self.c.step, _now())
 
     def after_step(self, optimizer: Any) -> None:
-        """After an optimizer step: check when due (one comparison otherwise)."""
+        """After an optimizer step: check when due (one comparison otherwise). Nothing while
+        torch.compile traces the step (nothing to hash), asked only when there is work: the
+        question is two Python frames."""
+        step = self.c.step
+        due = step >= self.next_due or step == self.checked
+        if (due or self.pending) and self.compiling():
+            return
         if self.pending:
             self.poll()
-        step = self.stepped = self.c.step
-        if step < self.next_due and step != self.checked:
+        self.stepped = step
+        if not due:
             return
         if step == self.checked:  # another optimizer of the same step
             self._check_optimizer(optimizer)
@@ -370,12 +376,6 @@ def after_step(c: Any, optimizer: Any) -> None:
     if fp is None or fp.c is not c or PROBE in c.disabled:
         return
     try:
-        step = c.step
-        if not fp.pending and step < fp.next_due and step != fp.checked:
-            fp.stepped = step  # no check due: what Fingerprints.after_step does first, inline
-            return
-        if fp.compiling():  # an optimizer step being traced: nothing to hash
-            return
         fp.after_step(optimizer)
     except Exception as exc:
         c.fail(PROBE, exc)
