@@ -321,3 +321,50 @@ def test_a_forked_helper_stopped_by_sigterm_is_not_the_rank_dying(tmp_path: Path
     assert (job.run_dir / "sigterm-rank0.txt").read_text() == ""
     doc = diagnose_json(job.run_dir)
     assert [f for f in doc["findings"] if f["severity"] != "info"] == [], doc["findings"]
+
+
+SILENT_PEER = """
+    import os
+    import signal
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+    def main():
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        if rank == 1:  # dies of what it raises without a word: no traceback, no rank_error record
+            sys.excepthook = lambda *exc: os.kill(os.getpid(), signal.SIGKILL)
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(20):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            if rank == 0 and step == 5:
+                raise RuntimeError("rank 0 gives up after step 5")
+
+
+    main()
+"""
+
+
+def test_a_peer_that_dies_of_its_backwards_error_without_a_word_is_placed_in_its_all_reduce(
+    tmp_path: Path, write_script
+) -> None:
+    """Rank 0 raises after step 5; rank 1's gradient all-reduce of step 6 then raises, and its
+    own excepthook SIGKILLs it: no traceback, no rank_error, no stack. Its trace's ``raised``
+    backward still puts it in that all-reduce, a consequence of rank 0 (or, if the launcher's
+    SIGTERM reaches it first, its stack in backward does)."""
+    job = run_doctor(tmp_path, torchrun(2, write_script("silent_peer.py", SILENT_PEER)), timeout=120)
+    assert job.returncode != 0, job.stderr
+    doc = diagnose_json(job.run_dir)
+    failure = next(f for f in doc["findings"] if f["kind"] == "rank_failure")
+    summary = failure["summary"]
+    assert failure["ranks"] == [0] and "rank 0 gives up" in summary, summary
+    assert "rank 1: at step 6, in its backward, in gradient all-reduce" in summary, summary

@@ -93,7 +93,9 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     it raised (its exception's traceback), and the stack's place in the user's code. Its
     sequence number is not in the stack: it is the one after the last this rank recorded (a
     collective in flight has not been written yet), which holds as long as nothing unrecorded
-    ran on the group in between."""
+    ran on the group in between. A stack with no frame of the user's code (killed as an
+    excepthook ran, or by SIGKILL: no stack at all) falls back on the trace: a raised backward
+    as the rank's last record is its gradient all-reduce."""
     if (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
     else:  # the traceback of what it raised (inside a collective, it was there), or its exit call
