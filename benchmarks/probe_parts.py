@@ -3,9 +3,10 @@
 ``step_cost.py`` measures the whole cost by alternation, but on a shared 2-core VM its paired
 differences spread by ±50 µs, more than any one part. Here one process (world size 1, gloo)
 trains the tiny model with timing wrappers around each part the doctor adds: the DDP forward
-probe (outer wrapper minus the wrapped forward), the backward probe, within it the C++ timer's
-drain (and, on the Python path only, the run-queue read and the unused-parameter check; the C
-probe does both inline), and the optimizer's pre and post
+probe (outer wrapper minus the wrapped forward), the backward probe, the C++ timer's drain
+(within the backward while DDP lays out its buckets, then on the writer thread only: per step,
+what that thread holds the GIL for), on the Python path only the run-queue read and the
+unused-parameter check (the C probe does both inline), and the optimizer's pre and post
 hooks with the fingerprint's after-step check. Parts are timed where they run, after autograd's
 and the optimizer's own work, where a Python line costs several times what it costs in a
 warm loop. Each wrapper adds about half a microsecond to what it measures; compare checkouts
@@ -64,7 +65,7 @@ def main() -> None:
 
     optimizer._pre = timed("optimizer_pre", optimizer._pre)  # registered by install: wrap first
     optimizer._post = timed("optimizer_post", optimizer._post)
-    commhook.drain = timed("drain", commhook.drain)  # the C probe holds it from install on
+    commhook.drain = timed("drain", commhook.drain)  # drain_settling and the writer thread call it
     probes.install()
     ddp.run_queue_us = timed("run_queue", ddp.run_queue_us)  # the Python path's (in C: its own)
     ddp.check_unused = timed("unused_check", ddp.check_unused)
@@ -103,7 +104,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"step {result.pop('step_us')} µs, of which the doctor's parts {result.pop('total_us')} µs:")
-    print("  (backward_probe includes drain, run_queue, unused_check; optimizer_post the fingerprint)")
+    print("  (backward_probe includes run_queue, unused_check; optimizer_post the fingerprint;")
+    print("   drain is the writer thread's, after the first steps)")
     for key, value in result.items():
         print(f"  {key:16s} {value:6.2f} µs")
 

@@ -60,7 +60,9 @@ def run_death(tmp_path: Path, mode: str, step_s: float, **env: str):
 
 @pytest.mark.parametrize("step_s", [0.0, 0.15], ids=["short", "long"])
 @pytest.mark.parametrize("mode", list(DEATHS))
-def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: str, step_s: float) -> None:
+def test_a_dying_rank_keeps_every_step_and_its_last_words(
+    tmp_path: Path, mode: str, step_s: float, native_timer: Path
+) -> None:
     rank, how, sig, exitcode, word = DEATHS[mode]
     job = run_death(tmp_path, mode, step_s)
     # The patient died exactly as it would: torchrun saw the same exit code or signal.
@@ -80,6 +82,9 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(tmp_path: Path, mode: 
         # (a fingerprint at exit may follow: step 8 completed its optimizer step)
         last = [r[0] for r in trace if r[0] not in (schema.END, schema.FINGERPRINT)][-1]
         assert collectives[-1][3] == DIE_AT - 1 and last in (schema.COLLECTIVE, schema.RANK_ERROR), trace[-3:]
+    # And each gradient bucket it reduced, once: the C++ timer's notes outlive the rank.
+    reduced = sorted((r[3], r[4]) for r in trace if r[0] == schema.ALLREDUCE)
+    assert reduced == [(step, 0) for step in forwards], reduced
     assert not any(r[0] == schema.DROPPED for r in trace)
     ends = json.loads((job.run_dir / "ends.json").read_text())
     end = ends["ranks"][str(rank)]
@@ -130,19 +135,24 @@ def test_sigterm_from_the_launcher_is_a_consequence_not_the_root(tmp_path: Path)
         assert zero["how"] == "exception" and zero["consequence"] is True, zero
 
 
-def test_a_ring_too_small_to_hold_the_gap_says_what_it_lost(tmp_path: Path) -> None:
+def test_a_ring_too_small_to_hold_the_gap_says_what_it_lost(tmp_path: Path, native_timer: Path) -> None:
     """An 8-slot ring laps itself many times a flush interval: training goes on unchanged, the
     trace keeps everything flushed plus the ring's last events, and a dropped record counts
-    exactly the events in between."""
+    exactly the events in between. The C++ timer's notes wait in their own file for the flush
+    that never came (the training thread drains them only in the first steps): the bucket
+    all-reduces from then on are all kept."""
     job = run_death(tmp_path, "sigkill", 0.0, DDPDOCTOR_BUFFER_EVENTS="8", DDPDOCTOR_FLUSH_S="30")
     assert printed_steps(job.stdout, 1) == list(range(DIE_AT))
     trace = read_lines(job.run_dir / "trace-rank1.jsonl")
     events = [r for r in trace[1:] if r[0] in schema.KINDS]  # metadata is written at once
+    noted = [r[3] for r in events if r[0] == schema.ALLREDUCE]
+    events = [r for r in events if r[0] != schema.ALLREDUCE]
     dropped = [r[4]["count"] for r in trace if r[0] == schema.DROPPED]
     assert len(events) == 8 and len(dropped) == 1, trace  # no event was flushed in 30 s
     assert events[-1][0] == schema.COLLECTIVE and events[-1][3] == DIE_AT - 1
+    assert noted and noted == list(range(DIE_AT - len(noted), DIE_AT)), noted
     completed = json.loads((job.run_dir / "ends.json").read_text())["completed"]["trace-rank1.bin"]
-    assert completed == {"recovered": 8, "lost": dropped[0]}
+    assert completed == {"recovered": 8 + len(noted), "lost": dropped[0]}
 
 
 def test_no_room_for_the_ring_records_as_before(tmp_path: Path) -> None:

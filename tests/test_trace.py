@@ -387,3 +387,36 @@ def test_the_cpp_timers_notes_packed_at_once_read_back_as_packed_one_by_one(
     got = _rows(t.kind(schema.ALLREDUCE))  # (ts µs, dur µs, step, index, bytes, seq)
     assert got == [(0, 1, 0, 0, 4096, 7), (4, 1, 1, 1, 2**40, 9)]
     assert t.meta[schema.DROPPED][0][2] == {"count": 1}
+
+
+def test_a_deaths_uncommitted_timer_notes_are_recovered_once(tmp_path: Path) -> None:
+    """After a death, ``complete_trace`` appends the C++ timer's notes that were never
+    committed (``trace/notes.py``), leaves out the committed ones and one already packed into
+    the ring (a death between the pack and the commit), and counts a note claimed but never
+    written as lost."""
+    import struct
+    from types import SimpleNamespace
+
+    from ddpdoctor.probes import commhook
+    from ddpdoctor.trace import notes
+    from ddpdoctor.trace.ring import complete_trace
+
+    path = tmp_path / "trace-rank0.bin"
+    w = TraceWriter(str(path), header(), flush_interval=60, ring=True)
+    c = SimpleNamespace(bucket_kind=w.kind(schema.ALLREDUCE), writer=w, pack=w.pack)
+    rows = [
+        (3, 5_000_000_000, 5_000_001_000, 0, 4096, 7),  # committed: in the trace already
+        (3, 5_000_002_000, 5_000_003_000, 1, 64, 8),  # packed into the ring, not committed
+        (4, 5_000_004_000, 5_000_005_000, 0, 4096, 9),  # noted only
+    ]
+    commhook._pack_notes(c, commhook._NOTE.pack(*rows[1]))
+    w._stop.set()  # the rank dies: no more flushes, no close
+    slots = [struct.pack("<6qQ8x", *row, i + 1) for i, row in enumerate(rows)]
+    head = struct.pack("<8sIIQQI", notes.MAGIC, notes.SLOT, 16384, 4, 1, 1).ljust(notes.HEADER_BYTES, b"\0")
+    Path(notes.notes_path(path)).write_bytes(head + b"".join(slots))
+    assert complete_trace(path) == {"recovered": 2, "lost": 1}
+    assert not os.path.exists(notes.notes_path(path))
+    t = read_trace(path)
+    got = sorted(_rows(t.kind(schema.ALLREDUCE)))  # (ts µs, dur µs, step, index, bytes, seq)
+    assert got == [(2, 1, 3, 1, 64, 8), (4, 1, 4, 0, 4096, 9)]
+    assert t.meta[schema.DROPPED][0][2] == {"count": 1}

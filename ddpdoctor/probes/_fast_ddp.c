@@ -20,7 +20,7 @@ typedef struct {
     PyObject *slow;     /* the Python path: slow(*args, **kwargs) */
     PyObject *failed;   /* failed(collector, exc): the probe broke before the call */
     PyObject *raised;   /* raised(collector, prev, state, fields, exc): a call that raised */
-    PyObject *helpers;  /* forward: (native.set_step,); backward: (drain, check_unused, note_unused) */
+    PyObject *helpers;  /* forward: (native.set_step,); backward: (drain_settling, check_unused, note_unused) */
     PyObject *globals, *cuda_globals, *site_globals; /* collector, cuda_timing, callsite dicts */
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *phase, *op, *op_eval, *kind_attr, *state_attr;

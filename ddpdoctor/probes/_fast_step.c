@@ -5,13 +5,13 @@
  * - run_queue_us(): probes/cpuwait.py's read of this thread's run-queue delay from
  *   /proc/thread-self/schedstat, one pread of a descriptor kept per thread.
  * - none_grads(params): the indices of the parameters whose .grad is None (ddp.check_unused).
- * - after_backward(): the C++ timer's notes, the run-queue read, the backward's record, the
- *   unused check, as probes/ddp.py's backward probe does them; pack_event(): a record packed
+ * - after_backward(): the C++ timer's bucket layouts (while DDP lays them out), the run-queue
+ *   read, the backward's record, the unused check, as probes/ddp.py's backward probe does them; pack_event(): a record packed
  *   as trace/writer.py's pack does it.
  */
 #include "_fast.h"
 
-static PyObject *s_grad, *s_fast, *s_pack, *s_native, *s_native_name, *s_step_model, *s_find_unused,
+static PyObject *s_grad, *s_fast, *s_pack, *s_settling, *s_native_name, *s_step_model, *s_find_unused,
     *s_params, *s_unused_name;
 
 #ifdef __linux__
@@ -140,11 +140,12 @@ static int call_helper(PyObject *helpers, PyObject *c, PyObject *what, int i, Py
     return 0;
 }
 
-/* After a recorded backward returned: the C++ timer's notes before the backward's own record,
- * the run-queue read, the record, then the unused-parameter check (probes/ddp.py's order). */
+/* After a recorded backward returned: the C++ timer's drain while DDP may still lay out its
+ * buckets (commhook.drain_settling), the run-queue read, the record, then the unused-parameter
+ * check (probes/ddp.py's order). */
 void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObject *helpers, PyObject *kind_attr) {
-    PyObject *native = PyDict_GetItemWithError(d, s_native);
-    int drain = native ? PyObject_IsTrue(native) : 0;
+    PyObject *settling = PyDict_GetItemWithError(d, s_settling);
+    int drain = settling ? PyObject_IsTrue(settling) : 0;
     PyErr_Clear();
     if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) return;
     PyObject *runq = run_queue_now();
@@ -196,7 +197,7 @@ PyMethodDef step_functions[] = {
 
 int step_init(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_grad, "grad"); INTERN(s_fast, "fast"); INTERN(s_pack, "pack"); INTERN(s_native, "native");
+    INTERN(s_grad, "grad"); INTERN(s_fast, "fast"); INTERN(s_pack, "pack"); INTERN(s_settling, "native_settling");
     INTERN(s_native_name, "comm_hook_native"); INTERN(s_step_model, "step_model");
     INTERN(s_find_unused, "find_unused"); INTERN(s_params, "params"); INTERN(s_unused_name, "unused");
 #undef INTERN

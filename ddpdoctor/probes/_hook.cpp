@@ -5,9 +5,17 @@
 // doctor costs a short step. This hook does what DDP's own reduction does (scale by 1/world
 // size, all-reduce SUM, bit for bit the same) and notes, per bucket, when its gradients were
 // ready and when its all-reduce completed, with the bucket's index, bytes and the group's
-// sequence number. The notes wait here, under a mutex, until Python takes them (``drain``:
-// after each backward on the training thread, and from the writer thread four times a second)
-// and packs them into the trace as the Python hook would have.
+// sequence number.
+//
+// The notes go into a memory-mapped file of their own (``trace-rank{R}.notes``, beside the
+// recording ring; layout in ``trace/notes.py``), written lock-free by the thread whose
+// all-reduce completed: a slot claimed with an atomic counter, its sequence number stored last.
+// The kernel keeps the file when the rank dies however it dies, so the notes need not reach the
+// ring before the next event: Python packs them into the trace (``drain_notes``, then
+// ``commit_notes`` once packed) from the writer thread four times a second, and after a death
+// ``trace/ring.py`` recovers those not committed. The training thread pays nothing per step.
+// A bucket seen with a new size (its parameters: rare, in the first steps) waits under a mutex
+// for ``Handle.drain``.
 //
 // A hook the user registers later is run through torch's own PythonCommHook from inside this
 // one (``set_python_hook``): DDP's slot holds one hook, and it is ours.
@@ -21,15 +29,20 @@
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace {
-
-constexpr size_t kMaxWaiting = 65536;  // notes not yet drained: beyond, counted as dropped
 
 int64_t now_ns() {  // time.monotonic_ns()'s clock
   timespec ts;
@@ -44,6 +57,101 @@ struct Note {  // drained as these six int64, in this order (commhook.py's _NOTE
 };
 static_assert(sizeof(Note) == 6 * sizeof(int64_t), "a note is six int64 with no padding");
 
+// The notes file (trace/notes.py declares the same): a 64-byte header, magic "DDPNOTE1", u32
+// slot bytes, u32 slot count, u64 notes claimed (at 16), u64 notes committed to the trace (at
+// 24), u32 pid (at 32); then slots of 64 bytes: a Note, then at byte 48 its u64 number (from 1).
+constexpr size_t kHeader = 64, kSlot = 64, kSeqAt = 48, kClaimedAt = 16, kCommittedAt = 24;
+constexpr uint64_t kSlots = 16384;  // 1 MiB: four times a second, 16,384 buckets ahead
+static_assert(sizeof(Note) <= kSeqAt, "a note fits before its number");
+
+char* g_notes = nullptr;  // the mapping; set once, under the GIL, before any hook runs
+uint64_t g_taken = 0;  // the last note drain_notes took (under the GIL)
+
+uint64_t* word(char* at) { return reinterpret_cast<uint64_t*>(at); }
+
+void open_notes(const std::string& path) {
+  if (g_notes != nullptr) {
+    return;  // one file a process: a second model's timer writes into the first's
+  }
+  const size_t size = kHeader + kSlots * kSlot;
+  void* mem = MAP_FAILED;
+  if (path.empty()) {  // no crash-safe ring either (trace/writer.py): memory alone
+    mem = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  } else {
+    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "ddpdoctor: cannot create ", path, ": ", std::strerror(errno));
+    int err = posix_fallocate(fd, 0, size);  // ENOSPC now, not SIGBUS in a gloo thread later
+    if (err == 0) {
+      mem = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      err = mem == MAP_FAILED ? errno : 0;
+    }
+    close(fd);
+    if (err != 0) {
+      unlink(path.c_str());
+      TORCH_CHECK(false, "ddpdoctor: cannot map ", path, ": ", std::strerror(err));
+    }
+  }
+  TORCH_CHECK(mem != MAP_FAILED, "ddpdoctor: cannot map the notes: ", std::strerror(errno));
+  char* base = static_cast<char*>(mem);
+  std::memcpy(base, "DDPNOTE1", 8);
+  const uint32_t head[2] = {static_cast<uint32_t>(kSlot), static_cast<uint32_t>(kSlots)};
+  std::memcpy(base + 8, head, sizeof(head));
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  std::memcpy(base + 32, &pid, sizeof(pid));
+  g_notes = base;
+}
+
+// From any thread, with no lock: claim a number, fill its slot, store the number last.
+void write_note(const Note& n) {
+  char* base = g_notes;
+  const uint64_t seq = __atomic_add_fetch(word(base + kClaimedAt), 1, __ATOMIC_ACQ_REL);
+  char* slot = base + kHeader + ((seq - 1) & (kSlots - 1)) * kSlot;
+  std::memcpy(slot, &n, sizeof(Note));
+  __atomic_store_n(word(slot + kSeqAt), seq, __ATOMIC_RELEASE);
+}
+
+// (notes as bytes, the last number taken, notes lost): the notes since the last call, in
+// order; a slot still being written waits for the next call. Under the GIL.
+py::tuple drain_notes() {
+  if (g_notes == nullptr) {
+    return py::make_tuple(py::bytes(), 0, 0);
+  }
+  const uint64_t hi = __atomic_load_n(word(g_notes + kClaimedAt), __ATOMIC_ACQUIRE);
+  uint64_t lo = g_taken + 1, lost = 0;
+  if (hi >= lo + kSlots) {  // overwritten before this call
+    lost = hi + 1 - kSlots - lo;
+    lo = hi + 1 - kSlots;
+  }
+  std::vector<Note> out;
+  out.reserve(hi >= lo ? hi + 1 - lo : 0);
+  uint64_t seq = lo;
+  for (; seq <= hi; ++seq) {
+    char* slot = g_notes + kHeader + ((seq - 1) & (kSlots - 1)) * kSlot;
+    const uint64_t before = __atomic_load_n(word(slot + kSeqAt), __ATOMIC_ACQUIRE);
+    if (before < seq) {
+      break;  // claimed, not yet written
+    }
+    Note n;
+    std::memcpy(&n, slot, sizeof(Note));
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (before != seq || __atomic_load_n(word(slot + kSeqAt), __ATOMIC_RELAXED) != seq) {
+      ++lost;  // a writer a whole file ahead took the slot
+      continue;
+    }
+    out.push_back(n);
+  }
+  g_taken = seq - 1;
+  py::bytes notes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(Note));
+  return py::make_tuple(notes, g_taken, lost);
+}
+
+// The notes up to ``taken`` are in the trace's ring: a death after this leaves them to it.
+void commit_notes(uint64_t taken) {
+  if (g_notes != nullptr) {
+    __atomic_store_n(word(g_notes + kCommittedAt), taken, __ATOMIC_RELEASE);
+  }
+}
+
 struct Layout {  // a bucket seen with a new size: which parameters it holds
   int64_t index, nbytes;
   std::vector<int64_t> params;  // data_ptr of each, mapped to names in Python
@@ -52,20 +160,9 @@ struct Layout {  // a bucket seen with a new size: which parameters it holds
 // What the hook in DDP's slot and the Python handle share; outlives either.
 struct Shared {
   std::mutex mu;
-  std::vector<Note> done;
   std::vector<Layout> layouts;
   std::vector<int64_t> sizes;  // bucket index -> bytes last seen
-  int64_t dropped = 0;
   std::shared_ptr<c10d::PythonCommHook> python;  // a user's hook, timed in Python
-
-  void note(const Note& n) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (done.size() < kMaxWaiting) {
-      done.push_back(n);
-    } else {
-      ++dropped;
-    }
-  }
 };
 
 class TimedReduction : public c10d::CommHookInterface {
@@ -98,13 +195,12 @@ class TimedReduction : public c10d::CommHookInterface {
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     auto fut = pg_->allreduce(tensors, opts)->getFuture();
-    std::shared_ptr<Shared> shared = shared_;
     return fut->then(
-        [shared, step, t0, index, nbytes, seq](c10::ivalue::Future& done) {
+        [step, t0, index, nbytes, seq](c10::ivalue::Future& done) {
           // value() throws for an all-reduce that failed (a peer died): that error is the
           // result, and nothing was reduced to note. (then() calls this either way.)
           c10::IValue result(done.value().toTensorVector()[0]);
-          shared->note(Note{step, t0, now_ns(), index, nbytes, seq});
+          write_note(Note{step, t0, now_ns(), index, nbytes, seq});
           return result;
         },
         c10::TensorType::get());
@@ -150,28 +246,22 @@ class Handle {
  public:
   explicit Handle(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
 
-  // (notes, layouts, dropped): notes as bytes, six int64 a note (step, t0, t1, index, nbytes,
-  // seq), packed into the ring by the C packer in one call; layouts as (index, nbytes,
-  // [data_ptr]); None when there is nothing new.
+  // The buckets seen with a new size since the last call, as (index, nbytes, [data_ptr]);
+  // None when there are none.
   py::object drain() {
-    std::vector<Note> done;
     std::vector<Layout> layouts;
-    int64_t dropped = 0;
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
-      if (shared_->done.empty() && shared_->layouts.empty() && shared_->dropped == 0) {
+      if (shared_->layouts.empty()) {
         return py::none();
       }
-      done.swap(shared_->done);
       layouts.swap(shared_->layouts);
-      std::swap(dropped, shared_->dropped);
     }
-    py::bytes notes(reinterpret_cast<const char*>(done.data()), done.size() * sizeof(Note));
     py::list shapes(layouts.size());
     for (size_t i = 0; i < layouts.size(); ++i) {
       shapes[i] = py::make_tuple(layouts[i].index, layouts[i].nbytes, py::cast(layouts[i].params));
     }
-    return py::make_tuple(notes, shapes, dropped);
+    return shapes;
   }
 
   void set_python_hook(py::object state, py::object hook) {
@@ -184,7 +274,8 @@ class Handle {
   std::shared_ptr<Shared> shared_;
 };
 
-Handle register_timer(const py::object& reducer, const py::object& process_group) {
+Handle register_timer(const py::object& reducer, const py::object& process_group, const std::string& notes) {
+  open_notes(notes);
   auto r = reducer.cast<std::shared_ptr<c10d::Reducer>>();
   auto pg = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
   auto shared = std::make_shared<Shared>();
@@ -199,6 +290,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Handle>(m, "Handle")
       .def("drain", &Handle::drain)
       .def("set_python_hook", &Handle::set_python_hook);
-  m.def("register_timer", &register_timer, "put the timer in a Reducer's comm hook slot");
+  m.def("register_timer", &register_timer, "put the timer in a Reducer's comm hook slot, its notes in a file");
+  m.def("drain_notes", &drain_notes, "(the notes since the last call as bytes, the last one's number, lost)");
+  m.def("commit_notes", &commit_notes, "the notes up to this number are in the trace's ring");
   m.def("set_step", [](int64_t step) { g_step.store(step, std::memory_order_relaxed); });
 }

@@ -51,6 +51,8 @@ class Collector:
         self.optimizer_outer: Any = None  # weakref to the optimizer whose step began (optimizer.py)
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.native: list[Any] = []  # model states whose buckets the C++ timer times (commhook.py)
+        self.native_settling = False  # drain the C++ timer after each backward (commhook.py)
+        self.native_quiet = 0  # backwards in a row whose drain found no new bucket layout
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far
         self.step_model: Any = None  # the DDP model state of the last grad-mode forward
         # The model whose grad-mode forwards count steps: the first to run one since the last

@@ -7,7 +7,7 @@ Any hook written in Python costs a GIL trip per bucket and one for its completio
 torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core host
 (``benchmarks/hook_cost.py``), several per cent of a millisecond step. So where the C++ timer
 is built (``native.py``) and the model is on the CPU, it takes DDP's slot instead, and this
-module only packs its notes (``drain``).
+module only packs its notes (``drain``, off the training thread once the buckets are laid out).
 
 ``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default) registers the timer at the model's first
 forward; ``auto`` does too where the C++ timer times the model, else lets the first steps run
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import guard, native
 from ddpdoctor.probes.ddp_model import ModelState, state_of
 from ddpdoctor.trace import schema
+from ddpdoctor.trace.notes import notes_path
 
 PROBE = "comm_hook"
 NATIVE = "comm_hook_native"  # the C++ timer (native.py), switched off on its own
@@ -204,41 +206,62 @@ def _native_timer(ddp: Any, c: _c.Collector) -> Any:
     if _ct.ACTIVE is not None:  # a GPU model's buckets are timed on the device too, in Python
         return None
     try:
-        handle = native.register(ddp)
+        ring = c.writer.ring
+        handle = native.register(ddp, notes_path(ring.path) if ring is not None and ring.path else "")
     except Exception as exc:
         c.fail(NATIVE, exc)
         return None
     if handle is not None:
         native.set_step(c.step)
+        c.native_settling, c.native_quiet = True, 0
     return handle
 
 
-def drain(c: _c.Collector) -> None:
-    """Pack the C++ timer's notes into the trace: each bucket's all-reduce, and the layout of
-    a bucket seen with a new size, as ``_timing_hook`` records them. On the training thread
-    after each backward, and four times a second from the writer thread (a hang's completed
-    buckets reach the trace too); each record is packed under the GIL, as the device timer's."""
-    if NATIVE in c.disabled:
-        return
-    for model in c.native:
-        try:
-            taken = model.native.drain()
-            if taken is None:
-                continue
-            notes, layouts, dropped = taken
-            for index, nbytes, ptrs in layouts:
+# Backwards in a row whose drain found no new bucket layout before the training thread stops
+# draining: DDP lays out its buckets at step 0's backward and again after its rebuild (step 1).
+_SETTLED_AFTER = 2
+# A drain's take, pack and commit, one at a time: a commit says every note up to it is packed.
+_draining = threading.Lock()
+_NOTE = struct.Struct("<6q")  # a C++ timer's note: step, t0, t1, bucket index, bytes, seq
+
+
+def drain(c: _c.Collector) -> int:
+    """Pack the C++ timer's notes into the trace (each bucket's all-reduce, then commit them:
+    ``trace/notes.py``) and the layout of each bucket seen with a new size, as ``_timing_hook``
+    records them; the number of layouts. From the writer thread four times a second (a hang's
+    completed buckets reach the trace too) and at the collector's close; each record is packed
+    under the GIL, as the device timer's."""
+    if NATIVE in c.disabled or not _draining.acquire(blocking=False):
+        return 0  # a drain under way (another thread's, or the one a signal handler interrupted)
+    laid = 0
+    try:
+        for model in c.native:
+            for index, nbytes, ptrs in model.native.drain() or ():
+                laid += 1
                 model.layout[index] = nbytes
                 names = [model.names.get(p, "?") for p in ptrs]
                 c.meta(schema.BUCKET, {"index": index, "bytes": nbytes, "params": names})
+        if c.native:
+            notes, taken, lost = native.module().drain_notes()
             if notes:
                 c.events += len(notes) // _NOTE.size
                 _pack_notes(c, notes)
-            c.writer.dropped += dropped  # reported with the ring's own (a full buffer)
-        except Exception as exc:
-            c.fail(NATIVE, exc)
+            native.module().commit_notes(taken)
+            c.writer.dropped += lost  # reported with the ring's own (a full buffer)
+    except Exception as exc:
+        c.fail(NATIVE, exc)
+    finally:
+        _draining.release()
+    return laid
 
 
-_NOTE = struct.Struct("<6q")  # a C++ timer's note: step, t0, t1, bucket index, bytes, seq
+def drain_settling(c: _c.Collector) -> None:
+    """After each backward while DDP may still lay out buckets: their layouts reach the trace
+    before the next step, as the Python timer's do. Then the training thread leaves the notes,
+    which a death does not take (``trace/notes.py``), to the writer thread."""
+    c.native_quiet = 0 if drain(c) else c.native_quiet + 1
+    if c.native_quiet >= _SETTLED_AFTER:
+        c.native_settling = False
 
 
 def _pack_notes(c: _c.Collector, notes: bytes) -> None:

@@ -360,8 +360,8 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if span is not None:
                 timer.finish(span)  # type: ignore[union-attr]
-        if c.native:  # the buckets this backward reduced, before the backward's own record
-            commhook.drain(c)
+        if c.native_settling:  # the buckets DDP laid out in this backward, before its record
+            commhook.drain_settling(c)
         runq = run_queue_us()
         c.progress = prev
         c.events += 1
@@ -372,7 +372,7 @@ def _wrap_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             c.fail("unused", exc)
         return result
 
-    helpers = (commhook.drain, check_unused, note_unused)
+    helpers = (commhook.drain_settling, check_unused, note_unused)
     probe = _in_c(True, backward, backward_, _backward_raised, helpers, LivePhase.BACKWARD, _ALLREDUCE, "")
     if probe is None:
         return backward_

@@ -104,12 +104,14 @@ def eligible(ddp: Any) -> bool:
     return bool(params) and all(p.device.type == "cpu" and not p.is_complex() for p in params)
 
 
-def register(ddp: Any) -> Any:
-    """Put the C++ timer in ``ddp``'s comm hook slot: its handle (``drain``,
-    ``set_python_hook``), or None where the Python hook must time it."""
+def register(ddp: Any, notes: str) -> Any:
+    """Put the C++ timer in ``ddp``'s comm hook slot, its notes in the file ``notes`` (""
+    where the trace has no crash-safe ring: memory alone; the process's first timer opens it,
+    later ones share it): its handle (``drain``, ``set_python_hook``), or None where the
+    Python hook must time it."""
     if not eligible(ddp):
         return None
-    return module().register_timer(ddp.reducer, ddp.process_group)
+    return module().register_timer(ddp.reducer, ddp.process_group, notes)
 
 
 def set_step(step: int) -> None:

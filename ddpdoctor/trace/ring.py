@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor import _env
-from ddpdoctor.trace import binfmt, schema
+from ddpdoctor.trace import binfmt, notes, schema
 
 MAGIC = b"DDPRING2"
 _HEAD = struct.Struct("<8sIIQI")
@@ -115,12 +115,14 @@ class Ring:
         return rows[mine], lo - lapped, self.taken + 1, lapped + int((~mine).sum())
 
     def close(self, unlink: bool) -> None:
-        """Unmap; remove the file when the trace was completed by the writer itself."""
+        """Unmap; remove the file, and the C++ timer's notes beside it, when the trace was
+        completed by the writer itself."""
         with contextlib.suppress(Exception):
             self.mm.close()
         if unlink and self.path is not None and os.getpid() == self.pid:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            for path in (self.path, notes.notes_path(self.path)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def group(rows: np.ndarray, sizes: dict[int, int]) -> list[tuple[int, bytes, int]]:
@@ -159,13 +161,14 @@ def read_ring(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
 
 
 def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
-    """Append to ``trace_path`` the events its ring holds and it lacks; remove the ring.
+    """Append to ``trace_path`` the events its ring holds and it lacks, and the C++ bucket
+    timer's notes that never reached the ring (``trace/notes.py``); remove both files.
 
     Returns ``{"recovered": n, "lost": m}`` (m: events the ring had already overwritten), or
     None when there is no ring or the trace ended cleanly. Safe to run twice.
     """
     trace_path = os.fspath(trace_path)
-    rpath = ring_path(trace_path)
+    rpath, npath = ring_path(trace_path), notes.notes_path(trace_path)
     if not os.path.isfile(rpath) or not os.path.isfile(trace_path):
         return None  # no ring, or a trace that is not a regular file (tests: /dev/full)
     with open(trace_path, "rb") as fh:
@@ -176,19 +179,27 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
     if dec.header is None:
         return None
     if any(m[0] == schema.END for m in dec.meta):
-        with contextlib.suppress(OSError):
-            os.unlink(rpath)
+        for path in (rpath, npath):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         return None
-    _, rows, seqs = read_ring(rpath)
+    layout = dec.header.get("layout") or []
+    _, every, seqs = read_ring(rpath)
     keep = seqs >= max(dec.seq_hi, 1)
-    rows, seqs = rows[keep], seqs[keep]
+    rows, seqs = every[keep], seqs[keep]
     kinds = rows[:, :2].copy().view("<u2")[:, 0] if len(rows) else np.zeros(0, np.uint16)
     real = kinds != VOID
     lost = int(seqs[0]) - max(dec.seq_hi, 1) if len(seqs) else 0
-    out = []
+    out, recovered = [], int(real.sum())
     if len(rows):
-        parts = group(rows[real], sizes_of(dec.header.get("layout") or []))
+        parts = group(rows[real], sizes_of(layout))
         out.append(binfmt.events_block(parts, int(seqs[0]), int(seqs[-1]) + 1))
+    part, missed = _uncommitted_notes(npath, layout, every) if os.path.isfile(npath) else (None, 0)
+    if part is not None:
+        hi = max(int(seqs[-1]) + 1 if len(seqs) else 0, dec.seq_hi)
+        out.append(binfmt.events_block([part], hi, hi))  # numbered by no ring: an empty range
+        recovered += part[2]
+    lost = max(0, lost) + missed
     if lost > 0:
         last = rows[real][:, BODY_AT + 12 : BODY_AT + 20].copy().view("<i8") if real.any() else None
         last_ns = int(last.max()) if last is not None else dec.anchor
@@ -198,6 +209,31 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
             fh.truncate(dec.end)  # a block cut by the death: its events are in the ring
         fh.seek(0, os.SEEK_END)
         fh.write(b"".join(out))
-    with contextlib.suppress(OSError):
-        os.unlink(rpath)
-    return {"recovered": int(real.sum()), "lost": max(0, lost)}
+    for path in (rpath, npath):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return {"recovered": recovered, "lost": lost}
+
+
+def _uncommitted_notes(
+    path: str, layout: list[list[Any]], ring_rows: np.ndarray
+) -> tuple[tuple[int, bytes, int] | None, int]:
+    """(the bucket records of the notes the rank had not committed, as an events part, or None;
+    notes lost). A note packed into the ring just before the death, uncommitted, is in the
+    ring's slots already: the same start and bucket index there leave it out."""
+    kid = next((i + 1 for i, (name, _, _) in enumerate(layout) if name == schema.ALLREDUCE), 0)
+    if not kid:
+        return None, 0
+    try:
+        rows, lost = notes.notes_since_commit(path)
+    except (OSError, ValueError):
+        return None, 0
+    dtype = schema.record_dtype(layout[kid - 1][1])
+    recs = notes.records(rows, dtype)
+    if len(ring_rows) and len(recs):
+        ids = ring_rows[:, :2].copy().view("<u2")[:, 0]
+        mine = ring_rows[ids == kid, BODY_AT : BODY_AT + dtype.itemsize].copy().view(dtype)[:, 0]
+        packed = set(zip(mine["t0"].tolist(), mine["f0"].tolist(), strict=True))
+        keys = zip(recs["t0"].tolist(), recs["f0"].tolist(), strict=True)
+        recs = recs[np.array([key not in packed for key in keys], bool)]
+    return ((kid, recs.tobytes(), len(recs)) if len(recs) else None), lost

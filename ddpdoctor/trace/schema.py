@@ -121,8 +121,9 @@ Crash safety: each event is recorded into ``trace-rank{R}.ring``, a memory-mappe
 fixed 128-byte slots (its layout in ``trace/ring.py``), which the writer thread appends to the
 trace every fraction of a second. Its pages outlive the process, so after the job ``ddpdoctor
 run`` appends to a trace that has no ``end`` record the events the ring holds beyond the trace's
-last block (a ``dropped`` record counts any the ring had already overwritten), then removes
-the ring. A rank also leaves ``fatal-rank{R}.txt`` (fatal
+last block (a ``dropped`` record counts any the ring had already overwritten), and the C++
+bucket timer's notes from ``trace-rank{R}.notes`` that never reached the ring
+(``trace/notes.py``), then removes both. A rank also leaves ``fatal-rank{R}.txt`` (fatal
 signal and Python stacks, from faulthandler), ``sigterm-rank{R}.txt``, ``exit-rank{R}.json``
 (``os._exit`` code) and ``stderr-rank{R}.txt`` (the last 64 KiB of its stderr); the supervisor
 sums them up per rank in ``ends.json`` (``supervisor/ends.py``). A process started as a rank
