@@ -142,9 +142,19 @@ def _trace_facts(path: Path) -> tuple[dict[str, Any], bool, dict[str, Any] | Non
         raise ValueError(str(exc)) from None
     errors = trace.meta.get(schema.RANK_ERROR, [])
     error = next((info for _, _, info in errors if info.get("thread") == "MainThread"), None)
-    last = max((int(ev.end.max()) for ev in trace.events.values() if len(ev)), default=None)
+    ends = [int(ev.end.max()) for ev in trace.events.values() if len(ev)]
+    # Metadata was written by a live rank too, and a ``raised`` record closes a span: a backward
+    # that waited 1.8 s in its all-reduce for a peer that had left, then raised, was alive at
+    # its end, long after its last event.
+    ends += [int(ts) + _span_us(info) for kind in trace.meta.values() for ts, _, info in kind]
+    last = max(ends, default=None)
     wall = None if last is None else (trace.header["wall_ns"] / 1e3 + last) / 1e6
     return trace.header, trace.ended_cleanly, error, wall
+
+
+def _span_us(info: Any) -> int:
+    span = info.get("dur_us") if isinstance(info, dict) else None
+    return int(span) if isinstance(span, (int, float)) and span > 0 else 0
 
 
 def _watch_exits(run_dir: Path) -> dict[str, Any]:
