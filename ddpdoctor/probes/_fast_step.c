@@ -6,8 +6,8 @@
  *   /proc/thread-self/schedstat, one pread of a descriptor kept per thread.
  * - none_grads(params): the indices of the parameters whose .grad is None (ddp.check_unused).
  * - after_backward(): the C++ timer's bucket layouts (while DDP lays them out), the run-queue
- *   read, the backward's record, the unused check, as probes/ddp.py's backward probe does them; pack_event(): a record packed
- *   as trace/writer.py's pack does it.
+ *   read, the backward's record, the unused check, as probes/ddp.py's backward probe does
+ *   them; pack_event(): a record packed as trace/writer.py's pack does it.
  */
 #include "_fast.h"
 

@@ -164,8 +164,9 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
     """Append to ``trace_path`` the events its ring holds and it lacks, and the C++ bucket
     timer's notes that never reached the ring (``trace/notes.py``); remove both files.
 
-    Returns ``{"recovered": n, "lost": m}`` (m: events the ring had already overwritten), or
-    None when there is no ring or the trace ended cleanly. Safe to run twice.
+    Returns ``{"recovered": n, "lost": m}`` (m: events the ring, and notes the notes file, had
+    already overwritten), or None when there is no ring or the trace ended cleanly. Safe to run
+    twice.
     """
     trace_path = os.fspath(trace_path)
     rpath, npath = ring_path(trace_path), notes.notes_path(trace_path)
