@@ -85,6 +85,8 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(
     # And each gradient bucket it reduced, once: the C++ timer's notes outlive the rank.
     reduced = sorted((r[3], r[4]) for r in trace if r[0] == schema.ALLREDUCE)
     assert reduced == [(step, 0) for step in forwards], reduced
+    # Which parameters that bucket holds, drained on the training thread in the first steps.
+    assert any(r[0] == schema.BUCKET for r in trace), trace[:12]
     assert not any(r[0] == schema.DROPPED for r in trace)
     ends = json.loads((job.run_dir / "ends.json").read_text())
     end = ends["ranks"][str(rank)]

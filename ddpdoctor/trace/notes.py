@@ -6,7 +6,8 @@ thread that completed it, into ``trace-rank{R}.notes`` beside the recording ring
 claimed with an atomic counter, the note's number stored last. The writer thread packs the
 notes into the ring four times a second and then commits their number into the header; after
 a death, ``notes_since_commit`` gives ``ring.complete_trace`` the notes that were not yet
-packed. So the training thread never drains the timer, and no completed bucket is lost::
+packed. So after the first steps (``commhook.drain_settling``) the training thread no longer
+drains the timer, and no completed bucket is lost::
 
     header, 64 bytes: magic b"DDPNOTE1", u32 slot bytes, u32 slot count, u64 notes claimed,
                       u64 notes committed to the ring, u32 pid (little-endian)
