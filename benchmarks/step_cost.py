@@ -5,7 +5,10 @@ the few per cent to be measured (docs/overhead.md). Here one process (world size
 holds copies of the same tiny DDP model: one built while the doctor records (its buckets timed
 by the C++ timer where it is built), one whose buckets the Python hook times, one recorded with
 bucket timing off, and one built with the probes switched off (``collector.ACTIVE = None``,
-DDP's own reduction). Their training steps (forward, backward, SGD step) alternate in blocks,
+DDP's own reduction), the plain step. A fifth, also without the doctor, has torch's own C++
+all-reduce hook in DDP's slot (``builtin_hook``): on this model a hook's reduction is faster
+than DDP's own, and the C++ timer is such a hook. Each model is checked to be timed as meant
+before it is measured. Their training steps (forward, backward, SGD step) alternate in blocks,
 each block's probes on or off as its model was built, and the cost is the median over rounds
 of the difference of each block's median step to the plain block next to it: drift hits both
 alike.
@@ -43,23 +46,33 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpdoctor.probes import collector, native
+    from ddpdoctor.probes.ddp_model import state_of
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     c = collector.ACTIVE
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
 
-    def build(probes_on: bool, cpp: bool, timed: bool = True) -> Any:
+    def build(probes_on: bool, cpp: bool, timed: bool = True, builtin: bool = False) -> Any:
         torch.manual_seed(0)
         os.environ["DDPDOCTOR_BUCKET_TIMING"] = "on" if timed else "off"
+        # Recording from the constructor on, as under `ddpdoctor run`: a model wrapped while
+        # the probes were off has no state of the doctor's, so no timer and no fast path.
+        collector.ACTIVE = c if probes_on else None
         ddp = DDP(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        collector.ACTIVE = c if probes_on else None
+        if builtin:  # torch's own C++ all-reduce hook, no doctor: what a hook in DDP's slot changes
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         built, native._module = native.module(), native._module
         if not cpp:
             native._module = None  # this model's buckets: the Python hook's
         block(ddp, opt, probes_on, 3)  # the first forward registers the timer (or not)
         native._module = built
+        state = state_of(ddp)
+        timer = "cpp" if state and state.native else "python" if state and state.timer_registered else "none"
+        want = "none" if not (probes_on and timed) else "cpp" if cpp else "python"
+        if timer != want or (probes_on and state is None):
+            raise SystemExit(f"step_cost: a model meant to be timed by {want!r} is timed by {timer!r}")
         return ddp, opt, probes_on
 
     def block(ddp: Any, opt: Any, probes_on: bool, n: int) -> float:
@@ -76,6 +89,7 @@ def main() -> None:
     models = {"plain": build(False, False), "cpp_timer": build(True, True)}
     models["python_timer"] = build(True, False)
     models["untimed"] = build(True, False, timed=False)
+    models["builtin_hook"] = build(False, False, builtin=True)
     if native.module() is None:
         del models["cpp_timer"]
     diffs: dict[str, list[float]] = {k: [] for k in models if k != "plain"}
