@@ -13,7 +13,10 @@ each block's probes on or off as its model was built, and the cost is the median
 of the difference of each block's median step to the plain block next to it: drift hits both
 alike.
 
-    python benchmarks/step_cost.py [--rounds 30] [--steps 200] [--json]
+    python benchmarks/step_cost.py [--rounds 30] [--steps 200] [--model tiny|big] [--json]
+
+``--model big`` measures overhead_job.py's 10M-parameter MLP (ten 4 MB buckets) the same way:
+its ~0.1 s steps need fewer rounds and steps (``--rounds 20 --steps 5``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", choices=("tiny", "big"), default="tiny", help="overhead_job.py's models")
     ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
     args = ap.parse_args()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -42,6 +46,7 @@ def main() -> None:
     probes.install()
     import torch
     import torch.distributed as dist
+    from overhead_job import build as build_model
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -51,7 +56,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     c = collector.ACTIVE
-    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    _, width, batch = build_model(args.model)
+    x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
     def build(probes_on: bool, cpp: bool, timed: bool = True, builtin: bool = False) -> Any:
         torch.manual_seed(0)
@@ -59,7 +65,7 @@ def main() -> None:
         # Recording from the constructor on, as under `ddpdoctor run`: a model wrapped while
         # the probes were off has no state of the doctor's, so no timer and no fast path.
         collector.ACTIVE = c if probes_on else None
-        ddp = DDP(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)))
+        ddp = DDP(build_model(args.model)[0], bucket_cap_mb=4)  # as overhead_job.py wraps it
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         if builtin:  # torch's own C++ all-reduce hook, no doctor: what a hook in DDP's slot changes
             ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
@@ -102,7 +108,7 @@ def main() -> None:
             diffs[k].append(medians[k] - medians["plain"])
     collector.ACTIVE = c
     plain = statistics.median(plains)
-    result: dict[str, Any] = {"plain_step_us": round(plain, 1)}
+    result: dict[str, Any] = {"model": args.model, "plain_step_us": round(plain, 1)}
     for k, d in diffs.items():
         q = statistics.quantiles(d, n=4)
         result[f"{k}_us"] = round(statistics.median(d), 1)

@@ -10,9 +10,13 @@ is built (``native.py``) and the model is on the CPU, it takes DDP's slot instea
 module only packs its notes (``drain``, off the training thread once the buckets are laid out).
 
 ``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default) registers the timer at the model's first
-forward; ``auto`` does too where the C++ timer times the model, else lets the first steps run
-on DDP's C++ reduction and registers the Python timer only if their median step can carry it
-(``affordable``); ``off`` never: DDP's C++ reduction (or the user's hook) alone. Untimed, the
+forward; ``off`` never: DDP's C++ reduction (or the user's hook) alone. ``auto`` registers the
+C++ timer at once on gradients a cache holds (``FREE_PASS_BYTES``); otherwise it lets the first
+steps run on DDP's C++ reduction and registers a timer only if their median step can carry its
+cost (``affordable``): the Python timer's per bucket, or the C++ timer's pass over the
+gradients. Any comm hook costs that pass: DDP divides each gradient as it copies it into its
+bucket when its slot is empty, and leaves the division to the hook otherwise (3-8 % of a 50 ms
+step of a 10M-parameter MLP on this project's CPU, docs/overhead.md). Untimed, the
 gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
 ``analysis/failed/ledger.py``) and the straggler table measures each rank's time in backward
 (``analysis/slow/synctable.py``); each bucket's own span is lost (docs/overhead.md).
@@ -43,6 +47,12 @@ _BUCKET = schema.ALLREDUCE
 HOOK_COST_S = 100e-6  # what timing costs a step, per bucket (benchmarks/hook_cost.py, overhead.py: 25-130 µs)
 STEP_SHARE = 0.005  # of the median step: the most bucket timing may cost it (issue 25: big jobs 1.005x)
 DECIDE_AFTER = 3  # step intervals measured before deciding (not the first step: DDP rebuilds buckets)
+# Gradients up to this many bytes: the C++ timer goes in at once under ``auto``. Its pass over
+# them runs in cache, and a hook's copy into the bucket is cheaper than DDP's dividing copy: the
+# step got 27-200 µs shorter with a C++ hook at 0.24-1 MB, and 0.3-3 ms longer at 4-40 MB
+# (docs/overhead.md, eleventh round).
+FREE_PASS_BYTES = 1 << 20
+PASS_PROBE_BYTES = 64 << 20  # the most a pass is timed on (scaled linearly beyond)
 
 
 def mode() -> str:
@@ -64,8 +74,9 @@ def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
     the timer goes in now (``on``), never (``off``), or once the steps say it is cheap."""
     if not model.timing:
         model.timing = mode()
-    if model.timing != "auto" or (_ct.ACTIVE is None and native.eligible(ddp)):
-        register_timer(ddp, model, None, None)  # "on", or the C++ timer: a step can carry it
+    cpp = _ct.ACTIVE is None and native.eligible(ddp)
+    if model.timing != "auto" or (cpp and grad_bytes(model) <= FREE_PASS_BYTES):
+        register_timer(ddp, model, None, None)  # "on", or the C++ timer on cached gradients
         return
     if c.step == model.last_step_seen:
         return
@@ -76,16 +87,52 @@ def at_forward(ddp: Any, model: ModelState, c: _c.Collector) -> None:
     marks = model.step_marks[1:]
     step_s = statistics.median(b - a for a, b in zip(marks, marks[1:])) / 1e9
     buckets = bucket_count(ddp)
-    info = {"step_ms": round(step_s * 1e3, 3), "buckets": buckets, "cost_us": HOOK_COST_S * 1e6}
+    info: dict[str, Any] = {"step_ms": round(step_s * 1e3, 3), "buckets": buckets}
+    if cpp:  # the C++ timer's cost: one more pass over the gradients, timed here
+        try:
+            pass_s: float | None = pass_cost_s(model)
+        except Exception as exc:  # no room for the scratch tensor: a pass too dear to take
+            guard.passthrough(exc)
+            pass_s = None
+        info.update(grad_mb=round(grad_bytes(model) / 2**20, 2))
+        info["pass_us"] = round(pass_s * 1e6, 1) if pass_s is not None else None
+        timed = pass_s is not None and pass_s <= STEP_SHARE * step_s
+    else:
+        info["cost_us"] = HOOK_COST_S * 1e6
+        timed = affordable(step_s, buckets)
     info.update(share=STEP_SHARE)
     model.step_marks.clear()
-    if affordable(step_s, buckets):
+    if timed:
         register_timer(ddp, model, None, None, decided=info)
     else:
         model.untimed = True
         name = "ddp default (allreduce average)"
         c.meta(schema.COMM_HOOK, {"name": name, "user": False, "timed": False, "auto": info})
         record_layout(ddp, model, c)
+
+
+def grad_bytes(model: ModelState) -> int:
+    """Bytes of the gradients DDP reduces: what a comm hook passes over once more."""
+    return sum(p.numel() * p.element_size() for p in model.params)
+
+
+def pass_cost_s(model: ModelState) -> float:
+    """Seconds one more pass over the model's gradients takes here (the C++ timer scales each
+    bucket by 1/world size as DDP's own reduction does, after the copy DDP then makes plain):
+    the best of three scalings of a warm scratch tensor of their size, at most
+    ``PASS_PROBE_BYTES`` (scaled linearly beyond). Once per model, at its decision."""
+    import torch
+
+    nbytes = grad_bytes(model)
+    dtype = model.params[0].dtype if model.params else torch.float32
+    item = torch.empty(0, dtype=dtype).element_size()
+    scratch = torch.zeros(max(1, min(nbytes, PASS_PROBE_BYTES) // item), dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        scratch.mul_(1.0)
+        best = min(best, time.perf_counter() - t0)
+    return best * nbytes / (len(scratch) * item)
 
 
 def record_layout(ddp: Any, model: ModelState, c: _c.Collector) -> None:

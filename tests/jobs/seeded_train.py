@@ -1,11 +1,12 @@
 """Seeded DDP training that saves its final parameters: the bit-identity check's patient.
 
-Usage: seeded_train.py OUT.pt [--hook user|late|none] [--epochs N] [--sleep-ms MS] [--deep N]
+Usage: seeded_train.py OUT.pt [--hook user|late|none] [--epochs N] [--sleep-ms MS] [--deep N] [--width W]
 
 --hook late: the user's hook is registered after the first epoch (DDP's slot may hold a timer).
 
 --sleep-ms: each step also waits that long (a step long enough for bucket timing).
 --deep: N more 64x64 layers, a gradient bucket each (many buckets in a millisecond step).
+--width: the deep layers' width (64): at 512, 1 MB of gradients each.
 """
 
 import argparse
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--sleep-ms", type=float, default=0.0)
     parser.add_argument("--deep", type=int, default=0)
+    parser.add_argument("--width", type=int, default=64)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -39,8 +41,10 @@ def main() -> None:
     data = TensorDataset(torch.randn(480, 20), torch.randint(0, 5, (480,)))
     sampler = DistributedSampler(data, shuffle=True, seed=7)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
-    deep = [nn.Linear(64, 64) for _ in range(args.deep)]
-    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), *deep, nn.Linear(64, 5))
+    w = args.width
+    deep = [nn.Linear(64 if i == 0 else w, w) for i in range(args.deep)]
+    last = w if deep else 64
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), *deep, nn.Linear(last, 5))
     ddp = DDP(model, bucket_cap_mb=0.016 if deep else 0.005)  # --deep: a bucket per 64x64 layer
     if args.hook == "user":
         ddp.register_comm_hook(None, user_hook)
