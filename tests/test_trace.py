@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ddpdoctor.trace import binfmt, schema
+from ddpdoctor.trace import binfmt, notes, schema
 from ddpdoctor.trace.reader import TraceError, load_run, read_trace
 from ddpdoctor.trace.writer import TraceWriter
 
@@ -365,7 +365,7 @@ def test_read_workers_hand_over_the_same_traces(tmp_path: Path, monkeypatch, for
 def test_the_cpp_timers_notes_packed_at_once_read_back_as_packed_one_by_one(
     tmp_path: Path, packer: Any
 ) -> None:
-    """The C++ timer's notes (int64 rows, ``commhook._NOTE``) go into the ring in one call of
+    """The C++ timer's notes (int64 rows, ``notes.NOTE``) go into the ring in one call of
     the C packer, or one by one in Python; a row with a value that does not fit its field (a
     bucket index wider than 32 bits) is lost and counted, as by the writer's pack, and the rows
     after it are kept."""
@@ -381,7 +381,7 @@ def test_the_cpp_timers_notes_packed_at_once_read_back_as_packed_one_by_one(
         (0, 5_000_002_000, 5_000_003_000, 2**40, 64, 8),
         (1, 5_000_004_000, 5_000_005_000, 1, 2**40, 9),
     ]
-    commhook._pack_notes(c, b"".join(commhook._NOTE.pack(*r) for r in rows))
+    commhook._pack_notes(c, b"".join(notes.NOTE.pack(*r) for r in rows))
     w.close()
     t = read_trace(path)
     got = _rows(t.kind(schema.ALLREDUCE))  # (ts µs, dur µs, step, index, bytes, seq)
@@ -398,7 +398,6 @@ def test_a_deaths_uncommitted_timer_notes_are_recovered_once(tmp_path: Path) -> 
     from types import SimpleNamespace
 
     from ddpdoctor.probes import commhook
-    from ddpdoctor.trace import notes
     from ddpdoctor.trace.ring import complete_trace
 
     path = tmp_path / "trace-rank0.bin"
@@ -409,7 +408,7 @@ def test_a_deaths_uncommitted_timer_notes_are_recovered_once(tmp_path: Path) -> 
         (3, 5_000_002_000, 5_000_003_000, 1, 64, 8),  # packed into the ring, not committed
         (4, 5_000_004_000, 5_000_005_000, 0, 4096, 9),  # noted only
     ]
-    commhook._pack_notes(c, commhook._NOTE.pack(*rows[1]))
+    commhook._pack_notes(c, notes.NOTE.pack(*rows[1]))
     w._stop.set()  # the rank dies: no more flushes, no close
     slots = [struct.pack("<6qQ8x", *row, i + 1) for i, row in enumerate(rows)]
     head = struct.pack("<8sIIQQI", notes.MAGIC, notes.SLOT, 16384, 4, 1, 1).ljust(notes.HEADER_BYTES, b"\0")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import guard, native
 from ddpdoctor.probes.ddp_model import ModelState, state_of
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.notes import notes_path
+from ddpdoctor.trace.notes import NOTE, notes_path
 
 PROBE = "comm_hook"
 NATIVE = "comm_hook_native"  # the C++ timer (native.py), switched off on its own
@@ -269,7 +268,6 @@ def _native_timer(ddp: Any, c: _c.Collector) -> Any:
 _SETTLED_AFTER = 2
 # A drain's take, pack and commit, one at a time: a commit says every note up to it is packed.
 _draining = threading.Lock()
-_NOTE = struct.Struct("<6q")  # a C++ timer's note: step, t0, t1, bucket index, bytes, seq
 
 
 def drain(c: _c.Collector) -> int:
@@ -291,7 +289,7 @@ def drain(c: _c.Collector) -> int:
         if c.native:
             notes, taken, lost = native.module().drain_notes()
             if notes:
-                c.events += len(notes) // _NOTE.size
+                c.events += len(notes) // NOTE.size
                 _pack_notes(c, notes)
             native.module().commit_notes(taken)
             c.writer.dropped += lost  # reported with the ring's own (a full buffer)
@@ -319,7 +317,7 @@ def _pack_notes(c: _c.Collector, notes: bytes) -> None:
         return
     rest = kind.fast.many(ring, notes) if kind.fast is not None else 0
     if rest is not None:
-        for step, t0, t1, *fields in _NOTE.iter_unpack(notes[rest * _NOTE.size :]):
+        for step, t0, t1, *fields in NOTE.iter_unpack(notes[rest * NOTE.size :]):
             c.pack(kind, t0, t1, step, tuple(fields))
 
 

@@ -27,6 +27,7 @@ _HEAD = struct.Struct("<8sIIQQI")
 HEADER_BYTES = 64
 SLOT = 64
 NOTE_FIELDS = 6  # step, t0, t1, then the bucket record's fields: index, bytes, seq
+NOTE = struct.Struct(f"<{NOTE_FIELDS}q")  # a note as ``drain_notes`` hands it over: int64 each
 SEQ_AT = 48
 
 
