@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, read_lines, run_doctor, torchrun
+import torch
+from conftest import JOBS, read_lines, run_doctor, run_plain, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -85,6 +86,28 @@ def test_auto_leaves_gradients_whose_extra_pass_a_step_cannot_carry_to_ddp(
     assert on.returncode == 0, on.stderr
     reduced, _, hooks = buckets(on.run_dir, 1)
     assert hooks[0]["native"] is True and {r[0] for r in reduced} == set(range(15))
+
+
+def test_auto_times_gradients_past_the_cache_when_a_step_can_carry_their_pass(
+    tmp_path: Path, native_timer: Path
+) -> None:
+    """The twin of the above: 2 MB of gradients in steps of 100 ms or more. A pass fits the
+    step's share, so ``auto`` puts the C++ timer into DDP's slot at the fifth forward, mid-run,
+    and the weights come out as DDP's own reduction makes them, bit for bit."""
+    args = ("--epochs=1", "--deep=2", "--width=512", "--sleep-ms=100")
+    plain = run_plain(tmp_path, torchrun(2, JOBS / "seeded_train.py", "plain.pt", *args))
+    assert plain.returncode == 0, plain.stderr
+    command = torchrun(2, JOBS / "seeded_train.py", "doc.pt", *args)
+    job = run_doctor(tmp_path, command, DDPDOCTOR_BUCKET_TIMING="auto")
+    assert job.returncode == 0, job.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "doc.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for rank in range(2):
+        reduced, layouts, (hook,) = buckets(job.run_dir, rank)
+        auto = hook["auto"]
+        assert hook["native"] is True and "timed" not in hook and 1 < auto["grad_mb"] < 4
+        assert auto["step_ms"] >= 100 and auto["pass_us"] <= auto["share"] * auto["step_ms"] * 1e3
+        assert {r[0] for r in reduced} == set(range(4, 15)) and layouts  # decided at step 4
 
 
 def test_native_command_says_where_the_build_is(native_timer: Path, tmp_path: Path) -> None:
