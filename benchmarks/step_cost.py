@@ -2,9 +2,9 @@
 
 Across processes a 1 ms step on a shared 2-core VM drifts by 1.5x between runs, far more than
 the few per cent to be measured (docs/overhead.md). Here one process (world size 1, gloo)
-holds copies of the same tiny DDP model: one built while the doctor records (its buckets timed
-by the C++ timer where it is built), one whose buckets the Python hook times, one recorded with
-bucket timing off, and one built with the probes switched off (``collector.ACTIVE = None``,
+holds copies of the same DDP model (tiny by default): one built while the doctor records (its
+buckets timed by the C++ timer where it is built), one whose buckets the Python hook times, one
+recorded with bucket timing off, and one built with the probes switched off (``collector.ACTIVE = None``,
 DDP's own reduction), the plain step. A fifth, also without the doctor, has torch's own C++
 all-reduce hook in DDP's slot (``builtin_hook``): on this model a hook's reduction is faster
 than DDP's own, and the C++ timer is such a hook. Each model is checked to be timed as meant
