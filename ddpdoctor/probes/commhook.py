@@ -119,13 +119,13 @@ def pass_cost_s(model: ModelState) -> float:
     """Seconds one more pass over the model's gradients takes here (the C++ timer scales each
     bucket by 1/world size as DDP's own reduction does, after the copy DDP then makes plain):
     the best of three scalings of a warm scratch tensor of their size, at most
-    ``PASS_PROBE_BYTES`` (scaled linearly beyond). Once per model, at its decision."""
+    ``PASS_PROBE_BYTES`` (scaled linearly beyond). Once per model, at its decision (a model
+    with parameters: one without has nothing to pass over and is timed at once)."""
     import torch
 
-    nbytes = grad_bytes(model)
-    dtype = model.params[0].dtype if model.params else torch.float32
-    item = torch.empty(0, dtype=dtype).element_size()
-    scratch = torch.zeros(max(1, min(nbytes, PASS_PROBE_BYTES) // item), dtype=dtype)
+    nbytes, first = grad_bytes(model), model.params[0]
+    item = first.element_size()
+    scratch = torch.zeros(max(1, min(nbytes, PASS_PROBE_BYTES) // item), dtype=first.dtype)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
