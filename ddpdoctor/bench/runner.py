@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor import _env
 from ddpdoctor.bench import worker as worker_module
 
 SCHEMA = "ddpdoctor.bench/1"
@@ -68,6 +69,21 @@ def _worker_args(opts: BenchOptions, mode: str, out: Path, threads: int) -> list
         f"--threads={threads}",
         f"--out={out}",
     ]
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (which the launch passes on), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _child_env() -> dict[str, str]:
@@ -119,15 +135,12 @@ def run_bench(opts: BenchOptions, run_dir: Path) -> dict[str, Any]:
                 f"--nproc_per_node={opts.nproc}",
                 *_worker_args(opts, "ddp", results_dir, ddp_threads),
             ]
-            saved = os.environ.get("OMP_NUM_THREADS")
-            os.environ["OMP_NUM_THREADS"] = str(ddp_threads)  # torchrun would force 1
-            try:
+            # torchrun would force one thread. The breakdown is the buckets' spans: timed
+            # whatever it costs (on the CPU, one more pass over the gradients), unless the
+            # user chose otherwise.
+            timing = os.environ.get(_env.BUCKET_TIMING) or "on"
+            with _environ({"OMP_NUM_THREADS": str(ddp_threads), _env.BUCKET_TIMING: timing}):
                 code = run_job(command, ddp_dir, WatchOptions(on_hang="kill")).exit_code
-            finally:
-                if saved is None:
-                    os.environ.pop("OMP_NUM_THREADS", None)
-                else:
-                    os.environ["OMP_NUM_THREADS"] = saved
             modes["ddp"] = _mode_result("ddp", results_dir, code, opts)
             modes["ddp"]["run_dir"] = str(ddp_dir)
             modes["ddp"].update(_ddp_from_trace(ddp_dir, opts.warmup))
