@@ -3,7 +3,8 @@
 For a compute-bound model (~10M parameters) and a tiny one, run the same 2-rank gloo job
 plain, under `ddpdoctor run`, with torch.profiler (CPU activities) and, with ``--python-hook``,
 with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs), with
-``--no-buckets`` under the doctor with ``DDPDOCTOR_BUCKET_TIMING=off``, and with
+``--no-buckets`` under the doctor with ``DDPDOCTOR_BUCKET_TIMING=off``, with ``--timed`` with
+``=on`` (every bucket timed: the default, ``auto``, leaves a step that cannot carry it), and with
 ``--python-timer`` under the doctor timing buckets with its Python hook (as where its C++ timer
 is not built), in interleaved order, and report the median step time of each mode relative to
 plain. Also reports the trace size per rank per step, and the per-event cost of a recorded
@@ -91,8 +92,11 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     if mode == "doctor_no_buckets":  # the doctor with DDP's own C++ reduction left alone
         env[_env.BUCKET_TIMING] = "off"
+    if mode == "doctor_on":  # every bucket timed, whatever it costs the step
+        env[_env.BUCKET_TIMING] = "on"
     if mode == "doctor_python_timer":  # buckets timed by the Python hook: no C++ timer built there
         env[_env.CACHE] = str(workdir / "no-native-timer")
+        env[_env.BUCKET_TIMING] = "on"
     if mode.startswith("doctor"):
         cmd = [sys.executable, "-m", "ddpdoctor", "run", "--out", str(run_dir), "--", *job]
     elif mode in ("profiler", "python_hook"):
@@ -237,12 +241,14 @@ def main() -> None:
     parser.add_argument(
         "--python-timer", action="store_true", help="add the doctor timing buckets with its Python hook"
     )
+    parser.add_argument("--timed", action="store_true", help="add the doctor with DDPDOCTOR_BUCKET_TIMING=on")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
     modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
     modes += ["python_hook"] if args.python_hook else []
     modes += ["doctor_no_buckets"] if args.no_buckets else []
     modes += ["doctor_python_timer"] if args.python_timer else []
+    modes += ["doctor_on"] if args.timed else []
     say = (lambda *a, **k: None) if args.json else print
     result: dict[str, object] = dict(per_event_cost_us())
     say(f"per-event cost: {json.dumps(result)}")
