@@ -11,11 +11,11 @@ BUFFER_EVENTS = "DDPDOCTOR_BUFFER_EVENTS"  # events waiting to be written before
 FLUSH_INTERVAL_S = 0.25
 BUFFER_EVENTS_N = 65536  # the ring's slots (128 bytes each: 8 MiB)
 DISABLE = "DDPDOCTOR_DISABLE"  # "1": the bootstrap does nothing at all
-# Per-bucket all-reduce spans need a comm hook in Python (a GIL trip per bucket, as torch's own
-# Python allreduce_hook): "on" (the default) always, "auto" only where the steps are long enough
-# to carry it (probes/commhook.py), "off" never.
+# Per-bucket all-reduce spans need a timer in DDP's comm hook slot, and any hook there costs the
+# step (a pass over the gradients; a GIL trip per bucket in Python): "auto" (the default) times
+# them where a step can carry that (probes/commhook.py), "on" always, "off" never.
 BUCKET_TIMING = "DDPDOCTOR_BUCKET_TIMING"
-BUCKET_TIMING_MODES = ("on", "auto", "off")
+BUCKET_TIMING_MODES = ("auto", "on", "off")  # the first is the default
 # "1": the probes' hot paths run in Python even where their C module (probes/_fast.c) is built
 # (A/B measurements, and tests that check both paths record the same).
 PURE_PYTHON = "DDPDOCTOR_PURE_PYTHON"
@@ -46,7 +46,7 @@ def number(name: str, default: float, *, integer: bool = False) -> float:
 
 
 def bucket_timing() -> str:
-    """``DDPDOCTOR_BUCKET_TIMING`` ("on" when unset), or a ValueError naming what it may be."""
+    """``DDPDOCTOR_BUCKET_TIMING`` ("auto" when unset), or a ValueError naming what it may be."""
     import os
 
     raw = os.environ.get(BUCKET_TIMING, "").strip().lower() or BUCKET_TIMING_MODES[0]

@@ -99,10 +99,11 @@ def run(
     ranks' liveness through the job's own rendezvous store and print one verdict for the whole
     job (DDPDOCTOR_STORE=host:port names another store, =off keeps each node to itself).
 
-    Gradient buckets are timed by a Python comm hook, 50-150 µs a bucket on a CPU:
-    DDPDOCTOR_BUCKET_TIMING=auto times them only where the first steps are long enough to carry
-    it (0.5 % of a step), =off never (no per-bucket spans; stragglers measured by their time in
-    backward), =on always (the default).
+    Gradient buckets are timed by a comm hook, and any comm hook costs a step something (one
+    more pass over the gradients; in Python, 50-150 µs a bucket). DDPDOCTOR_BUCKET_TIMING=auto
+    (the default) times them where a step can carry it (0.5 % of a step; the summary says where
+    not), =on always, =off never (no per-bucket spans; stragglers measured by their time in
+    backward).
     """
     watch = _watch_options(hang_timeout, on_hang)
     sys.exit(_run_and_summarise(list(command), out, watch, _nvml_interval(nvml_interval, no_nvml)))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_fake_gpu_job_records_a_device_span_for_every_cpu_span(tmp_path: Path) -> None:
-    job = run_doctor(tmp_path, torchrun(2, JOBS / "fake_gpu_train.py"))
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "fake_gpu_train.py"), DDPDOCTOR_BUCKET_TIMING="on")
     assert job.returncode == 0, job.stderr[-3000:]
     run = load_run([job.run_dir])
     for trace in run.ranks.values():

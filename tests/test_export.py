@@ -65,7 +65,7 @@ def test_synthetic_export_structure_and_lanes(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_export_of_a_real_run(tmp_path: Path) -> None:
-    job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"))
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "counted_train.py"), DDPDOCTOR_BUCKET_TIMING="on")
     assert job.returncode == 0, job.stderr
     out = tmp_path / "trace.json"
     proc = doctor("export", str(job.run_dir), "-o", str(out))

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import JOBS, read_lines, run_doctor, run_plain, torchrun
 
+from ddpdoctor.analysis.findings import rank_list
+
 pytestmark = pytest.mark.e2e
 
 
@@ -26,12 +28,14 @@ def buckets(run_dir: Path, rank: int) -> tuple[list[tuple], list[tuple], list[di
 def test_the_cpp_timer_records_each_bucket_as_the_python_timer_does(
     tmp_path: Path, native_timer: Path
 ) -> None:
-    """Same job twice: the C++ timer, then none built (an empty cache): the Python hook."""
+    """Same job twice: the C++ timer, then none built (an empty cache): the Python hook (timed
+    with ``on``: under ``auto`` a step this short could not carry it)."""
     command = torchrun(2, JOBS / "counted_train.py")
     (tmp_path / "native").mkdir()
     (tmp_path / "python").mkdir()
-    native = run_doctor(tmp_path / "native", command)
-    python = run_doctor(tmp_path / "python", command, DDPDOCTOR_CACHE=str(tmp_path / "empty"))
+    on = {"DDPDOCTOR_BUCKET_TIMING": "on"}
+    native = run_doctor(tmp_path / "native", command, **on)
+    python = run_doctor(tmp_path / "python", command, DDPDOCTOR_CACHE=str(tmp_path / "empty"), **on)
     for job in (native, python):
         assert job.returncode == 0, job.stderr
     for rank in (0, 1):
@@ -65,13 +69,14 @@ def test_auto_leaves_gradients_whose_extra_pass_a_step_cannot_carry_to_ddp(
 ) -> None:
     """Any comm hook costs one more pass over the gradients (DDP divides as it copies them into
     its buckets only when its slot is empty). 13 MB of them in steps of tens of ms: a pass
-    takes about 1 ms here, far more than 0.5 % of a step, so ``auto`` leaves the reduction to
-    DDP, and says what it measured; ``on`` times it still."""
+    takes about 1 ms here, far more than 0.5 % of a step, so ``auto``, the default, leaves the
+    reduction to DDP, and the trace and the summary say what it measured; ``on`` times it
+    still."""
     args = ("--epochs=1", "--deep=4", "--width=1024")
     for mode in ("auto", "on"):
         (tmp_path / mode).mkdir()
     command = torchrun(2, JOBS / "seeded_train.py", "auto.pt", *args)
-    job = run_doctor(tmp_path / "auto", command, DDPDOCTOR_BUCKET_TIMING="auto")
+    job = run_doctor(tmp_path / "auto", command)  # no DDPDOCTOR_BUCKET_TIMING: auto
     assert job.returncode == 0, job.stderr
     untimed = []
     for rank in range(2):  # each rank decides on what it measured (the machine's: a 2-5x margin)
@@ -82,7 +87,10 @@ def test_auto_leaves_gradients_whose_extra_pass_a_step_cannot_carry_to_ddp(
         assert hook.get("timed", True) is not dear and bool(reduced) is not dear
         untimed.append(dear)
     assert any(untimed)
-    on = run_doctor(tmp_path / "on", torchrun(2, JOBS / "seeded_train.py", "on.pt", *args))
+    said = f"gradient buckets untimed on rank {rank_list(r for r in range(2) if untimed[r])}: "
+    assert said + "one more pass over its 12." in " ".join(job.stderr.split())
+    on_cmd = torchrun(2, JOBS / "seeded_train.py", "on.pt", *args)
+    on = run_doctor(tmp_path / "on", on_cmd, DDPDOCTOR_BUCKET_TIMING="on")
     assert on.returncode == 0, on.stderr
     reduced, _, hooks = buckets(on.run_dir, 1)
     assert hooks[0]["native"] is True and {r[0] for r in reduced} == set(range(15))

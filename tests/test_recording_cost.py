@@ -135,7 +135,8 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     script.write_text(JOB)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(script), str(free_port()), str(run_dir), str(lib), mode or "-"]
-    env = job_env(DDPDOCTOR_PURE_PYTHON=pure_python)
+    # every bucket timed on both paths (``auto`` waits for a step where the Python timer runs)
+    env = job_env(DDPDOCTOR_PURE_PYTHON=pure_python, DDPDOCTOR_BUCKET_TIMING="on")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # CI builds the C module (pyproject's ext-modules): its path must be the one measured here

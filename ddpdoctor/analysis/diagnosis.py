@@ -14,7 +14,7 @@ from ddpdoctor.analysis.findings import Finding, find_all
 from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.analysis.misuse.models import ddp_models
 from ddpdoctor.analysis.slow import gpu, gpu_findings, views
-from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats
+from ddpdoctor.analysis.slow.gradsync import bucket_layout, bucket_stats, untimed_by_cost
 from ddpdoctor.analysis.slow.phases import rank_phases, step_time_stats
 from ddpdoctor.analysis.slow.views import Lateness
 from ddpdoctor.trace import schema
@@ -40,6 +40,7 @@ class Diagnosis:
     bucket_layout: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> params, bytes
     framework: str | None = None  # "lightning", "accelerate", or None for plain DDP
     failure: FailureView | None = None  # a hung or failed run, drawn where it happened
+    notes: list[str] = field(default_factory=list)  # what the recording lacks, and why
 
     @property
     def has_errors(self) -> bool:
@@ -117,6 +118,7 @@ def _diagnose(run: Run) -> Diagnosis:
         gpus=gpu.gpu_view(run),
         framework=framework,
         failure=failure,
+        notes=[n for n in (untimed_by_cost(run),) if n],
     )
 
 

@@ -9,14 +9,15 @@ torch's own Python ``allreduce_hook`` costs, 25-130 µs a bucket on a 2-core hos
 is built (``native.py``) and the model is on the CPU, it takes DDP's slot instead, and this
 module only packs its notes (``drain``, off the training thread once the buckets are laid out).
 
-``DDPDOCTOR_BUCKET_TIMING``: ``on`` (the default) registers the timer at the model's first
-forward; ``off`` never: DDP's C++ reduction (or the user's hook) alone. ``auto`` registers the
-C++ timer at once on gradients a cache holds (``FREE_PASS_BYTES``); otherwise it lets the first
-steps run on DDP's C++ reduction and registers a timer only if their median step can carry its
-cost (``affordable``): the Python timer's per bucket, or the C++ timer's pass over the
-gradients. Any comm hook costs that pass: DDP divides each gradient as it copies it into its
-bucket when its slot is empty, and leaves the division to the hook otherwise (3-8 % of a 50 ms
-step of a 10M-parameter MLP on this project's CPU, docs/overhead.md). Untimed, the
+``DDPDOCTOR_BUCKET_TIMING``: ``auto`` (the default) registers the C++ timer at once on
+gradients a cache holds (``FREE_PASS_BYTES``); otherwise it lets the first steps run on DDP's
+C++ reduction and registers a timer only if their median step can carry its cost
+(``affordable``): the Python timer's per bucket, or the C++ timer's pass over the gradients.
+Any comm hook costs that pass: DDP divides each gradient as it copies it into its bucket when
+its slot is empty, and leaves the division to the hook otherwise (3-8 % of a 50 ms step of a
+10M-parameter MLP on this project's CPU, docs/overhead.md), which is why ``on``, which
+registers the timer at the model's first forward whatever it costs, is not the default.
+``off`` never times: DDP's C++ reduction (or the user's hook) alone. Untimed, the
 gradient all-reduces keep their sequence numbers (the gaps between the recorded ones,
 ``analysis/failed/ledger.py``) and the straggler table measures each rank's time in backward
 (``analysis/slow/synctable.py``); each bucket's own span is lost (docs/overhead.md).

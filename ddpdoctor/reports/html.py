@@ -296,7 +296,7 @@ def render(diag: Diagnosis, *, max_segments: int = MAX_SEGMENTS) -> str:
         [
             failure_section(diag),  # "" unless the run failed or hung
             timeline_section(diag, max_segments) if failed else "",
-            findings_section(diag, run.notes + tb.notes),
+            findings_section(diag, run.notes + tb.notes + diag.notes),
             header_section(diag),
             "" if failed else timeline_section(diag, max_segments),
             gpu_section(diag),  # under the rank rows, on the same x axis

@@ -30,7 +30,7 @@ def document(diag: Diagnosis) -> dict[str, Any]:
             "batch_size": diag.batch_size,
             "ddp": diag.ddp,
             "ddp_models": [{k: v for k, v in m.items() if k != "param_names"} for m in diag.ddp_models],
-            "notes": run.notes,
+            "notes": run.notes + diag.notes,
         },
         "phases": {str(r): p for r, p in diag.phases.items()},
         "buckets": diag.buckets,

@@ -80,7 +80,7 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
             )
     if len(diag.findings) > max_findings:
         lines.append(f"  ... and {len(diag.findings) - max_findings} more (diagnose --json)")
-    for note in run.notes:
+    for note in run.notes + diag.notes:
         lines.extend(textwrap.wrap(f"note: {note}", WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
     if report:
         lines.append(f"  report: {report}")
@@ -168,6 +168,8 @@ def _buckets(ddp: dict[str, Any], layout: dict[int, Any]) -> str:
     """The buckets the job trained with: DDP rebuilds them in gradient order after the first
     step, so the constructor's count (often 1) is not what the all-reduces used."""
     built = len(ddp.get("buckets", []))
-    if not layout or len(layout) == built:
+    if not layout:  # the rebuilt layout is recorded with bucket timing, or when it is decided
+        return f"{built} bucket(s) at construction"
+    if len(layout) == built:
         return f"{built} bucket(s)"
     return f"{len(layout)} bucket(s) ({built} at construction, rebuilt after the first step)"

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.findings import Finding, detector
+from ddpdoctor import _env
+from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.slow.device import clock, device_timed
 from ddpdoctor.analysis.slow.phases import StepGrid, last_per_step, median_period, narrow_periods
 from ddpdoctor.trace import schema
@@ -32,6 +33,38 @@ def bucket_layout(run: Run) -> dict[int, dict[str, Any]]:
         if layout:
             return layout
     return {}
+
+
+def untimed_by_cost(run: Run) -> str | None:
+    """Which ranks' buckets the automatic bucket timing left to DDP because a step could not
+    carry the timer (``probes/commhook.py``), with what it measured (the lowest such rank's),
+    in a sentence: a run without per-bucket spans says why, and how to have them."""
+    ranks, why = [], ""
+    for rank, trace in sorted(run.ranks.items()):
+        for _, _, info in trace.meta.get(schema.COMM_HOOK, []):
+            auto = info.get("auto")
+            if info.get("timed") is not False or not isinstance(auto, dict):
+                continue
+            ranks.append(rank)
+            why = why or _why_untimed(auto)
+            break
+    if not ranks:
+        return None
+    return (
+        f"gradient buckets untimed on rank {rank_list(ranks)}: {why}; "
+        f"{_env.BUCKET_TIMING}=on times them anyway"
+    )
+
+
+def _why_untimed(auto: dict[str, Any]) -> str:
+    share, step = float(auto.get("share", 0)) * 100, auto.get("step_ms")
+    if "grad_mb" in auto:
+        took = f"{auto['pass_us']:,.0f} µs" if auto.get("pass_us") is not None else "no room to time"
+        cost = f"one more pass over its {auto['grad_mb']:g} MB of gradients ({took})"
+    else:
+        each = f"~{auto.get('cost_us', 0):.0f} µs each"
+        cost = f"a Python comm hook on its {auto.get('buckets')} bucket(s) ({each})"
+    return f"{cost} would cost more than {share:g} % of its {step:g} ms step"
 
 
 def _waits(run: Run) -> tuple[np.ndarray, list[int], list[int]] | None:
