@@ -212,6 +212,9 @@ def _launch(args: argparse.Namespace, backend: str, nproc: int, out: Path, docto
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
+    # every bucket timed: its device spans are what is checked (auto would leave most GPU steps
+    # untimed), unless the caller chose
+    env.setdefault("DDPDOCTOR_BUCKET_TIMING", "on")
     subprocess.run(cmd, check=True, env=env)
     steps = [json.loads(p.read_text()) for p in sorted(out.glob("steps-rank*.json"))]
     return statistics.median(t for ranks in steps for t in ranks[5:])
