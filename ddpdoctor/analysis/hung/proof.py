@@ -247,6 +247,8 @@ def judge(
         if proven is not None:
             text, culprits = proven
             return Verdict(VerdictState.PROVEN, text, culprits, sorted(waits), wait_s, 0.0, where, waits)
+        if _passed_by_the_gone(waits, gone, statuses):
+            return Verdict(VerdictState.RUNNING, waiting=sorted(waits), wait_s=wait_s, where=where)
         return Verdict(
             VerdictState.BLOCKED,
             f"every live rank waits in {_same_point(waits)}: nothing on record says why",
@@ -305,6 +307,20 @@ def _outside(status: RankStatus) -> str:
 def _same_point(waits: dict[int, dict[str, Any]]) -> str:
     points = sorted({point(p) for p in waits.values()})
     return points[0] if len(points) == 1 else ", ".join(points)
+
+
+def _passed_by_the_gone(
+    waits: dict[int, dict[str, Any]], gone: set[int], statuses: dict[int, RankStatus]
+) -> bool:
+    """A rank that exited after issuing the world collective the live ones still show: their
+    statuses (written four times a second) are older than their wait's end, as at the close of
+    a job whose last rank finished first; not a hang of every live rank."""
+    return any(
+        statuses[d].exited and statuses[d].seq > int(phase.get("seq", -1)) >= 0
+        for phase in waits.values()
+        if str(phase.get("group") or "WORLD") == "WORLD"
+        for d in gone
+    )
 
 
 def _prove(
