@@ -315,12 +315,13 @@ def _passed_by_the_gone(
     """A rank that exited after issuing the world collective the live ones still show: their
     statuses (written four times a second) are older than their wait's end, as at the close of
     a job whose last rank finished first; not a hang of every live rank."""
-    return any(
-        statuses[d].exited and statuses[d].seq > int(phase.get("seq", -1)) >= 0
-        for phase in waits.values()
-        if str(phase.get("group") or "WORLD") == "WORLD"
-        for d in gone
-    )
+    return any(statuses[d].exited and _issued(statuses[d], phase) for phase in waits.values() for d in gone)
+
+
+def _issued(final: RankStatus, phase: dict[str, Any]) -> bool:
+    """Did a rank that left issue the world collective ``phase`` waits in before it left? Then
+    that wait may still end: nothing is proven by its leaving."""
+    return str(phase.get("group") or "WORLD") == "WORLD" and final.seq > int(phase.get("seq", -1)) >= 0
 
 
 def _prove(
@@ -338,9 +339,8 @@ def _prove(
             members = members_of.setdefault(key, _members(phase, world))
             for d in sorted(members & gone):
                 final = statuses[d]
-                seq = final.seq
-                if key == "WORLD" and seq > int(phase.get("seq", -1)) >= 0:
-                    continue  # it issued this collective before leaving: the wait may still end
+                if _issued(final, phase):
+                    continue
                 how = "exited" if final.exited else "died"
                 if final.lost:  # its node stopped reporting (supervisor/board.py)
                     how = f"was lost with {final.lost}"
