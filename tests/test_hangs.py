@@ -302,6 +302,9 @@ def test_a_rank_blocked_in_its_own_backward_code_is_named_not_the_all_reduce(
         "--on-hang",
         "kill",
         DDPDOCTOR_HANG_FLOOR_S="5",
+        # Its 1.09 MB of gradients sit just past auto's 1 MiB line, where each rank's measured pass
+        # decides: this test reads the timer's bucket records, so it asks for them.
+        DDPDOCTOR_BUCKET_TIMING="on",
     )
     assert job.returncode == EXIT_HANG_KILLED, job.stderr[-3000:]
     verdict = hang_summary(job.run_dir)["verdict"]
