@@ -80,6 +80,34 @@ def test_a_rank_that_ran_out_of_data_is_uneven_inputs(tmp_path: Path) -> None:
     assert found["uneven_inputs"]["details"]["root_rank"] == 0 and "join" in found["uneven_inputs"]["fix"]
 
 
+def _epochs(passes: list[int], batches: int) -> list[list]:
+    """Steps in passes of the given lengths over one loader that says it gives ``batches``."""
+    steps = _steps(sum(passes))
+    out, k = [r for r in steps if r[0] != "loader"], 0
+    for n in passes:  # a pass begins just before its first batch's wait
+        out.append(["loader", 100 + 1000 * k - 5, 0, k - 1, dict(LOADER, batches=batches)])
+        k += n
+    return out
+
+
+def test_a_rank_out_of_data_behind_longer_passes_before_is_uneven_not_left_early(tmp_path: Path) -> None:
+    # Rank 1 read all of each pass (3 and 3 batches) and exited; rank 0's passes give 4, so it
+    # is still inside its second pass at step 6 with fewer batches of it read than rank 1 had.
+    _write(tmp_path, 0, _epochs([4, 3], 4), error=PEER_ERROR)
+    _write(tmp_path, 1, _epochs([3, 3], 3))
+    found = _kinds(tmp_path)
+    assert "rank_left_early" not in found, found.get("rank_left_early")
+    assert found["uneven_inputs"]["details"]["root_rank"] == 1
+
+
+def test_a_rank_that_stops_after_a_whole_pass_the_others_match_left_early(tmp_path: Path) -> None:
+    # The same passes on both ranks: rank 1 stopped after its first, rank 0 began the next.
+    _write(tmp_path, 0, _epochs([3, 2], 3), error=PEER_ERROR)
+    _write(tmp_path, 1, _epochs([3], 3))
+    found = _kinds(tmp_path)
+    assert "uneven_inputs" not in found and found["rank_left_early"]["details"]["root_rank"] == 1
+
+
 def test_unequal_steps_that_end_cleanly_on_every_rank_are_not_a_failure(tmp_path: Path) -> None:
     _write(tmp_path, 0, _steps(3, loader=False))  # e.g. under model.join()
     _write(tmp_path, 1, _steps(6, loader=False))

@@ -22,6 +22,7 @@ from ddpdoctor.analysis.failed.parting import (
     rank_only_call,
     rank_only_logs,
 )
+from ddpdoctor.analysis.failed.passes import batches
 from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
@@ -97,15 +98,21 @@ def _is_ddp(point: Point | None) -> bool:
 
 
 def _ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
-    """Did this rank finish its data while another rank read more batches in the same pass?"""
+    """Did this rank finish its data while another rank read more batches in the same pass, or
+    was still in that pass with more batches in all (longer passes before it, or a longer one)?"""
     if not ledger.passes:
         return True  # no DataLoader seen: the ranks' own slicing; fewer steps is all we know
     mine = len(ledger.passes) - 1
     last = ledger.passes[mine]
     if not last.complete:
         return False
+    had = batches(ledger.passes, last.loader)
     for other in others:
         if len(other.passes) > mine and other.passes[mine].read > last.read:
+            return True
+        # still in that pass (its loader: the one at the same place in the order), more in all
+        in_it = len(other.passes) == mine + 1
+        if in_it and batches(other.passes, other.passes[mine].loader, to_come=True) > had:
             return True
     return not any(len(o.passes) > mine for o in others)
 

@@ -51,3 +51,13 @@ def _expected_batches(info: dict[str, Any], world: int) -> int | None:
     if info.get("sampler") == "DistributedSampler":
         n = -(-n // world)
     return n // bs if info.get("drop_last") else -(-n // bs)
+
+
+def batches(passes: list[Pass], loader: int, to_come: bool = False) -> int:
+    """The batches a rank's passes of one loader gave it; ``to_come``: with the rest of the pass
+    it is in (what that pass would give, where known)."""
+    mine = [p for p in passes if p.loader == loader]
+    total = sum(p.read for p in mine)
+    if to_come and mine and mine[-1].expected is not None:
+        total += max(0, mine[-1].expected - mine[-1].read)
+    return total
