@@ -121,6 +121,12 @@ def test_a_dying_rank_keeps_every_step_and_its_last_words(
         line = next(n for n, text in enumerate(source, 1) if text.strip() == "os._exit(7)")
         assert f"(dying_train.py:{line} in die)" in failure["summary"], failure["summary"]
         assert failure["details"]["place"] == f"dying_train.py:{line}"
+    if mode == "segv":  # the stack faulthandler wrote at the crash: the line that made the native call
+        source = (JOBS / "dying_train.py").read_text().splitlines()
+        line = next(n for n, text in enumerate(source, 1) if text.strip() == "ctypes.string_at(0)")
+        assert f"(dying_train.py:{line} in die, inside " in failure["summary"], failure["summary"]
+        assert failure["details"]["place"] == f"dying_train.py:{line}" and "fatal-rank1.txt" in failure["fix"]
+        assert "PYTHONFAULTHANDLER" not in failure["fix"], "it has the stack already"
 
 
 def test_sigterm_from_the_launcher_is_a_consequence_not_the_root(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.endings import is_consequence, last_step_started
-from ddpdoctor.analysis.failed.stacks import user_frame
+from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.misuse import frameworks
@@ -109,6 +109,7 @@ _SIGNAL_TEXT = {
     "Segmentation fault": "SIGSEGV",
     "Aborted": "SIGABRT",
 }
+_FAULTS = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")  # faulthandler's: a Python stack if enabled
 
 
 def known_error(error: dict[str, Any], loader: str = "") -> tuple[str, str] | None:
@@ -289,12 +290,17 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         how = _signal_name(sig) if sig else "a signal (SIGKILL or the kernel's OOM killer)"
         if end.get("source"):
             how += f" ({end['source']})"
-        summary = (
-            f"rank {rank} was killed by {how} {at}: it raised no Python exception and did not exit cleanly"
-        )
+        frames = [(f.get("file"), f.get("line"), f.get("function")) for f in reversed(death_stack(run, rank))]
+        where = _where(frames)  # a fatal signal raised inside the rank: where its Python was
+        summary = f"rank {rank} was killed by {how} {at}{where}: it raised no Python exception"
+        summary += " and did not exit cleanly"
         fix = frameworks.advice(_signal_name(sig) if sig else "SIGKILL")
         if end.get("stack"):  # a fatal signal raised inside the rank, not a kill from outside
-            fix += f" Its Python stack at the crash is in fatal-rank{rank}.txt in the run directory."
+            fix += f" Start at the last Python line it ran{where}; " if where else " "
+            fix += f"its whole stack at the crash is in fatal-rank{rank}.txt in the run directory."
+            details["place"] = _place(frames)
+        elif _signal_name(sig) in _FAULTS:
+            fix += " Run that rank with PYTHONFAULTHANDLER=1 to get its Python stack."
         details["signal"] = sig
         details["killed_by_signal"] = True
     end = ends.get(str(rank))

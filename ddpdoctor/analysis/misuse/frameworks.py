@@ -61,8 +61,8 @@ _KILLED = {
     "SIGABRT": "SIGABRT is a native abort (a failed C++ check in gloo/NCCL/torch, e.g. collectives of "
     "different sizes, or a library's assert), not the OOM killer: read that rank's stderr for the "
     "C++ message just before it died.",
-    "SIGSEGV": "SIGSEGV is a crash in native code (an extension, a driver, a corrupted tensor): run that "
-    "rank with PYTHONFAULTHANDLER=1 to get its Python stack.",
+    "SIGSEGV": "SIGSEGV is a crash in native code (an extension, a driver, a corrupted tensor, a bad "
+    "address handed to ctypes or a C library).",
     "SIGTERM": "SIGTERM came from outside (the scheduler's time limit or preemption, or torchrun "
     "stopping the job after another rank failed).",
 }
