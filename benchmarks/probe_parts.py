@@ -61,12 +61,18 @@ def main() -> None:
     DDP.forward = timed("inner_forward", DDP.forward)
     torch.autograd.backward = timed("inner_backward", torch.autograd.backward)
     import ddpdoctor.probes as probes
-    from ddpdoctor.probes import commhook, ddp, fingerprint, optimizer
+    from ddpdoctor.probes import commhook, ddp, fingerprint
 
-    optimizer._pre = timed("optimizer_pre", optimizer._pre)  # registered by install: wrap first
-    optimizer._post = timed("optimizer_post", optimizer._post)
     commhook.drain = timed("drain", commhook.drain)  # drain_settling and the writer thread call it
     probes.install()
+    from torch.optim import optimizer as torch_optimizer  # the step hooks install registered
+
+    for hooks, name in (
+        (torch_optimizer._global_optimizer_pre_hooks, "optimizer_pre"),
+        (torch_optimizer._global_optimizer_post_hooks, "optimizer_post"),
+    ):
+        for key, hook in list(hooks.items()):
+            hooks[key] = timed(name, hook)
     ddp.run_queue_us = timed("run_queue", ddp.run_queue_us)  # the Python path's (in C: its own)
     ddp.check_unused = timed("unused_check", ddp.check_unused)
     fingerprint.after_step = timed("fingerprint", fingerprint.after_step)

@@ -83,8 +83,9 @@ for bad in ("forward", "backward"):  # calls that raise: the patient's error goe
     except RuntimeError as exc:
         print("raised:", bad, str(exc).splitlines()[0][:50], exc.__traceback__.tb_lineno)
 heads.require_backward_grad_sync = True  # the unused head would make DDP raise at a third forward
-from ddpdoctor.probes import ddp
+from ddpdoctor.probes import ddp, optimizer
 print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
+print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -146,6 +147,9 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     # are not counted: 2 of the 3 no-grad forwards, heads' second forward; both backwards.
     in_c = "{'backward': 2, 'forward': 3}" if pure_python != "1" else "{}"
     assert f"recorded in C: {in_c}" in proc.stdout, proc.stdout
+    # both optimizer steps were recorded by the C post hook (the pre hook records nothing)
+    in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
+    assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
     forward, backward = _line(JOB, "RAISES_FORWARD"), _line(JOB, "RAISES_BACKWARD")
     assert f"raised: forward Expected to have finished reduction in the prior i {forward}" in proc.stdout
     assert f"raised: backward element 0 of tensors does not require grad and doe {backward}" in proc.stdout

@@ -362,7 +362,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_collective_kind, "collective_kind");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0)
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0 ||
+        opt_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -370,6 +371,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
         PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddObjectRef(m, "DdpProbe", (PyObject *)&DdpProbeType) < 0 ||
+        PyModule_AddObjectRef(m, "OptimizerProbe", (PyObject *)&OptProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0 ||
         PyModule_AddIntConstant(m, "RING_VOID", RING_VOID) < 0) {

@@ -1,6 +1,7 @@
 /* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
  * site()), _fast_packer.c (the packer), _fast_collective.c (the collective probe), _fast_step.c
- * (the backward probe's per-step work) and _fast_ddp.c (the DDP forward and backward probes). */
+ * (the backward probe's per-step work), _fast_ddp.c (the DDP forward and backward probes) and
+ * _fast_opt.c (the optimizer's step hooks). */
 #ifndef DDPDOCTOR_FAST_H
 #define DDPDOCTOR_FAST_H
 
@@ -83,6 +84,10 @@ void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObje
 /* The DDP forward and backward probes (_fast_ddp.c). */
 extern PyTypeObject DdpProbeType;
 int ddp_init(void);
+
+/* The optimizer probe's step hooks (_fast_opt.c). */
+extern PyTypeObject OptProbeType;
+int opt_init(void);
 
 /* The site callsite.py learnt for the first user frame from ``frame`` up: a new reference,
  * None when not learnt yet, NULL on error (_fast.c). */

@@ -5,6 +5,9 @@ An optimizer that steps another inside its own step (``ZeroRedundancyOptimizer``
 a framework's wrapper) fires the hooks twice, nested: only the outer step is the step. Its
 record spans the whole of it, and the fingerprint after it sees the parameters once the wrapper
 has synchronised them (ZeRO broadcasts each rank's shard after the inner step).
+
+In a training loop's steady state the hooks torch calls are the C module's (``_fast_opt.c``),
+which do what ``_pre`` and ``_post`` do and hand anything unusual to them.
 """
 
 from __future__ import annotations
@@ -15,17 +18,38 @@ from typing import Any
 
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
+from ddpdoctor.probes import fastpath, guard
 from ddpdoctor.probes import fingerprint as _fp
 
 PROBE = "optimizer"
 _now = time.monotonic_ns
+IN_C: dict[str, Any] = {}  # "pre"/"post": the C module's hooks, where they are registered
 
 
 def install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(_pre)
-    register_optimizer_step_post_hook(_post)
+    pre, post = _in_c() or (_pre, _post)
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+
+
+def _in_c() -> tuple[Any, Any] | None:
+    """The hooks' steady state in C (``_fast_opt.c``, this module's hooks for everything
+    else), or None where the Python hooks run alone."""
+    fast = fastpath.module()
+    if fast is None:
+        return None
+    try:
+        for name, slow in (("pre", _pre), ("post", _post)):
+            IN_C[name] = fast.OptimizerProbe(
+                post=name == "post", slow=slow, globals=vars(_c), cuda_globals=vars(_ct), fp_globals=vars(_fp)
+            )
+        return IN_C["pre"], IN_C["post"]
+    except Exception as exc:  # a C module from another version of this file
+        IN_C.clear()
+        guard.passthrough(exc)
+        return None
 
 
 def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
