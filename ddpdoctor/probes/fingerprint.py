@@ -179,7 +179,9 @@ class Fingerprints:
     def after_step(self, optimizer: Any) -> None:
         """After an optimizer step: check when due (one comparison otherwise). Nothing while
         torch.compile traces the step (nothing to hash), asked only when there is work: the
-        question is two Python frames."""
+        question is two Python frames. The C post hook (``_fast_opt.c``'s ``fingerprint``) takes
+        the cheap path itself (neither due nor pending: note ``stepped``) and calls this
+        otherwise: a change to when a check is due changes both."""
         step = self.c.step
         due = step >= self.next_due or step == self.checked
         if (due or self.pending) and self.compiling():

@@ -292,8 +292,10 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             how += f" ({end['source']})"
         frames = [(f.get("file"), f.get("line"), f.get("function")) for f in reversed(death_stack(run, rank))]
         where = _where(frames)  # a fatal signal raised inside the rank: where its Python was
-        summary = f"rank {rank} was killed by {how} {at}{where}: it raised no Python exception"
-        summary += " and did not exit cleanly"
+        summary = (
+            f"rank {rank} was killed by {how} {at}{where}: it raised no Python exception and did not "
+            "exit cleanly"
+        )
         fix = frameworks.advice(_signal_name(sig) if sig else "SIGKILL")
         if end.get("stack"):  # a fatal signal raised inside the rank, not a kill from outside
             fix += f" Start at the last Python line it ran{where}; " if where else " "
