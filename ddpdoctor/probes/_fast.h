@@ -76,6 +76,8 @@ typedef struct {
     PyObject *type, *value, *tb;
 } Raised;
 Raised fetch(void);
+/* After a call into Python: clear a probe's own error (0), keep a signal handler's (-1). */
+int clear_own_error(void);
 /* c.pack(kind, t0, t1, step, fields), ``d`` the collector's dict, ``kind_attr`` its kind's name */
 void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields);
 /* After a recorded backward: drain, run-queue read, its record, the unused check. */

@@ -341,7 +341,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
             record(self, c, d, known, seq_obj, site_obj, async_, t0, t1);
         Py_XDECREF(more);
     }
-    PyErr_Clear(); /* the call returned: a record we could not make is lost, never the result */
+    /* the call returned: a record we could not make is lost, never the result; but what a
+     * signal handler raised while we recorded is the program's */
+    if (clear_own_error() < 0) Py_CLEAR(result);
     goto done;
 
 broken_or_slow:

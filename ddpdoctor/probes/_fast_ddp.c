@@ -220,7 +220,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
         if (more != NULL && PyDict_SetItem(d, s_events, more) == 0) pack_event(d, self->kind_attr, t0, t1, fields);
         Py_XDECREF(more);
     }
-    PyErr_Clear();
+    if (clear_own_error() < 0) Py_CLEAR(result); /* a signal handler's exception: the program's */
     self->recorded++;
     goto done;
 
@@ -271,7 +271,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     if (timer != Py_None) goto slow_or_broken;
     PyObject *pg = PyDict_GetItemWithError(d, s_default_pg);
     if (pg == NULL || (seq = PyObject_CallMethodNoArgs(pg, s_seq_method)) == NULL) {
-        PyErr_Clear(); /* the Python path reads it as -1, or re-raises a signal handler's */
+        if (clear_own_error() < 0) goto done; /* else the Python path reads it as -1 */
         goto slow;
     }
     if (PyDict_SetItem(d, s_awaiting, Py_False) < 0) goto broken;

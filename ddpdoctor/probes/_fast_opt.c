@@ -71,7 +71,7 @@ static int other_step(PyObject *outer, PyObject *optimizer) {
 }
 
 static PyObject *slow_call(OptProbe *self, PyObject *const *argv) {
-    PyErr_Clear();
+    if (clear_own_error() < 0) return NULL; /* a signal handler's exception: the program's */
     return PyObject_Vectorcall(self->slow, argv, 3, NULL);
 }
 
@@ -144,11 +144,7 @@ static int fingerprint(OptProbe *self, PyObject *c, PyObject *d, PyObject *disab
     }
 out:
     Py_XDECREF(fd);
-    if (PyErr_Occurred()) { /* after_step logs its own errors; ours are not the patient's */
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
-        PyErr_Clear();
-    }
-    return 0;
+    return clear_own_error(); /* after_step logs its own errors; ours are not the patient's */
 }
 
 /* post(optimizer, args, kwargs): the step's record, once per outer step, then the fingerprint. */
@@ -182,8 +178,11 @@ static PyObject *post_call(OptProbe *self, PyObject *const *argv, size_t nargsf,
              PyDict_SetItem(d, s_events, more) == 0;
     Py_XDECREF(more);
     if (ok) pack_event(d, s_kind, t0, now_ns(), fields);
-    PyErr_Clear();
     self->recorded++;
+    if (clear_own_error() < 0) {
+        result = NULL;
+        goto done;
+    }
     if (fingerprint(self, c, d, disabled, optimizer) < 0) result = NULL; /* a signal handler's */
     goto done;
 slow:

@@ -92,7 +92,8 @@ PyObject *none_grads_of(PyObject *params) {
 static PyObject *none_grads(PyObject *module, PyObject *params) { return none_grads_of(params); }
 
 /* c.pack(kind, t0, t1, step, fields) as trace/writer.py's pack does it, with the kind's C
- * packer called from here. Never fails: the call returned, a record we cannot make is lost. */
+ * packer called from here. A record we cannot make is lost; what a signal handler raised in the
+ * writer's Python path is left set (clear_own_error). */
 void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields) {
     PyObject *kind = PyDict_GetItemWithError(d, kind_attr), *step = PyDict_GetItemWithError(d, s_step);
     PyObject *writer = PyDict_GetItemWithError(d, s_writer);
@@ -111,7 +112,7 @@ void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObje
     }
     Py_XDECREF(r); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(fast); Py_XDECREF(ring);
 out:
-    PyErr_Clear();
+    clear_own_error();
 }
 
 /* The error being raised, normalised, as (type, value, traceback): restored unchanged. */
@@ -121,6 +122,32 @@ Raised fetch(void) {
     PyErr_NormalizeException(&e.type, &e.value, &e.tb);
     if (e.tb && e.value) PyException_SetTraceback(e.value, e.tb);
     return e;
+}
+
+/* After a call into Python failed, or with what it left set: a probe's own error is cleared
+ * (0); what one of the program's signal handlers raised there (guard.py's test: a handler's
+ * frame in its traceback), or a KeyboardInterrupt, stays set for the caller to return (-1).
+ * Python runs signal handlers between any two bytecodes, inside our helpers too. */
+int clear_own_error(void) {
+    static PyObject *by_handler;
+    if (!PyErr_Occurred()) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    Raised e = fetch();
+    if (by_handler == NULL) {
+        PyObject *guard = PyImport_ImportModule("ddpdoctor.probes.guard");
+        by_handler = guard ? PyObject_GetAttrString(guard, "raised_by_signal_handler") : NULL;
+        Py_XDECREF(guard);
+    }
+    PyObject *r = by_handler && e.value ? PyObject_CallOneArg(by_handler, e.value) : NULL;
+    int program = r == Py_True;
+    Py_XDECREF(r);
+    PyErr_Clear();
+    if (program) {
+        PyErr_Restore(e.type, e.value, e.tb);
+        return -1;
+    }
+    Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
+    return 0;
 }
 
 /* helpers: (commhook.drain, ddp.check_unused, ddp.note_unused); errors are logged through
@@ -135,7 +162,7 @@ static int call_helper(PyObject *helpers, PyObject *c, PyObject *what, int i, Py
     Raised e = fetch();
     PyObject *f = PyObject_CallMethod(c, "fail", "OO", what, e.value ? e.value : Py_None);
     Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
-    if (f == NULL) return PyErr_ExceptionMatches(PyExc_Exception) ? (PyErr_Clear(), 0) : -1;
+    if (f == NULL) return -1; /* c.fail raises only what a signal handler raised: the program's */
     Py_DECREF(f);
     return 0;
 }
@@ -147,7 +174,12 @@ void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObje
     PyObject *settling = PyDict_GetItemWithError(d, s_settling);
     int drain = settling ? PyObject_IsTrue(settling) : 0;
     PyErr_Clear();
-    if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) return;
+    if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) {
+        Raised e = fetch(); /* the program's: the rank is no longer in its backward */
+        if (PyDict_SetItem(d, s_progress, prev) < 0) PyErr_Clear();
+        PyErr_Restore(e.type, e.value, e.tb);
+        return;
+    }
     PyObject *runq = run_queue_now();
     PyObject *fields = runq ? PyTuple_Pack(1, runq) : NULL;
     Py_XDECREF(runq);
@@ -159,7 +191,7 @@ void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObje
         Py_XDECREF(more);
     }
     Py_XDECREF(fields);
-    PyErr_Clear();
+    if (clear_own_error() < 0) return;
     /* which parameters got no gradient: DDP's used map with find_unused_parameters (Python),
      * else the parameters whose .grad is still None, noted in Python when there are any */
     PyObject *state = PyDict_GetItemWithError(d, s_step_model);
@@ -182,8 +214,8 @@ void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObje
         if (PyErr_ExceptionMatches(PyExc_Exception)) {
             Raised e = fetch();
             PyObject *f = PyObject_CallMethod(c, "fail", "OO", s_unused_name, e.value ? e.value : Py_None);
-            if (f == NULL && PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* else a signal's */
-            Py_XDECREF(f); Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
+            Py_XDECREF(f); /* NULL: a signal handler's exception, left set for the caller */
+            Py_XDECREF(e.type); Py_XDECREF(e.value); Py_XDECREF(e.tb);
         }
     }
     Py_XDECREF(missing); Py_XDECREF(sd); Py_DECREF(state);
