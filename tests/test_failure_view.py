@@ -370,3 +370,15 @@ def test_a_hang_left_alone_is_drawn_to_the_end_of_the_job(tmp_path: Path) -> Non
     verdict = view.markers[0].time_s
     for span in view.open_spans:  # Ctrl-C 5 s after the verdict ended the job
         assert span.end_s == pytest.approx(verdict + 5, abs=1e-3) and span.ended_by == "the end of the job"
+
+
+def test_the_window_opens_on_the_last_steps_on_record_when_their_numbers_have_gaps() -> None:
+    """A loop that catches an exception and goes on leaves a step cut short with no span:
+    steps 7, 9 and 10 on record, none for 8. The window opens on the first of the last three
+    (it raised KeyError on the missing step 8)."""
+    from ddpdoctor.analysis.failed.failure import FailureView, Marker, _window
+
+    view = FailureView("failure", "rank 0 exited", 0, markers=[Marker(12.0, "exit", "death", 0)])
+    spans = {5: (1.0, 2.0), 7: (3.0, 4.0), 9: (5.0, 6.0), 10: (7.0, 8.0)}
+    window = _window(spans, view)
+    assert window is not None and 4.5 < window[0] < 5.0 and window[1] > 8.0

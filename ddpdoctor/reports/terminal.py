@@ -28,14 +28,7 @@ def render(diag: Diagnosis, *, max_findings: int = 8, report: str | None = None)
     bs = diag.batch_size
     if bs.get("per_process"):
         lines.append(f"  batch size {bs['per_process']} per process, {bs['global']} global")
-    models = diag.ddp_models or ([diag.ddp] if diag.ddp else [])
-    for ddp in models:
-        opts = ddp.get("options", {})
-        lines.append(
-            f"  DDP: {label(ddp, diag.ddp_models)} with {ddp.get('params', 0):,} parameters, "
-            f"{_buckets(ddp, diag.bucket_layout if len(models) == 1 else {})}, "
-            f"find_unused_parameters={opts.get('find_unused_parameters')}"
-        )
+    lines.extend(_models(diag))
     lines.append("")
     header = f"  {'rank':>5} {'steps':>6} {'step p50':>9} {'fwd':>8} {'bwd':>8} {'data':>8} {'opt':>8}"
     lines.append(header)
@@ -161,6 +154,34 @@ def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
     if view.missing:
         text = f"GPU: {view.missing}"
         lines.extend(textwrap.wrap(text, WIDTH - 2, initial_indent="  ", subsequent_indent="    "))
+    return lines
+
+
+def _models(diag: Diagnosis) -> list[str]:
+    """One line per DDP model; a run of wrappers alike (a job that wraps its module again each
+    epoch, or after each error it catches) is one line with their numbers."""
+    models = diag.ddp_models or ([diag.ddp] if diag.ddp else [])
+    runs: list[tuple[tuple[str, str], list[dict[str, Any]]]] = []  # ((class, the rest), models)
+    for ddp in models:
+        opts = ddp.get("options", {})
+        rest = (
+            f"with {ddp.get('params', 0):,} parameters, "
+            f"{_buckets(ddp, diag.bucket_layout if len(models) == 1 else {})}, "
+            f"find_unused_parameters={opts.get('find_unused_parameters')}"
+        )
+        key = (str(ddp.get("module", "model")), rest)
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(ddp)
+        else:
+            runs.append((key, [ddp]))
+    lines = []
+    for (name, rest), alike in runs:
+        if len(alike) == 1:
+            name = label(alike[0], diag.ddp_models)
+        else:
+            first, last = alike[0].get("index", 0), alike[-1].get("index", 0)
+            name += f" (DDP models #{first}-#{last}, {len(alike)} wrappers alike)"
+        lines.append(f"  DDP: {name} {rest}")
     return lines
 
 

@@ -345,7 +345,9 @@ def _window(spans: dict[int, tuple[float, float]], view: FailureView) -> tuple[f
     starts = [s.start_s for s in view.open_spans]
     if spans:
         last = max(spans)
-        first = max(min(spans), last - LAST_STEPS + 1)
+        # the first of the last steps on record (a step cut short by an exception the loop
+        # caught may have left no span: the numbers need not be contiguous)
+        first = min(s for s in spans if s >= last - LAST_STEPS + 1)
         lo = spans[first][0]
         # The steps fill most of the axis and the stuck spans run on past its right edge: a
         # hang of minutes drawn whole would leave the steps a few pixels wide.
