@@ -449,6 +449,96 @@ def test_a_signal_handlers_exception_inside_a_probe_reaches_the_program(tmp_path
     assert c.get("probe_error", 0) == 0 and c["data_wait"] == 4  # the second pass was recorded
 
 
+def test_a_signal_handlers_exception_at_any_moment_of_a_step_reaches_the_program(
+    tmp_path: Path, write_script
+) -> None:
+    """A timer whose handler raises fires at a random moment of each step (data, forward,
+    backward and its bucket drain, a collective, the optimizer's hooks): every exception it
+    raised reaches the loop's ``except``. The C probes cleared what a helper they called raised,
+    a signal handler's exception too (4 of 499 lost before)."""
+    script = write_script(
+        "ticks.py",
+        """
+        import random, signal, sys, time
+        import torch, torch.distributed as dist, torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Tick(Exception):
+            pass
+
+        armed, fired, lost = False, 0, {}
+
+        def on_alarm(signum, frame):
+            global fired
+            if armed:
+                fired += 1
+                where, f = [], frame
+                while f is not None:
+                    where.append(f"{f.f_code.co_filename}:{f.f_lineno}")
+                    f = f.f_back
+                lost[fired] = where
+                raise Tick(fired)
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        rng = random.Random(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,))), batch_size=8)
+        model = DDP(net)
+        wrappers = [model]  # kept: a wrapper's finalizer runs Python code (docs/diagnosis.md)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        took = []
+        for x, y in loader:  # the first pass unarmed: torch's lazy imports swallow exceptions
+            t0 = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            dist.all_reduce(torch.zeros(1))
+            opt.step()
+            took.append(time.perf_counter() - t0)
+        window = 2 * sorted(took)[len(took) // 2]  # about half the steps are cut short
+        caught, it = 0, iter(loader)
+        for step in range(400):
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, window))
+            try:
+                armed = True
+                try:
+                    x, y = next(it)
+                except StopIteration:
+                    it = iter(loader)
+                    x, y = next(it)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                dist.all_reduce(loss.detach())
+                opt.step()
+                armed = False
+            except Tick as tick:
+                armed = False
+                caught += 1
+                del lost[tick.args[0]]
+                model = DDP(net)  # a step cut short leaves the reducer mid-iteration
+                wrappers.append(model)
+                it = iter(loader)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        armed = False
+        print(f"fired={fired} caught={caught}", flush=True)
+        for k, where in lost.items():
+            print(f"lost #{k}:", *where[:6], sep="\\n  ", flush=True)
+        dist.destroy_process_group()
+        sys.exit(0 if fired == caught and fired > 100 else 3)
+        """,
+    )
+    job = run_doctor(tmp_path, torchrun(1, script))
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
+    assert not (job.run_dir / "probe-errors.log").exists()  # no probe broke
+    c = counts(job.run_dir, 0)
+    assert c.get("optimizer", 0) > 20 and c.get("collective", 0) > 20  # the probes recorded
+    # the summary names the hundreds of wrappers in one line
+    wrappers = [line for line in (job.stdout + job.stderr).splitlines() if line.startswith("  DDP: ")]
+    assert len(wrappers) == 1 and "wrappers alike" in wrappers[0], wrappers[:3]
+
+
 def _free_port() -> int:
     import socket
 
