@@ -605,3 +605,44 @@ def test_the_forward_where_the_ranks_parted_is_matched_by_count_across_cut_tails
     assert parted_forward({0: a, 1: b}, 0, [1]) == (probe, train, 10)
     same = Ledger(0, forwards=one[3:], forwards_from=3)
     assert parted_forward({0: same, 1: b}, 0, [1]) is None
+
+
+_TENSOR = "/venv/lib/python3.11/site-packages/torch/_tensor.py"
+_ENGINE = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py"
+_SIGNALS = "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/signal_handling.py"
+
+
+def test_a_backward_that_raised_after_its_all_reduce_completed_was_in_no_collective(tmp_path: Path) -> None:
+    """Rank 1's DataLoader worker was OOM-killed; the loader's SIGCHLD handler raised in rank 1
+    as its step-0 backward returned, after its one bucket's all-reduce (#3) had completed. Rank
+    0 went on and its step-1 forward lost its peer. Rank 1 was in no collective: it is the root
+    (its own error), not rank 0 "left early" for lacking an all-reduce #4 rank 1 never issued."""
+    layout = ["bucket", 90, 0, 0, {"index": 0, "bytes": 2704, "params": ["w", "b"]}]
+    init = ["ddp_init", 10, 50, -1, {"module": "Net", "params": 676, "buckets": [2704], "seq": 0}]
+    cut = ["raised", 1120, 0, 1, {"kind": "forward", "fields": [1], "dur_us": 1_400}]
+    _write(
+        tmp_path,
+        0,
+        [*_steps(1), init, layout, cut],
+        error={**PEER_ERROR, "frames": [["/job/train.py", 21, "main"]]},
+    )
+    killed = {
+        "type": "RuntimeError",
+        "message": "DataLoader worker (pid 15575) is killed by signal: Killed.",
+        "thread": "MainThread",
+        "frames": [
+            ["/job/train.py", 21, "main"],
+            [_TENSOR, 623, "backward"],
+            [_ENGINE, 979, "_engine_run_backward"],
+            [_SIGNALS, 73, "handler"],
+        ],
+    }
+    steps = [r for r in _steps(1) if r[0] not in ("backward", "optimizer")]
+    raised = ["raised", 150, 0, 0, {"kind": "backward", "fields": [], "dur_us": 500}]
+    _write(tmp_path, 1, [*steps, init, layout, raised], error=killed)
+    ledgers = build(load_run([tmp_path]))
+    assert ledgers[1].buckets == 1
+    assert all(p.seq == 3 and not p.in_flight for p in ledgers[1].points), ledgers[1].points
+    found = _kinds(tmp_path)
+    assert "rank_left_early" not in found and "uneven_inputs" not in found
+    assert found["rank_failure"]["ranks"] == [1] and found["rank_failure"]["severity"] == "error"

@@ -109,10 +109,10 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
             break
         if file.endswith(_BACKWARD) and frame.get("function") == "backward":
             # a backward inside a training step's DDP forward: its gradient all-reduce
-            if ledger.forwards and ledger.forwards[-1][1]:
+            if ledger.forwards and ledger.forwards[-1][1] and not _reduced(ledger):
                 op = GRAD_ALLREDUCE
             break
-    if op is None and not place and _raised_last_in_backward(ledger):
+    if op is None and not place and _raised_last_in_backward(ledger) and not _reduced(ledger):
         # No frame of its own code (killed as its excepthook ran, say): the exception came out
         # of its last step's backward, as a traceback through backward would have said.
         op = GRAD_ALLREDUCE
@@ -126,6 +126,15 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     if op != GRAD_ALLREDUCE:
         _sign(point, ledger.unfinished)
     return point, place
+
+
+def _reduced(ledger: Ledger) -> bool:
+    """Whether every bucket of the last training step's gradient all-reduce completed: a
+    backward that raised after them (a hook's error, or what a signal handler raised as the
+    engine returned) was in the rank's own code, in no collective the others share."""
+    step = ledger.forwards[-1][0] if ledger.forwards else -1
+    done = sum(1 for p in ledger.points if p.op == GRAD_ALLREDUCE and p.step == step and not p.raised)
+    return ledger.buckets > 0 and done >= ledger.buckets
 
 
 def _raised_last_in_backward(ledger: Ledger) -> bool:
@@ -240,6 +249,8 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     if not len(red):  # buckets untimed (DDPDOCTOR_BUCKET_TIMING): their numbers are the gaps
         points.extend(_untimed_reductions(trace, fwd, points, fwd_site))
     ledger.points = sorted(points, key=lambda p: (p.ts, p.seq))
+    if len(trace.kind(schema.DDP_INIT)) == 1:  # one model's layout: a step's all-reduces, counted
+        ledger.buckets = len({info.get("index") for _, _, info in trace.meta.get(schema.BUCKET, [])})
     ledger.unfinished = _unfinished(trace, coll)
     ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)

@@ -92,6 +92,8 @@ class Ledger:
     unfinished: dict[str, Any] | None = None
     # (ts, step) of a backward that raised (its ``raised`` record), the last one the rank had
     backward_raised: tuple[int, int] | None = None
+    # the gradient all-reduces one step issues (its one DDP model's bucket layout; 0 unknown)
+    buckets: int = 0
 
     @cached_property
     def grad_forwards(self) -> Counter[int]:
