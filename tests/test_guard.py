@@ -59,3 +59,25 @@ def test_a_probes_own_error_is_not() -> None:
     except KeyError as exc:
         assert not guard.raised_by_signal_handler(exc)
         guard.passthrough(exc)  # returns: the probe logs it and switches off
+
+
+def test_the_error_record_marks_where_the_signal_came_in() -> None:
+    """The rank's error record says which frame is the handler's: the frames before it are the
+    code the signal interrupted, where the analysis places the error."""
+    from ddpdoctor.analysis.failed.stacks import raised_where
+    from ddpdoctor.probes.liveness import _format_error
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise TimeoutError("step over budget")
+
+    def slow_step(fire: Callable[[], Exception]) -> Exception:
+        return fire()
+
+    with handler_installed(on_alarm) as fire:  # recorded as the excepthook does: handler in place
+        exc = slow_step(fire)
+        record = _format_error(TimeoutError, exc, exc.__traceback__, "MainThread")
+    at = record["signal_handler"]
+    assert record["frames"][at][2] == "on_alarm" and record["frames"][at - 1][2] == "fire"
+    text = raised_where(record["frames"], at)
+    assert "in fire, where the signal handler on_alarm (test_guard.py:" in text, text
+    assert "signal_handler" not in _format_error(KeyError, KeyError("x"), None, "MainThread")

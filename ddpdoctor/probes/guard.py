@@ -13,7 +13,7 @@ not at all. Every probe's ``except Exception`` that goes on without re-raising c
 from __future__ import annotations
 
 import signal
-from types import CodeType
+from types import CodeType, TracebackType
 
 
 def passthrough(exc: BaseException) -> None:
@@ -25,13 +25,20 @@ def passthrough(exc: BaseException) -> None:
 def raised_by_signal_handler(exc: BaseException) -> bool:
     """Whether ``exc`` came out of one of the process' Python signal handlers: its traceback
     passes through a handler's frame. Looked up only when a probe has caught something."""
+    return handler_frame(exc.__traceback__) is not None
+
+
+def handler_frame(tb: TracebackType | None) -> int | None:
+    """The position in a traceback (outermost first) of the first frame of one of the process'
+    Python signal handlers, None when it passes through none: the frames before it are the code
+    the signal interrupted, which is where the program was."""
     codes = _handler_codes()
-    tb = exc.__traceback__
+    i = 0
     while tb is not None:
         if tb.tb_frame.f_code in codes:
-            return True
-        tb = tb.tb_next
-    return False
+            return i
+        tb, i = tb.tb_next, i + 1
+    return None
 
 
 def _handler_codes() -> set[CodeType]:

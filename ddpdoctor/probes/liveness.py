@@ -214,7 +214,7 @@ def _format_error(exc_type: Any, exc: Any, tb: Any, thread: str) -> dict[str, An
     "killed by signal" is the cause of "exited unexpectedly"); Python's own, with the source
     lines, is in the rank's stderr."""
     frames = [[f.f_code.co_filename, lineno, f.f_code.co_name] for f, lineno in traceback.walk_tb(tb)]
-    return {
+    record = {
         "type": getattr(exc_type, "__name__", str(exc_type)),
         "message": str(exc)[:2000],
         "traceback": _chain_text(exc_type, exc, tb)[-20000:],
@@ -222,6 +222,10 @@ def _format_error(exc_type: Any, exc: Any, tb: Any, thread: str) -> dict[str, An
         "thread": thread,
         "wall_ns": time.time_ns(),
     }
+    handler = guard.handler_frame(tb)  # raised by a signal handler: where the signal came in
+    if handler is not None and handler - max(0, len(frames) - 50) > 0:
+        record["signal_handler"] = handler - max(0, len(frames) - 50)
+    return record
 
 
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"

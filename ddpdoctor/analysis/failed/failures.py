@@ -8,21 +8,20 @@ its exception and traceback (recorded in-rank by ``probes/liveness.py``, so torc
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.endings import is_consequence, last_step_started
-from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
+from ddpdoctor.analysis.failed.stacks import death_stack, frame_text, raised_where, recorded_place
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.misuse import frameworks
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
-from ddpdoctor.trace.stacktext import is_doctor_frame, is_user_frame
+from ddpdoctor.trace.stacktext import is_doctor_frame
 
 
 @detector
@@ -44,28 +43,6 @@ def _signal_name(sig: int | None) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
-
-
-def _where(frames: list[Any]) -> str:
-    """Where it was raised: ' (train.py:40 in main)', or ' (train.py:40 in main, inside
-    serialization.py:828 in __init__)' when in a library the user's line called."""
-    if not frames:
-        return ""
-    inner = _frame_text(frames[-1])
-    user = next((f for f in reversed(frames) if is_user_frame(str(list(f)[0]))), None)
-    if user is None or user is frames[-1]:
-        return f" ({inner})"
-    return f" ({_frame_text(user)}, inside {inner})"
-
-
-def _place(frames: list[Any]) -> str:
-    """The user's innermost line (file:line) of recorded frames (file, line, function), outermost first."""
-    return user_frame([{"file": f[0], "line": f[1]} for f in reversed(frames)])
-
-
-def _frame_text(frame: Any) -> str:
-    file, line, func = (list(frame) + ["?", "?", "?"])[:3]
-    return f"{os.path.basename(str(file))}:{line} in {func}"
 
 
 _WORKER_KILLED_FIX = (
@@ -237,11 +214,17 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         summary = (
             f"rank {rank} failed first {at}: {error.get('type')}: "
             f"{clip(str(error.get('message', '')).splitlines()[0], 200) if error.get('message') else ''}"
-            f"{_where(error.get('frames') or [])}"
+            f"{raised_where(error.get('frames') or [], error.get('signal_handler'))}"
         )
-        raised_at = _where(error.get("frames") or []).split(", inside ")[0].replace(" (", " at ", 1)
+        frames, handler = error.get("frames") or [], error.get("signal_handler")
+        raised_at = raised_where(frames).split(", inside ")[0].replace(" (", " at ", 1)
+        who = f"rank {rank}"
+        if isinstance(handler, int) and 0 < handler < len(frames):  # where the signal came in
+            who = f"rank {rank}'s signal handler"
+            details["place"] = recorded_place(frames[:handler])
+            raised_at = f" at {frame_text(frames[handler])} while the rank ran {details['place'] or '?'}"
         fix = (
-            f"Fix the {error.get('type') or 'exception'} that rank {rank} raised"
+            f"Fix the {error.get('type') or 'exception'} that {who} raised"
             f"{raised_at.rstrip(')')} (traceback in "
             "the job's output and in this finding); the other ranks' errors are consequences of it."
         )
@@ -255,11 +238,11 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         known = known_error(error, loader)
         if known is not None:
             summary, fix = f"{summary}: {known[0]}", known[1]
-            details["place"] = loader or _place(error.get("frames") or [])
+            details["place"] = loader or recorded_place(error.get("frames") or [])
         details["exception"] = {k: error.get(k) for k in ("type", "message", "traceback", "frames")}
     elif ends.get(str(rank), {}).get("how") == "os_exit":
         frames = ends[str(rank)].get("frames") or []
-        where = _where(frames)
+        where = raised_where(frames)
         summary = f"rank {rank} called os._exit({ends[str(rank)].get('code')}) {at}{where}"
         fix = (
             f"os._exit skips every cleanup, and the other ranks lose their peer: find why rank {rank} "
@@ -267,17 +250,17 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             "so that the launcher stops the job with a traceback."
         )
         if frames:
-            details["place"] = _place(frames)
+            details["place"] = recorded_place(frames)
     elif _coded(ends.get(str(rank), {})):
         code, source = ends[str(rank)]["code"], ends[str(rank)].get("source") or ""
         frames = ends[str(rank)].get("frames") or []
-        where = _where(frames)
+        where = raised_where(frames)
         summary = f"rank {rank} exited with code {code} {at}{where}" + (f": {source}" if source else "")
         summary += "; the others lost their peer"
         call = f"sys.exit({code}) (or raises SystemExit)" if "native" not in source else f"exit({code})"
         place = f"why rank {rank} exits there{where}" if frames else f"where rank {rank} calls {call}"
         if frames:
-            details["place"] = _place(frames)
+            details["place"] = recorded_place(frames)
         fix = (
             f"Find {place} after step {step} "
             "(its last stderr lines may say why). A rank that must stop should raise an exception, so "
@@ -291,7 +274,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         if end.get("source"):
             how += f" ({end['source']})"
         frames = [(f.get("file"), f.get("line"), f.get("function")) for f in reversed(death_stack(run, rank))]
-        where = _where(frames)  # a fatal signal raised inside the rank: where its Python was
+        where = raised_where(frames)  # a fatal signal raised inside the rank: where its Python was
         summary = (
             f"rank {rank} was killed by {how} {at}{where}: it raised no Python exception and did not "
             "exit cleanly"
@@ -300,7 +283,7 @@ def rank_failure(run: Run) -> Iterable[Finding]:
         if end.get("stack"):  # a fatal signal raised inside the rank, not a kill from outside
             fix += f" Start at the last Python line it ran{where}; " if where else " "
             fix += f"its whole stack at the crash is in fatal-rank{rank}.txt in the run directory."
-            details["place"] = _place(frames)
+            details["place"] = recorded_place(frames)
         elif _signal_name(sig) in _FAULTS:
             fix += " Run that rank with PYTHONFAULTHANDLER=1 to get its Python stack."
         details["signal"] = sig
@@ -375,7 +358,7 @@ def model_differs(run: Run) -> Iterable[Finding]:
             if info.get("error") == "ddp_init" and isinstance(info.get("shapes"), list):
                 shapes[rank] = info["shapes"]
         for _, _, err in trace.meta.get(schema.RANK_ERROR, [])[:1]:
-            places[rank] = _place(err.get("frames") or [])
+            places[rank] = recorded_place(err.get("frames") or [])
     if len(shapes) < 2:
         return
     ranks = sorted(shapes)

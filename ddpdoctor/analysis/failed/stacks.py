@@ -97,3 +97,32 @@ def last_frames(run: Run, rank: int, ledger: Ledger) -> list[dict[str, Any]]:
     if not frames and (run.ends.get(rank) or {}).get("how") == "signal":
         frames = death_stack(run, rank)
     return frames or exit_stack(run, rank) or error_frames(ledger)
+
+
+def raised_where(frames: list[Any], handler: Any = None) -> str:
+    """Where it was raised: ' (train.py:40 in main)', or ' (train.py:40 in main, inside
+    serialization.py:828 in __init__)' when in a library the user's line called. What one of
+    the rank's signal handlers raised (``handler``: the handler's frame) is placed where the
+    signal came in: ' (train.py:33 in backward, where the signal handler on_alarm
+    (train.py:50) raised it)'."""
+    if isinstance(handler, int) and 0 < handler < len(frames):
+        ran = raised_where(frames[:handler]).rstrip(")")
+        file, line, func = (list(frames[handler]) + ["?", "?", "?"])[:3]
+        return f"{ran}, where the signal handler {func} ({os.path.basename(str(file))}:{line}) raised it)"
+    if not frames:
+        return ""
+    inner = frame_text(frames[-1])
+    user = next((f for f in reversed(frames) if is_user_frame(str(list(f)[0]))), None)
+    if user is None or user is frames[-1]:
+        return f" ({inner})"
+    return f" ({frame_text(user)}, inside {inner})"
+
+
+def recorded_place(frames: list[Any]) -> str:
+    """The user's innermost line (file:line) of recorded frames (file, line, function), outermost first."""
+    return user_frame([{"file": f[0], "line": f[1]} for f in reversed(frames)])
+
+
+def frame_text(frame: Any) -> str:
+    file, line, func = (list(frame) + ["?", "?", "?"])[:3]
+    return f"{os.path.basename(str(file))}:{line} in {func}"
