@@ -144,6 +144,28 @@ def test_summary_counts_the_buckets_ddp_trained_with() -> None:
     )  # no bucket record (several models, old traces)
 
 
+def test_wrappers_alike_are_one_line_in_the_summary_and_one_row_in_the_report(tmp_path: Path) -> None:
+    """A job that wraps its module again after each error it catches built hundreds of DDP
+    models: the summary and the report's header name each run of wrappers alike once, and a
+    model that differs (another class, other options) on its own line."""
+    diag = diagnose(load_run(write_run(SyntheticJob(ranks=2, steps=5), tmp_path)))
+    net = {"module": "Net", "params": 676, "buckets": [2704], "options": {"find_unused_parameters": False}}
+    models = [dict(net, index=i) for i in range(300)]
+    models.append(dict(net, index=300, options={"find_unused_parameters": True}))
+    models += [dict(net, index=i) for i in (301, 302)]
+    diag.ddp_models = models
+    lines = terminal._models(diag)
+    assert [line.split(" with ")[0] for line in lines] == [
+        "  DDP: Net (DDP models #0-#299, 300 wrappers alike)",
+        "  DDP: Net (DDP model #300)",
+        "  DDP: Net (DDP models #301-#302, 2 wrappers alike)",
+    ]
+    assert "find_unused_parameters=True" in lines[1]
+    header = html.header_section(diag)
+    assert header.count("<th>DDP</th>") == 3, header
+    assert "Net (DDP models #0-#299, 300 wrappers alike): 676 parameters" in header
+
+
 @pytest.mark.e2e
 def test_summary_names_the_buckets_after_ddps_rebuild(tmp_path: Path, write_script) -> None:
     """Six 4 MB layers under bucket_cap_mb=8: DDP builds one bucket, then rebuilds three in

@@ -32,7 +32,7 @@ import numpy as np
 import ddpdoctor
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.misuse.models import label
+from ddpdoctor.analysis.misuse.models import alike_runs
 from ddpdoctor.reports.failure import failure_section
 from ddpdoctor.reports.gpu_panels import gpu_section
 from ddpdoctor.reports.markup import asset, esc, figure_html, kv_table
@@ -124,12 +124,13 @@ def header_section(diag: Diagnosis) -> str:
                 f"{esc(bs.get('per_process') or '?')} per process, {esc(bs.get('global') or '?')} global",
             )
         )
-    for ddp in diag.ddp_models or ([diag.ddp] if diag.ddp else []):
+    for name, group in alike_runs(diag.ddp_models or ([diag.ddp] if diag.ddp else [])):
+        ddp = group[0]
         opts = ", ".join(f"{esc(k)}={esc(v)}" for k, v in sorted(ddp.get("options", {}).items()))
         rows.append(
             (
                 "DDP",
-                f"{esc(label(ddp, diag.ddp_models))}: {int(ddp.get('params', 0)):,} parameters, "
+                f"{esc(name)}: {int(ddp.get('params', 0)):,} parameters, "
                 f"{len(ddp.get('buckets', []))} bucket(s) at construction<br><small>{opts}</small>",
             )
         )

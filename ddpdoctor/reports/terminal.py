@@ -7,7 +7,7 @@ from typing import Any
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.misuse.models import label
+from ddpdoctor.analysis.misuse.models import alike_runs
 
 WIDTH = 80
 _MARK = {"error": "ERROR", "warning": "WARN ", "info": "info "}
@@ -158,30 +158,16 @@ def gpu_lines(diag: Diagnosis, max_gpus: int = 8) -> list[str]:
 
 
 def _models(diag: Diagnosis) -> list[str]:
-    """One line per DDP model; a run of wrappers alike (a job that wraps its module again each
-    epoch, or after each error it catches) is one line with their numbers."""
+    """One line per DDP model, or per run of wrappers alike (``models.alike_runs``)."""
     models = diag.ddp_models or ([diag.ddp] if diag.ddp else [])
-    runs: list[tuple[tuple[str, str], list[dict[str, Any]]]] = []  # ((class, the rest), models)
-    for ddp in models:
-        opts = ddp.get("options", {})
-        rest = (
-            f"with {ddp.get('params', 0):,} parameters, "
+    lines = []
+    for name, group in alike_runs(models):
+        ddp, opts = group[0], group[0].get("options", {})
+        lines.append(
+            f"  DDP: {name} with {ddp.get('params', 0):,} parameters, "
             f"{_buckets(ddp, diag.bucket_layout if len(models) == 1 else {})}, "
             f"find_unused_parameters={opts.get('find_unused_parameters')}"
         )
-        key = (str(ddp.get("module", "model")), rest)
-        if runs and runs[-1][0] == key:
-            runs[-1][1].append(ddp)
-        else:
-            runs.append((key, [ddp]))
-    lines = []
-    for (name, rest), alike in runs:
-        if len(alike) == 1:
-            name = label(alike[0], diag.ddp_models)
-        else:
-            first, last = alike[0].get("index", 0), alike[-1].get("index", 0)
-            name += f" (DDP models #{first}-#{last}, {len(alike)} wrappers alike)"
-        lines.append(f"  DDP: {name} {rest}")
     return lines
 
 

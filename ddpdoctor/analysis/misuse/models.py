@@ -41,3 +41,29 @@ def label(model: dict[str, Any], models: list[dict[str, Any]]) -> str:
     """How findings name a model: its class, with its index when the job has several."""
     name = str(model.get("module", "model"))
     return f"{name} (DDP model #{model.get('index', 0)})" if len(models) > 1 else name
+
+
+def alike_runs(models: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Consecutive models alike (class, parameters, buckets, options), each run named once: a
+    job that wraps its module again each epoch, or after each error it catches, builds hundreds."""
+    runs: list[tuple[tuple[str, ...], list[dict[str, Any]]]] = []
+    for model in models:
+        opts = sorted(f"{k}={v!r}" for k, v in model.get("options", {}).items())
+        key = (
+            str(model.get("module", "model")),
+            str(model.get("params", 0)),
+            str(len(model.get("buckets", []))),
+        )
+        key += tuple(opts)
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(model)
+        else:
+            runs.append((key, [model]))
+    named = []
+    for key, group in runs:
+        if len(group) == 1:
+            named.append((label(group[0], models), group))
+        else:
+            first, last = group[0].get("index", 0), group[-1].get("index", 0)
+            named.append((f"{key[0]} (DDP models #{first}-#{last}, {len(group)} wrappers alike)", group))
+    return named
