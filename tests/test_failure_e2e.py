@@ -211,3 +211,36 @@ def test_a_batch_that_raises_is_placed_in_the_next_steps_data_wait(tmp_path: Pat
     (f,) = [f for f in doc["findings"] if f["kind"] == "rank_failure"]
     assert f["ranks"] == [1] and "collate.py:9 in collate" in f["summary"], f
     assert "raised while loading a batch" in f["fix"] and "rank 1's shard" in f["fix"]
+
+
+HAND_SYNC = """
+import torch, torch.distributed as dist, torch.nn as nn
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):
+    model(torch.randn(4, 8)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    if step == 3 and dist.get_rank() == 1:
+        raise ValueError("bad batch")
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_a_loop_that_syncs_its_gradients_by_hand_is_placed_by_its_optimizer_steps(
+    tmp_path: Path, write_script
+) -> None:
+    """Steps are counted from a DDP model's forwards; a loop without the wrapper has none, and
+    a rank that failed after three optimizer steps was said to have failed before its first."""
+    job = run_doctor(tmp_path, torchrun(2, write_script("by_hand.py", HAND_SYNC)), timeout=120)
+    assert job.returncode == 1, job.stderr
+    doc = diagnose_json(job.run_dir)
+    r1 = doc["failure"]["ranks"]["1"]
+    assert r1["step_text"] == "after 3 optimizer step(s), no DDP forward on record", r1
+    (f,) = [f for f in doc["findings"] if f["kind"] == "rank_failure"]
+    assert f["ranks"] == [1] and "failed first after 3 optimizer step(s)" in f["summary"], f

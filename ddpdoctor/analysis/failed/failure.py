@@ -275,7 +275,13 @@ def _rank_end(rank: int, trace: RankTrace, book: Ledger, spans: list[OpenSpan], 
         step = entering[0].step if entering[0].step >= max(last, 0) else last + 1
         text = f"at step {step}, in its forward"
     elif last < 0 and not in_step:
-        step, text = 0, "before its first step"
+        # steps are counted from a DDP model's forwards; a loop that syncs its gradients by
+        # hand has none, but its optimizer steps say how far it got
+        done = len(trace.kind(schema.OPTIMIZER))
+        step, text = (
+            0,
+            f"after {done} optimizer step(s), no DDP forward on record" if done else "before its first step",
+        )
     elif finished and not in_step and spans and spans[-1].kind == schema.DATA_WAIT:
         # Loading the next step's batch (its dataset or collate_fn raised, a worker died).
         step, text = last + 1, f"at step {last + 1}, in its data wait (step {last}'s backward had finished)"
