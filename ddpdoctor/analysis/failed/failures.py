@@ -211,12 +211,12 @@ def rank_failure(run: Run) -> Iterable[Finding]:
     details.update(first_rank=rank, at_step=step, others=others, failed_wall=when)
     at = f"at step {step}" if step >= 0 else "before its first recorded step"
     if error is not None:
+        frames, handler = error.get("frames") or [], error.get("signal_handler")
         summary = (
             f"rank {rank} failed first {at}: {error.get('type')}: "
             f"{clip(str(error.get('message', '')).splitlines()[0], 200) if error.get('message') else ''}"
-            f"{raised_where(error.get('frames') or [], error.get('signal_handler'))}"
+            f"{raised_where(frames, handler)}"
         )
-        frames, handler = error.get("frames") or [], error.get("signal_handler")
         raised_at = raised_where(frames).split(", inside ")[0].replace(" (", " at ", 1)
         who = f"rank {rank}"
         if isinstance(handler, int) and 0 < handler < len(frames):  # where the signal came in
