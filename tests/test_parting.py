@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 from ddpdoctor.analysis.failed.ledger import build
-from ddpdoctor.analysis.failed.parting import first_divergence
+from ddpdoctor.analysis.failed.parting import extra_call, first_divergence
+from ddpdoctor.analysis.failed.points import Ledger, Point
 from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
 from ddpdoctor.trace.reader import load_run
 from tests.test_ledger import _kinds, _skipping, _steps, _write
@@ -248,3 +249,62 @@ def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
     assert loop_left(path, "fit_two_ways", 29, 34) is None
     assert loop_left(path, "train", 8, 11) is None  # the function there has another name: edited
     assert loop_left(str(tmp_path / "gone.py"), "fit", 8, 11) is None
+
+
+def _ledger(rank: int, calls: list[tuple[int, str, str, str]]) -> Ledger:
+    points = [Point(seq, op, 16, "WORLD", 3, site, func=func) for seq, op, site, func in calls]
+    points[-1].in_flight = True
+    return Ledger(rank, points=points)
+
+
+def test_an_extra_call_that_paired_silently_is_the_root_not_the_mismatch_it_led_to() -> None:
+    """Rank 1 made an all_reduce (:52) that rank 0 never makes; gloo paired it with rank 0's
+    all_reduce at :67 (same size), so the ranks met different calls only at the next number,
+    rank 0's barrier against rank 1's :67. The root is rank 1's call at :52, one number back."""
+    r0 = _ledger(
+        0,
+        [
+            (5, "all_reduce", "t.py:60", "fit"),
+            (6, "all_reduce", "t.py:67", "run"),
+            (7, "barrier", "t.py:97", "main"),
+        ],
+    )
+    r1 = _ledger(
+        1,
+        [
+            (5, "all_reduce", "t.py:60", "fit"),
+            (6, "all_reduce", "t.py:52", "audit"),
+            (7, "all_reduce", "t.py:67", "run"),
+        ],
+    )
+    found = extra_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {})
+    assert found is not None and found.ranks == [1], found
+    assert (
+        found.details["root_rank"] == 1 and found.details["place"] == "t.py:52" and found.details["seq"] == 6
+    )
+    assert "in audit()" in found.summary and "(a consequence)" in found.summary
+    assert "t.py:52" in found.fix
+
+    # An if and its else that each make an all_reduce (at :52 and :54) pair as they should; what
+    # follows is not one side one call behind, so no side is named.
+    r1 = _ledger(
+        1,
+        [
+            (5, "all_reduce", "t.py:60", "fit"),
+            (6, "all_reduce", "t.py:54", "run"),
+            (7, "all_reduce", "t.py:70", "run"),
+        ],
+    )
+    r0 = _ledger(
+        0,
+        [
+            (5, "all_reduce", "t.py:60", "fit"),
+            (6, "all_reduce", "t.py:52", "run"),
+            (7, "barrier", "t.py:97", "main"),
+        ],
+    )
+    assert extra_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {}) is None
+    # Lines that part only at the mismatch: the rank-only rule's case, not this one.
+    r1 = _ledger(1, [(5, "all_reduce", "t.py:60", "fit"), (6, "all_reduce", "t.py:70", "run")])
+    r0 = _ledger(0, [(5, "all_reduce", "t.py:60", "fit"), (6, "barrier", "t.py:97", "main")])
+    assert extra_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {}) is None

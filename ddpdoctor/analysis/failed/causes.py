@@ -16,6 +16,7 @@ from ddpdoctor.analysis.failed.ledger import build, forward_site
 from ddpdoctor.analysis.failed.parting import (
     FIX_BRANCH,
     Divergence,
+    extra_call,
     first_divergence,
     others_text,
     parted_at,
@@ -251,7 +252,9 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     ddp = {r: p for r, p in points.items() if _is_ddp(p)}
     forward_side = {r: p for r, p in ddp.items() if p.op.startswith((BUFFERS, FORWARD))}
     if python and not ddp:
-        alone = rank_only_call(points, ledgers, _evidence(ledgers, ledgers))
+        alone = extra_call(points, ledgers, _evidence(ledgers, ledgers)) or rank_only_call(
+            points, ledgers, _evidence(ledgers, ledgers)
+        )
         if alone is not None:
             return alone
         differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))

@@ -28,6 +28,12 @@ FIX_BRANCH = (
     "Call {op}() on every rank: move it out of the rank-dependent branch (`if rank == 0:`), or do "
     "the rank-only work without a collective."
 )
+FIX_EXTRA = (
+    "Make the {op}() at {site} a call every rank makes, or none: it ran under a condition only "
+    "rank(s) {ranks} met (a rank-dependent branch, or a test of the rank's own data). Decide the "
+    "condition from values every rank shares (all-reduce a flag first), or do that work without "
+    "a collective."
+)
 FIX_SYNC_LOG = (
     "In Lightning: log on every rank (call self.log(..., sync_dist=True) outside `if "
     "self.trainer.is_global_zero:`), or log rank 0's value alone with self.log(..., "
@@ -254,6 +260,66 @@ def rank_only_call(
             "place": call.site,
             "seq": call.seq,
             "points": {str(r): p.describe() for r, p in points.items()},
+            "ranks": evidence,
+        },
+    )
+
+
+def extra_call(
+    points: dict[int, Point], ledgers: dict[int, Ledger], evidence: dict[str, Any]
+) -> Finding | None:
+    """Ranks in different collectives at one sequence number because one side made a call the
+    others never made, earlier: from the first number where their lines differ, that side is one
+    call behind (each of its later calls is the others' call one number before) and its line
+    there is one the others never executed. The root is that call; the mismatch is where it
+    showed. Two calls of one signature pair up silently, so it may be several numbers back."""
+    seq = min(p.seq for p in points.values())
+    by_seq = {r: {q.seq: q for q in ledgers[r].points if q.group == "WORLD" and q.seq >= 0} for r in points}
+    start = seq
+    while (
+        all(start - 1 in m for m in by_seq.values()) and len({by_seq[r][start - 1].site for r in points}) > 1
+    ):
+        start -= 1
+    if start == seq or any(not by_seq[r][start].site for r in points):
+        return None
+    sides: dict[str, list[int]] = {}
+    for r in sorted(points):
+        sides.setdefault(by_seq[r][start].site, []).append(r)
+    behind = []
+    for site, side in sides.items():
+        rest = [r for r in points if r not in side]
+        lines = {
+            r: [(q.op, q.site) for q in (by_seq[r].get(k) for k in range(start, seq + 1)) if q]
+            for r in points
+        }
+        if len({tuple(lines[r]) for r in rest}) != 1 or any(len(lines[r]) != seq - start + 1 for r in points):
+            continue
+        theirs = lines[rest[0]]
+        new = all(site not in {q.site for q in ledgers[o].points} for o in rest)
+        if new and all(lines[r][1:] == theirs[:-1] for r in side):
+            behind.append(side)
+    if len(behind) != 1:
+        return None
+    side = behind[0]
+    root, rest = side[0], sorted(r for r in points if r not in side)
+    call = by_seq[root][start]
+    return Finding(
+        "rank_only_collective",
+        "error",
+        side,
+        f"rank(s) {rank_list(side)} called {call.describe()}, a line rank(s) {rank_list(rest)} never "
+        f"executed; rank(s) {rank_list(rest)} made {by_seq[rest[0]][start].describe()} there, and "
+        f"rank(s) {rank_list(side)} made that call next, as #{start + 1}: from there they ran one "
+        f"collective behind, and at #{seq} (a consequence) {others_text(points, -1)}",
+        fix=FIX_EXTRA.format(op=call.op, site=call.site, ranks=rank_list(side)),
+        details={
+            "root_rank": root,
+            "place": call.site,
+            "seq": start,
+            "mismatch_seq": seq,
+            "points": {str(r): p.describe() for r, p in points.items()},
+            "extra": call.describe(),
+            "paired_next": by_seq[root][start + 1].describe(),
             "ranks": evidence,
         },
     )
