@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 from conftest import JOBS, REPO, diagnose_json, diagnose_proc, read_lines, run_doctor, torchrun
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
@@ -91,6 +93,12 @@ def test_healthy_twins_are_checked_and_stay_quiet(tmp_path: Path, script: str) -
     assert [f["kind"] for f in found if f["severity"] != "info"] == []
     notes = {f["kind"] for f in found}
     assert ("buffers_differ" in notes) == (script == "bn_no_broadcast")
+    for f in found:
+        if f["kind"] == "buffers_differ":  # where the wrapper was built, in the torch's own words
+            assert "(wrapped at divergence.py:57)" in f["summary"], f
+            renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters  # torch 2.13
+            knob = "forward_sync_buffers" if renamed else "broadcast_buffers"
+            assert f"{knob}=False keeps each rank's own" in f["summary"] and f"{knob}=True" in f["fix"], f
     # Not silent for want of looking: every rank fingerprinted at construction and after step 0,
     # and the parameters (the buffers, under broadcast_buffers=False, may differ) agree.
     checks = [_fingerprints(job.run_dir, rank) for rank in (0, 1)]

@@ -110,6 +110,12 @@ def _describe(ddp: Any, seq: int, state: ModelState) -> dict[str, Any]:
         "options": {
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "broadcast_buffers": bool(ddp.broadcast_buffers),
+            # its name from torch 2.13 on (broadcast_buffers is the deprecated alias): the user's word
+            **(
+                {"forward_sync_buffers": bool(ddp.forward_sync_buffers)}
+                if hasattr(ddp, "forward_sync_buffers")
+                else {}
+            ),
             "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
             "static_graph": bool(ddp.static_graph),
             "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,

@@ -24,7 +24,7 @@ import numpy as np
 from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import stepped
-from ddpdoctor.analysis.misuse.models import ddp_models
+from ddpdoctor.analysis.misuse.models import ddp_models, rank_models
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -202,7 +202,8 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
             yield _weights(run, series, weights, model, label, registered)
         buffers = [d for d in found if d.buffer]
         if buffers and not info.get("options", {}).get("broadcast_buffers", True):
-            yield _buffers(series, buffers, label)
+            owner = next(t for _, t in sorted(run.ranks.items()) if rank_models(t))  # ddp_models' rank
+            yield _buffers(series, buffers, label, info, sites_of(owner).get(info.get("site", -1), ""))
 
 
 _NOT_SYNCED = {
@@ -381,22 +382,33 @@ def _ts_bound(series: Series, key: Key, upper: bool = False) -> int:
     return (max if upper else min)(times) if times else (2**62 if upper else -1)
 
 
-def _buffers(series: Series, found: list[Divergence], label: str) -> Finding:
+def _buffers(series: Series, found: list[Divergence], label: str, info: dict, site: str) -> Finding:
+    """Buffers DDP does not sync, in the user's torch's words: ``forward_sync_buffers`` where
+    the wrapper has it (``broadcast_buffers`` is its deprecated alias), at the line that built it."""
     names = [d.name for d in found]
     stats = all(n.rsplit(".", 1)[-1] in _BN_STATS for n in names)
     ranks = sorted({r for d in found for g in d.groups for r in g})
     what = "BatchNorm running statistics" if stats else "buffers"
+    knob = (
+        "forward_sync_buffers" if "forward_sync_buffers" in info.get("options", {}) else "broadcast_buffers"
+    )
+    built = f" (wrapped at {site})" if site else ""
     return Finding(
         "buffers_differ",
         "info" if stats else "warning",
         ranks,
-        f"{label}: {len(names)} {what} differ across ranks since {when_checked(found[0].first)} "
-        f"({_sized(names, series.numels)}): broadcast_buffers=False keeps each rank's own"
+        f"{label}{built}: {len(names)} {what} differ across ranks since {when_checked(found[0].first)} "
+        f"({_sized(names, series.numels)}): {knob}=False keeps each rank's own"
         + (": expected, evaluation on each rank uses its own statistics" if stats else ""),
-        fix="Expected with broadcast_buffers=False. For the same statistics everywhere use "
-        "SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) or broadcast_buffers=True; evaluate "
+        fix=f"Expected with {knob}=False. For the same statistics everywhere use "
+        f"SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) or {knob}=True; evaluate "
         "or save on one rank knowing its statistics are its own."
         if stats
-        else "Pass broadcast_buffers=True, or broadcast these buffers from rank 0 after changing them.",
-        details={"model": series.model, "buffers": names, "since_step": found[0].first[0]},
+        else f"Pass {knob}=True, or broadcast these buffers from rank 0 after changing them.",
+        details={
+            "model": series.model,
+            "buffers": names,
+            "since_step": found[0].first[0],
+            "place": site or None,
+        },
     )
