@@ -8,8 +8,9 @@ import textwrap
 from pathlib import Path
 
 from ddpdoctor.analysis.failed.ledger import build
-from ddpdoctor.analysis.failed.parting import extra_call, first_divergence
+from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.failed.points import Ledger, Point
+from ddpdoctor.analysis.failed.rankonly import extra_call
 from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
 from ddpdoctor.trace.reader import load_run
 from tests.test_ledger import _kinds, _skipping, _steps, _write
@@ -174,7 +175,7 @@ def test_the_side_inside_an_if_the_other_side_went_past_is_the_root(tmp_path: Pa
     """Rank 0 waits in an all_reduce its validation made inside `if self.is_main:`; rank 1 in the
     barrier after that whole if: rank 0's call is the extra one. In an if and its else, or when
     the file was edited (the function at the line is not the stack's), nobody is blamed."""
-    from ddpdoctor.analysis.failed.parting import took_branch
+    from ddpdoctor.analysis.failed.rankonly import took_branch
     from ddpdoctor.analysis.failed.source import branch_passed
 
     path = str(tmp_path / "train.py")

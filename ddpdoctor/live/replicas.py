@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.analysis.misuse.divergence import AT_ORDER, Key, odd_ranks, when_checked
+from ddpdoctor.analysis.misuse.fingerprints import AT_ORDER, Key, odd_ranks, when_checked
 from ddpdoctor.probes.status import RankStatus
 
 

@@ -13,18 +13,17 @@ from typing import Any
 
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.ledger import build, forward_site
-from ddpdoctor.analysis.failed.parting import (
+from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
+from ddpdoctor.analysis.failed.passes import batches
+from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.rankonly import (
     FIX_BRANCH,
-    Divergence,
     extra_call,
-    first_divergence,
     others_text,
     parted_at,
     rank_only_call,
     rank_only_logs,
 )
-from ddpdoctor.analysis.failed.passes import batches
-from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.source import loop_left

@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ddpdoctor.analysis.failed.parting import others_text
 from ddpdoctor.analysis.failed.points import Ledger, Point
+from ddpdoctor.analysis.failed.rankonly import others_text
 from ddpdoctor.analysis.findings import Finding, rank_list
 
 FIX_FORWARD = (

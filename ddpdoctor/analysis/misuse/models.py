@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -19,13 +20,21 @@ def rank_models(trace: RankTrace) -> list[dict[str, Any]]:
     return [dict(f[0]) for f in init.fields if f and isinstance(f[0], dict)]
 
 
+def builder(run: Run) -> RankTrace | None:
+    """The lowest rank that built a DDP model: the job's models are named as it saw them."""
+    return next((t for _, t in sorted(run.ranks.items()) if rank_models(t)), None)
+
+
 def ddp_models(run: Run) -> list[dict[str, Any]]:
     """Every DDP model of the job, as the lowest rank that built any saw them."""
-    for _, trace in sorted(run.ranks.items()):
-        models = rank_models(trace)
-        if models:
-            return models
-    return []
+    trace = builder(run)
+    return rank_models(trace) if trace is not None else []
+
+
+def wrapped_at(trace: RankTrace, model: dict[str, Any]) -> str:
+    """Where ``trace``'s rank wrapped ``model`` in DDP, as file:line (its user's line), or ""."""
+    site = model.get("site")
+    return sites_of(trace).get(site, "") if isinstance(site, int) else ""
 
 
 def model_of(trace: RankTrace, record: dict[str, Any]) -> dict[str, Any]:

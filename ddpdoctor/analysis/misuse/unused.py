@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of
+from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of, wrapped_at
 from ddpdoctor.analysis.slow.phases import step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -41,8 +40,7 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     for rank, trace in sorted(run.ranks.items()):
         for _, step, info in trace.meta.get(schema.UNUSED, []):
             model = model_of(trace, info)
-            if isinstance(model.get("site"), int):
-                wrapped = wrapped or sites_of(trace).get(model["site"], "")
+            wrapped = wrapped or wrapped_at(trace, model)
             names = list(model.get("param_names", []))
             sizes.update(zip(names, model.get("param_numels") or [], strict=False))
             scope = info.get("scope", scope)
