@@ -92,3 +92,72 @@ def test_a_reduction_that_never_finished_makes_divergence_a_consequence(tmp_path
     (f,) = _mine(diag)
     assert f.severity == "info" and f.details["cause"] == "gradients_not_reduced"
     assert f.summary.startswith("(a consequence of unused_parameters)")
+
+
+def _settings(rank: int, step: int, lr: float, by: str, site: int | None = None) -> list:
+    info = {"optimizer": 0, "type": "SGD", "by": by, "groups": [{"lr": lr, "momentum": 0.9}]}
+    if site is not None:
+        info["site"] = site
+    return [schema.OPT_SETTINGS, 10_000 + 1000 * (step + 1) + 10, 0, step, info]
+
+
+def _scheduled(cut_at: dict[int, int]):
+    """Each rank notes lr 0.1 at its first check and, where ``cut_at`` says, its scheduler's cut
+    to 0.05 after that step (at train.py:40)."""
+
+    def extra(rank: int) -> list:
+        site = {"id": 3, "file": "/job/train.py", "line": 40, "func": "fit"}
+        out = [[schema.SITE, 10_500, 0, -1, site], _settings(rank, 0, 0.1, "check")]
+        if rank in cut_at:
+            out.append(_settings(rank, cut_at[rank], 0.05, "scheduler", site=3))
+        return out
+
+    return extra
+
+
+def test_a_learning_rate_cut_at_different_steps_is_the_cause_with_the_schedulers_line(tmp_path: Path) -> None:
+    # Rank 0's scheduler cut the rate after step 80, rank 1's after step 100: between two checks
+    # (63, 127), so only the scheduler's own notes show the ranks apart.
+    diag = _run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 127), s, 5, 6], _scheduled({0: 80, 1: 100}))
+    (f,) = _mine(diag)
+    d = f.details
+    assert d["cause"] == "optimizer_settings_differ" and d["place"] == "train.py:40"
+    assert d["setting"] == {"name": "lr", "step": 80, "values": [(0.05, [0]), (0.1, [1])]}
+    assert "learning rate (lr) was 0.05 on rank(s) 0, 0.1 on rank(s) 1 after step 80" in f.summary
+    assert "the same on every rank at step 63" in f.summary and "ReduceLROnPlateau" in f.fix
+
+
+def test_a_learning_rate_cut_on_every_rank_at_once_is_no_cause(tmp_path: Path) -> None:
+    diag = _run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 127), s, 5, 6], _scheduled({0: 80, 1: 80}))
+    (f,) = _mine(diag)
+    assert f.details["cause"] == "diverged_during_training" and f.details["setting"] is None
+
+
+def test_settings_changed_by_hand_are_compared_at_the_checks_every_rank_took(tmp_path: Path) -> None:
+    # Rank 1 set its own momentum by hand: seen at the check after step 63. Rank 0 noted a change
+    # at a check of its own (step 31) that rank 1 did not take: not a step to compare at.
+    def extra(rank: int) -> list:
+        notes = [_settings(rank, 0, 0.1, "check")]
+        if rank == 0:
+            notes.append(_settings(rank, 31, 0.2, "check"))
+            notes.append(_settings(rank, 63, 0.2, "check"))
+        else:
+            notes.append(_settings(rank, 63, 0.2, "check"))
+            notes[-1][4]["groups"][0]["momentum"] = 0.5
+        return notes
+
+    (f,) = _mine(_run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 63), s, 5, 6], extra))
+    assert f.details["cause"] == "optimizer_settings_differ"
+    assert f.details["setting"]["name"] == "momentum" and f.details["setting"]["step"] == 63
+
+
+def test_an_optimizer_freed_is_compared_no_later_than_its_first_rank_freed_it(tmp_path: Path) -> None:
+    # The collector freed rank 0's old optimizer at step 40 and rank 1's at step 80, each noting
+    # its last settings then: at the check after step 63 they are not compared (rank 1's note
+    # there is older than rank 0's).
+    def extra(rank: int) -> list:
+        notes = [_settings(rank, 0, 0.1, "check"), _settings(rank, 40 if rank == 0 else 80, 0.05, "gone")]
+        return notes
+
+    (f,) = _mine(_run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 127), s, 5, 6], extra))
+    assert f.details["cause"] == "diverged_during_training"

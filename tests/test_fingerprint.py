@@ -153,7 +153,7 @@ def test_a_parameter_added_or_unfrozen_after_wrapping_is_marked_unsynced() -> No
         p.grad = torch.zeros_like(p)
     c.step = 0
     f.after_step(torch.optim.SGD(params, lr=0.1))
-    model, outside = [r[4] for r in c.records[1:]]
+    model, outside = [r[4] for r in c.records[1:] if r[0] == schema.FINGERPRINT]
     assert [model["names"][i] for i in model["unsynced"]] == ["extra", "2.weight", "2.bias"]
     assert outside["model"] == -1 and outside["optimizer"] == 0 and outside["unsynced"] == [0, 1]
     assert outside["names"] == ["param_groups[0][7] [2, 2]", "param_groups[0][8] [2]"]
@@ -244,5 +244,81 @@ def test_pending_device_reads_are_written_at_exit() -> None:
     c.step = 0
     f.after_step(torch.optim.SGD(registered, lr=0.1))
     f.at_exit(wait_s=2.0)
-    assert [r[4]["at"] for r in c.records] == ["init", "step"]
-    assert all("values" in r[4] for r in c.records) and cuda.synchronizes == 0
+    records = [r for r in c.records if r[0] == schema.FINGERPRINT]
+    assert [r[4]["at"] for r in records] == ["init", "step"]
+    assert all("values" in r[4] for r in records) and cuda.synchronizes == 0
+
+
+def test_optimizer_settings_are_noted_when_they_change_at_checks_and_scheduler_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddpdoctor.probes import collector, optsettings
+
+    c = _Collector()
+    ddp, registered = _model()
+    f = fp.Fingerprints(c, interval=4)
+    f.add(ddp, 0, registered)
+    monkeypatch.setattr(fp, "ACTIVE", f)
+    monkeypatch.setattr(collector, "ACTIVE", c)
+    monkeypatch.setattr(optsettings, "SCHEDULER_NOTES", 2)
+    optsettings.install()
+    opt = torch.optim.SGD(registered, lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(12):
+        c.step = step
+        opt.step()
+        f.after_step(opt)
+        sched.step()
+        if step == 5:
+            opt.param_groups[0]["momentum"] = 0.5  # by hand: seen at the next check (step 7)
+    noted = [r for r in c.records if r[0] == schema.OPT_SETTINGS]
+    notes = [(r[3], r[4]["by"], r[4]["groups"][0]["lr"], r[4]["groups"][0]["momentum"]) for r in noted]
+    # The scheduler's constructor steps it once, then its first cut (after step 1); with the two
+    # notes a scheduler may write spent, the checks note what the steps applied: at step 3 the
+    # rate of step 1's cut (no change), at 7 and 11 the later cuts and the momentum set by hand.
+    assert notes == [
+        (-1, "scheduler", 0.1, 0.9),
+        (1, "scheduler", 0.05, 0.9),
+        (7, "check", 0.0125, 0.5),
+        (11, "check", 0.003125, 0.5),
+    ]
+    assert all(
+        r[4]["type"] == "SGD" and "params" not in r[4]["groups"][0]
+        for r in c.records[1:]
+        if r[0] == schema.OPT_SETTINGS
+    )
+
+
+def test_settings_are_numbers_as_json_holds_them() -> None:
+    from ddpdoctor.probes.optsettings import settings
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([p], lr=torch.tensor(0.01), betas=(0.8, 0.99), foreach=None)
+    (group,) = settings(opt.param_groups)
+    assert group["lr"] == pytest.approx(0.01) and group["betas"] == [0.8, 0.99]
+    assert "foreach" not in group and "params" not in group and group["amsgrad"] is False
+
+
+def test_an_optimizer_freed_notes_its_last_settings_and_the_next_gets_a_number_of_its_own() -> None:
+    import gc
+
+    c = _Collector()
+    ddp, registered = _model()
+    f = fp.Fingerprints(c, interval=4)
+    f.add(ddp, 0, registered)
+    opt = torch.optim.SGD(registered, lr=0.1)
+    c.step = 0
+    f.after_step(opt)
+    opt.param_groups[0]["lr"] = 0.5
+    c.step = 2
+    del opt
+    gc.collect()
+    again = torch.optim.SGD(registered, lr=0.1)  # may reuse the freed one's id
+    c.step = 3
+    f.after_step(again)
+    noted = [
+        (r[3], r[4]["optimizer"], r[4]["by"], r[4]["groups"][0]["lr"])
+        for r in c.records
+        if r[0] == schema.OPT_SETTINGS
+    ]
+    assert noted == [(0, 0, "check", 0.1), (2, 0, "gone", 0.5), (3, 1, "check", 0.1)]

@@ -45,9 +45,9 @@ def _patch_torch() -> None:
 
     if not torch.distributed.is_available():
         return
-    from ddpdoctor.probes import checkpoint, collectives, data, ddp, optimizer
+    from ddpdoctor.probes import checkpoint, collectives, data, ddp, optimizer, optsettings
 
-    for module in (collectives, ddp, data, optimizer, checkpoint):
+    for module in (collectives, ddp, data, optimizer, checkpoint, optsettings):
         try:
             module.install()
         except Exception as exc:  # a torch whose internals moved: lose the probe, not the job

@@ -53,6 +53,7 @@ from collections import deque
 from typing import Any
 
 from ddpdoctor.probes import collector as _c
+from ddpdoctor.probes.optsettings import Notes
 from ddpdoctor.trace import schema
 
 PROBE = "fingerprint"
@@ -152,8 +153,8 @@ class Fingerprints:
         self.stepped = -2  # the last step whose optimizer step ran (the exit check wants it)
         self.costs: deque[int] = deque(maxlen=3)
         self.last = (0, 0)  # (step, perf ns) of the last check
-        self.optimizers: dict[int, int] = {}  # id -> index, in order of first step
         self.opt_checked: set[int] = set()
+        self.settings = Notes()  # numbers the optimizers too
         # (event, host copy, device tensor, (record, values so far, indices the copy fills))
         self.pending: deque[tuple[Any, Any, Any, tuple]] = deque()
         import torch
@@ -229,6 +230,7 @@ class Fingerprints:
             if c.live and step != self.checked and step == self.stepped and step >= 0:
                 self.checked = step
                 self._check_module(model, module, "exit")
+                self.settings.note_all(self)
         except Exception as exc:
             c.fail(PROBE, exc)
 
@@ -257,11 +259,13 @@ class Fingerprints:
         self._submit([t for _, t in named], info)
 
     def _check_optimizer(self, optimizer: Any) -> None:
-        """Parameters this optimizer trains that belong to no DDP model: never all-reduced."""
-        key = self.optimizers.setdefault(id(optimizer), len(self.optimizers))
+        """The optimizer's settings when they changed (``optsettings.py``), and the parameters it
+        trains that belong to no DDP model: never all-reduced."""
+        key = self.settings.key_of(optimizer)
         if key in self.opt_checked:
             return
         self.opt_checked.add(key)
+        self.settings.note(self, optimizer, "check")
         inside = set()
         for model in self.models:
             ddp = model.ref()
@@ -297,7 +301,7 @@ class Fingerprints:
             if self.cuda is not None:  # reads stuck behind the device: skip, never wait
                 return
             info["values"] = [fold(int(v)) for v in values]
-            self._emit(record)
+            self.emit(record)
             return
         if not on_device:  # a test's stand-in for CUDA: host tensors take the device path
             on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -320,11 +324,11 @@ class Fingerprints:
             for i, v in zip(where, host.tolist(), strict=True):
                 values[i] = fold(v)
             record[4]["values"] = values
-            self._emit(record)
+            self.emit(record)
             done += 1
         return done
 
-    def _emit(self, record: tuple) -> None:
+    def emit(self, record: tuple) -> None:
         self.c.events += 1
         self.c.put(record)
 
@@ -336,6 +340,7 @@ class Fingerprints:
         if self.c.live and not crashed and step != self.checked and step == self.stepped and step >= 0:
             self.checked = step
             self.check(self.models, "exit")
+            self.settings.note_all(self)
         deadline = time.monotonic() + wait_s
         while self.pending and time.monotonic() < deadline:
             if not self.poll():

@@ -206,6 +206,7 @@ SAVE = "save"
 LOAD = "load"
 LOAD_STATE = "load_state"  # load_state_dict on a module or an optimizer
 FINGERPRINT = "fingerprint"  # per-tensor hashes of a DDP model: are the ranks' copies equal?
+OPT_SETTINGS = "opt_settings"  # an optimizer's settings (lr, momentum...) when they changed
 PROBE_ERROR = "probe_error"
 DROPPED = "dropped"
 END = "end"
@@ -335,7 +336,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, RAISED, SYNC_LOG, SIGNATURE)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE)
 )
 
 

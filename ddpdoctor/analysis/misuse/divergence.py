@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
-from ddpdoctor.analysis.misuse import stepped
+from ddpdoctor.analysis.misuse import settings, stepped
 from ddpdoctor.analysis.misuse.fingerprints import (
     Divergence,
     Key,
@@ -176,7 +176,8 @@ def _weights(
     odd = odd_ranks(head.groups, set(loaders))
     all_ranks = sorted(r for g in head.groups for r in g)
     opt_odd = set(opt_loads) and set(opt_loads) != set(all_ranks)
-    place = ""
+    place, setting = "", None
+    skipped = stepped.skipped_steps(run, head.last_equal[0] if head.last_equal else -1, head.first[0])
     if loaders and set(loaders) != set(all_ranks):
         rank = min(loaders)
         place = loaders[rank][0][2]
@@ -190,6 +191,10 @@ def _weights(
     elif at_init:
         cause, fix = "not_broadcast", _FIX_LOAD
         why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
+    elif not opt_odd and not skipped and (setting := settings.first_difference(run, head.first[0])):
+        cause, fix, why = "optimizer_settings_differ", settings.FIX, setting.text()
+        place = setting.place
+        odd = odd_ranks([ranks for _, ranks in setting.by_value], set())
     elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0:
         cause, fix = "changed_after_wrapping", _FIX_LOAD
         why = "they were equal after DDP's constructor broadcast and changed before the first optimizer "
@@ -197,7 +202,7 @@ def _weights(
     elif opt_odd:
         cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
         why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"
-    elif skipped := stepped.skipped_steps(run, head.last_equal[0] if head.last_equal else -1, head.first[0]):
+    elif skipped:
         cause, fix, why = "optimizer_steps_skipped", stepped.FIX, stepped.why(skipped)
         odd = odd_ranks(head.groups, set(skipped))
     else:
@@ -246,6 +251,9 @@ def _weights(
             "since": when_checked(head.first),
             "last_equal": when_checked(head.last_equal),
             "cause": cause,
+            "setting": {"name": setting.name, "step": setting.step, "values": setting.by_value}
+            if setting is not None
+            else None,
             "place": place or None,
             "root_rank": root,
             "ranks_by_value": head.groups,

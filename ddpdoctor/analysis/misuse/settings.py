@@ -1,0 +1,154 @@
+"""Optimizer settings that differ by rank: the learning rate (or momentum, weight decay...) each
+rank applied, compared at the fingerprint checks every rank took. A scheduler stepped with each
+rank's own metric (ReduceLROnPlateau on a shard's validation loss), a scheduler stepped on one
+rank only, or a learning rate worked out from a rank's own data gives the ranks the same
+averaged gradient and different steps: the weights part with no error. ``divergence.py`` names
+this as the cause of weights that differ when it came first."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+from ddpdoctor.analysis.failed.ledger import sites_of
+from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.reader import RankTrace, Run
+
+# Said first when several settings differ: the ones schedulers and rank-local code change.
+ORDER = ("lr", "weight_decay", "momentum", "betas", "eps")
+WORDS = {"lr": "learning rate (lr)"}
+
+FIX = (
+    "Give every rank the same optimizer settings: step a metric-driven scheduler "
+    "(ReduceLROnPlateau) with a value every rank shares (dist.all_reduce the metric first, "
+    "op=ReduceOp.AVG), call scheduler.step() on every rank, and work out learning rates and "
+    "other settings from values every rank shares, never from the rank's own shard or counters."
+)
+
+
+@dataclass
+class SettingDiffers:
+    """The first setting that differed by rank at a check every rank took."""
+
+    optimizer: str  # its class, with its index when the job has several
+    group: int
+    name: str
+    step: int
+    equal_step: int | None  # the last check before where every rank's settings were equal
+    by_value: list[tuple[Any, list[int]]]  # (value, ranks), most ranks first
+    place: str  # file:line of the scheduler step that changed it on some rank, or ""
+
+    def text(self) -> str:
+        values = ", ".join(f"{v!r} on rank(s) {rank_list(r)}" for v, r in self.by_value)
+        equal = f"; the same on every rank at step {self.equal_step}" if self.equal_step is not None else ""
+        what = WORDS.get(self.name, self.name) + (f" of param group {self.group}" if self.group else "")
+        where = (
+            f", changed by the scheduler step at {self.place}"
+            if self.place
+            else " (no scheduler step on record changed it: set when the optimizer was built, or "
+            "written into its param_groups)"
+        )
+        return (
+            f"the ranks' optimizer settings differ: {self.optimizer}'s {what} was {values} after "
+            f"step {self.step}{where}{equal}"
+        )
+
+
+def first_difference(run: Run, up_to: int) -> SettingDiffers | None:
+    """The first check, at or before step ``up_to``, where the ranks applied different optimizer
+    settings; None when every rank applied the same (or none recorded them)."""
+    ranks = sorted(run.ranks)
+    if len(ranks) < 2:
+        return None
+    notes = {r: _notes(run.ranks[r]) for r in ranks}
+    if not all(notes.values()):
+        return None
+    # Where a rank's last note says what it applied: the checks every rank took (each noted a
+    # change there), and wherever a scheduler stepped (a rank whose scheduler changed nothing
+    # then, or that has none, noted no change since its last note).
+    steps = set.intersection(*(_checks(run.ranks[r]) for r in ranks))
+    steps |= {step for r in ranks for step, _, _, _, by in notes[r] if by == "scheduler"}
+    types = {k: t for r in ranks for _, k, t, _, _ in notes[r]}
+    series = {(r, key): _series(notes[r], key) for r in ranks for key in types}
+    gone: dict[int, int] = {}  # optimizer -> the first step a rank noted it freed
+    for r in ranks:
+        for step, key, _, _, by in notes[r]:
+            if by == "gone":
+                gone[key] = min(gone.get(key, step), step)
+    equal = None
+    for step in sorted(s for s in steps if s <= up_to):
+        for key in sorted(k for k in types if step <= gone.get(k, step)):
+            now = {r: _at(series[r, key], step) for r in ranks}
+            first = now[ranks[0]]
+            if first is None or any(v is None for v in now.values()) or all(v == first for v in now.values()):
+                continue
+            found = _differs(now)
+            if found is not None:
+                group, name, by_value = found
+                label = types[key] + (f" (optimizer #{key})" if len(types) > 1 else "")
+                return SettingDiffers(label, group, name, step, equal, by_value, _place(run, key, step))
+        equal = step
+    return None
+
+
+Note = tuple[int, int, str, list[dict[str, Any]], str]  # step, optimizer, its class, groups, by
+
+
+def _notes(trace: RankTrace) -> list[Note]:
+    """The rank's notes of its settings, in order."""
+    out = []
+    for _, step, info in trace.meta.get(schema.OPT_SETTINGS, []):
+        key, groups = info.get("optimizer"), info.get("groups")
+        if isinstance(key, int) and isinstance(groups, list):
+            out.append((step, key, str(info.get("type", "optimizer")), groups, str(info.get("by"))))
+    return out
+
+
+def _place(run: Run, key: int, step: int) -> str:
+    """Where a scheduler step changed optimizer ``key``'s settings at ``step``, on the lowest rank
+    whose scheduler did."""
+    for _, trace in sorted(run.ranks.items()):
+        for _, at, info in trace.meta.get(schema.OPT_SETTINGS, []):
+            if at == step and info.get("optimizer") == key and isinstance(info.get("site"), int):
+                return sites_of(trace).get(info["site"], "")
+    return ""
+
+
+def _checks(trace: RankTrace) -> set[int]:
+    """The steps of the rank's fingerprint checks after an optimizer step and at exit: a rank
+    notes its settings at each one when they changed, so its last note before one is what it
+    applied."""
+    meta = trace.meta.get(schema.FINGERPRINT, [])
+    return {step for _, step, info in meta if info.get("at") in ("step", "exit")}
+
+
+def _series(notes: list[Note], key: int) -> tuple[list[int], list[list]]:
+    """Optimizer ``key``'s notes on a rank: their steps (in order) and settings."""
+    mine = sorted(((n[0], i) for i, n in enumerate(notes) if n[1] == key))
+    return [step for step, _ in mine], [notes[i][3] for _, i in mine]
+
+
+def _at(series: tuple[list[int], list[list]], step: int) -> list | None:
+    """The settings of the last note at or before ``step``; None before the first."""
+    steps, groups = series
+    i = bisect.bisect_right(steps, step)
+    return groups[i - 1] if i else None
+
+
+def _differs(now: dict[int, list]) -> tuple[int, str, list[tuple[Any, list[int]]]] | None:
+    """(group, setting, ranks by value) of the first setting not equal on every rank; settings a
+    rank lacks are not compared."""
+    first = next(iter(now.values()))
+    if any(len(groups) != len(first) for groups in now.values()):
+        return None  # param groups added on some ranks: not a setting
+    for g in range(len(first)):
+        names = set.intersection(*(set(groups[g]) for groups in now.values()))
+        for name in sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
+            by: dict[str, tuple[Any, list[int]]] = {}
+            for r, groups in sorted(now.items()):
+                by.setdefault(repr(groups[g][name]), (groups[g][name], []))[1].append(r)
+            if len(by) > 1:
+                return g, name, sorted(by.values(), key=lambda vr: (-len(vr[1]), vr[1]))
+    return None
