@@ -75,8 +75,10 @@ class Notes:
             args = (fp, key, id(optimizer), type(optimizer).__name__, optimizer.param_groups)
             weakref.finalize(optimizer, self.gone, *args).atexit = False
         if by == "scheduler":  # a step per training step, often: the rates first, a few µs
+            if self.by_scheduler.get(key, 0) >= SCHEDULER_NOTES:
+                return
             rates = tuple(value(g.get("lr")) for g in optimizer.param_groups)
-            if self.by_scheduler.get(key, 0) >= SCHEDULER_NOTES or self.rates.get(key) == rates:
+            if self.rates.get(key) == rates:
                 return
             self.rates[key] = rates
         self.write(fp, key, type(optimizer).__name__, optimizer.param_groups, by)

@@ -1,5 +1,6 @@
 """Optimizer settings that differ by rank: the learning rate (or momentum, weight decay...) each
-rank applied, compared at the fingerprint checks every rank took. A scheduler stepped with each
+rank applied, compared at the fingerprint checks every rank took and wherever a scheduler
+stepped (``probes/optsettings.py`` says when a rank notes them). A scheduler stepped with each
 rank's own metric (ReduceLROnPlateau on a shard's validation loss), a scheduler stepped on one
 rank only, or a learning rate worked out from a rank's own data gives the ranks the same
 averaged gradient and different steps: the weights part with no error. ``divergence.py`` names
@@ -30,7 +31,7 @@ FIX = (
 
 @dataclass
 class SettingDiffers:
-    """The first setting that differed by rank at a check every rank took."""
+    """The first setting that differed by rank where the ranks are compared."""
 
     optimizer: str  # its class, with its index when the job has several
     group: int
@@ -57,7 +58,7 @@ class SettingDiffers:
 
 
 def first_difference(run: Run, up_to: int) -> SettingDiffers | None:
-    """The first check, at or before step ``up_to``, where the ranks applied different optimizer
+    """The first step, at or before ``up_to``, where the ranks applied different optimizer
     settings; None when every rank applied the same (or none recorded them)."""
     ranks = sorted(run.ranks)
     if len(ranks) < 2:
