@@ -72,6 +72,40 @@ def test_optimizer_steps_one_rank_skipped_name_it_as_the_root(tmp_path: Path) ->
     assert "all_reduce a skip flag" in f["fix"]
 
 
+def test_a_setting_written_by_hand_on_one_rank_is_the_cause_from_its_last_note(tmp_path: Path) -> None:
+    """Rank 0 alone raises SGD's momentum in a fine-tune phase (held-out set 15). No scheduler
+    changed it and no step check fell between, so the note its optimizer wrote as main()
+    returned and freed it is what shows the ranks apart."""
+    job = run_doctor(tmp_path, torchrun(2, ZOO / "divergence_denoiser_momentum_rank0_phase_heldout15.py"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["details"]["cause"] == "optimizer_settings_differ", f
+    setting = f["details"]["setting"]
+    assert setting["name"] == "momentum" and setting["values"] == [[0.95, [0]], [0.5, [1]]], f
+    assert "no scheduler step on record changed it" in f["summary"] and "every rank" in f["fix"]
+    notes = [line[4] for line in read_lines(RunDir(job.run_dir).trace(0)) if line[0] == schema.OPT_SETTINGS]
+    assert notes[-1]["by"] == "gone" and notes[-1]["groups"][0]["momentum"] == 0.95
+
+
+def test_a_scheduler_stepped_with_a_metric_every_rank_shares_is_no_cause(tmp_path: Path) -> None:
+    """The twin: ReduceLROnPlateau fed an all-reduced accuracy cuts the rate at the same epoch on
+    every rank; the scheduler's notes are on record, alike, and nothing is said."""
+    job = run_doctor(tmp_path, torchrun(2, ZOO / "healthy_bearing_fault_plateau_global_acc_heldout15.py"))
+    assert job.returncode == 0, job.stderr
+    assert [f["kind"] for f in diagnose_json(job.run_dir)["findings"] if f["severity"] != "info"] == []
+    noted = []
+    for rank in (0, 1):
+        lines = read_lines(RunDir(job.run_dir).trace(rank))
+        noted.append(
+            [
+                (ln[3], ln[4]["groups"])
+                for ln in lines
+                if ln[0] == schema.OPT_SETTINGS and ln[4]["by"] == "scheduler"
+            ]
+        )
+    assert noted[0] == noted[1] and len({str(g) for _, g in noted[0]}) >= 2  # at least one cut, alike
+
+
 @pytest.mark.parametrize(
     "script",
     [
