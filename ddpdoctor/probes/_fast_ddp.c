@@ -20,7 +20,7 @@ typedef struct {
     PyObject *slow;     /* the Python path: slow(*args, **kwargs) */
     PyObject *failed;   /* failed(collector, exc): the probe broke before the call */
     PyObject *raised;   /* raised(collector, prev, state, fields, exc): a call that raised */
-    PyObject *helpers;  /* forward: (native.set_step,); backward: (drain_settling, check_unused, note_unused) */
+    PyObject *helpers;  /* forward: (); backward: (drain_settling, check_unused, note_unused) */
     PyObject *globals, *cuda_globals, *site_globals; /* collector, cuda_timing, callsite dicts */
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *phase, *op, *op_eval, *kind_attr, *state_attr;
@@ -28,7 +28,7 @@ typedef struct {
     long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
 } DdpProbe;
 
-static PyObject *s_pace_model, *s_accumulating, *s_native, *s_awaiting, *s_step_model, *s_last_step,
+static PyObject *s_pace_model, *s_accumulating, *s_native_step, *s_awaiting, *s_step_model, *s_last_step,
     *s_max_step, *s_default_pg, *s_seq_method, *s_sync_flag, *s_training, *s_group_named,
     *s_seq_of, *s_registered, *s_untimed, *s_owner, *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
 
@@ -164,9 +164,10 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
             PyObject *step = PyDict_GetItemWithError(d, s_step);
             PyObject *next = step ? PyNumber_Add(step, one) : NULL;
             int ok = next && PyDict_SetItem(d, s_step, next) == 0;
-            PyObject *native = ok ? PyDict_GetItemWithError(d, s_native) : NULL;
-            if (ok && native && PyObject_IsTrue(native)) {
-                PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(self->helpers, 0), next); /* native.set_step */
+            PyObject *stamp = ok ? PyDict_GetItemWithError(d, s_native_step) : NULL; /* the C++ timer's */
+            if (ok && stamp == NULL && PyErr_Occurred()) ok = 0;
+            if (ok && stamp != NULL && stamp != Py_None) {
+                PyObject *r = PyObject_CallOneArg(stamp, next);
                 ok = r != NULL;
                 Py_XDECREF(r);
             }
@@ -330,7 +331,7 @@ PyTypeObject DdpProbeType = {
 
 int ddp_init(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_pace_model, "pace_model"); INTERN(s_accumulating, "accumulating"); INTERN(s_native, "native");
+    INTERN(s_pace_model, "pace_model"); INTERN(s_accumulating, "accumulating"); INTERN(s_native_step, "native_step");
     INTERN(s_awaiting, "awaiting_backward"); INTERN(s_step_model, "step_model");
     INTERN(s_last_step, "last_step_ns"); INTERN(s_max_step, "max_step_ns");
     INTERN(s_default_pg, "default_pg"); INTERN(s_seq_method, "_get_sequence_number_for_group");

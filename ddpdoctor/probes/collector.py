@@ -51,6 +51,9 @@ class Collector:
         self.optimizer_outer: Any = None  # weakref to the optimizer whose step began (optimizer.py)
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.native: list[Any] = []  # model states whose buckets the C++ timer times (commhook.py)
+        # The C++ timer's set_step once one times a model: the forward probes call it at each new
+        # step (a pybind function: no Python frame between the probe and the timer's atomic).
+        self.native_step: Any = None
         self.native_settling = False  # drain the C++ timer after each backward (commhook.py)
         self.native_quiet = 0  # backwards in a row whose drain found no new bucket layout
         self.ddp_models = 0  # DistributedDataParallel instances constructed so far

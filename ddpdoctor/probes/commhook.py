@@ -259,7 +259,8 @@ def _native_timer(ddp: Any, c: _c.Collector) -> Any:
         c.fail(NATIVE, exc)
         return None
     if handle is not None:
-        native.set_step(c.step)
+        c.native_step = native.module().set_step
+        c.native_step(c.step)
         c.native_settling, c.native_quiet = True, 0
     return handle
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, commhook, fastpath, guard, native
+from ddpdoctor.probes import callsite, commhook, fastpath, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
@@ -143,8 +143,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                     c.pace_model = state
                 new_step = state is c.pace_model and not c.accumulating
                 c.step += new_step
-                if new_step and c.native:
-                    native.set_step(c.step)
+                if new_step and c.native_step is not None:
+                    c.native_step(c.step)
                 if state is c.pace_model:  # micro-batches under no_sync() share one optimizer step
                     c.accumulating = not getattr(self, "require_backward_grad_sync", True)
                 c.awaiting_backward = True
@@ -186,9 +186,7 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         c.pack(c.forward_kind, t0, t1, c.step, fields)
         return result
 
-    probe = _in_c(
-        False, forward, forward_, _forward_raised, (native.set_step,), LivePhase.FORWARD, _TRAIN, _EVAL
-    )
+    probe = _in_c(False, forward, forward_, _forward_raised, (), LivePhase.FORWARD, _TRAIN, _EVAL)
     if probe is None:
         return forward_
 

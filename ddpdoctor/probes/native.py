@@ -112,10 +112,3 @@ def register(ddp: Any, notes: str) -> Any:
     if not eligible(ddp):
         return None
     return module().register_timer(ddp.reducer, ddp.process_group, notes)
-
-
-def set_step(step: int) -> None:
-    """The step the C++ timer stamps on its notes (the probes' step count)."""
-    mod = module()
-    if mod is not None:
-        mod.set_step(step)
