@@ -202,6 +202,26 @@ void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, 
     if (bad) count_lost(r);
 }
 
+/* The collective the training thread enters now, into the ring's header: its record is written
+ * as it returns, so this is what a rank killed inside it leaves of it. Nothing on a value that
+ * does not fit (the record says what it can then). */
+void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site) {
+    int bad = 0;
+    int64_t s = as_i64(seq, &bad), i = as_i64(sid, &bad), w = as_i64(site, &bad);
+    Py_buffer view;
+    if (bad || i < INT32_MIN || i > INT32_MAX || w < INT32_MIN || w > INT32_MAX ||
+        PyObject_GetBuffer(r->mm, &view, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        return;
+    }
+    if (view.len >= RING_CALL_AT + 16) {
+        int32_t ids[2] = {(int32_t)i, (int32_t)w};
+        memcpy((char *)view.buf + RING_CALL_AT, &s, 8);
+        memcpy((char *)view.buf + RING_CALL_AT + 8, ids, 8);
+    }
+    PyBuffer_Release(&view);
+}
+
 void head_to(RingRef *r, PyObject *n_obj) {
     if (PyObject_SetAttr(r->ring, s_head, n_obj) < 0) PyErr_Clear();
 }
@@ -374,7 +394,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
         PyModule_AddObjectRef(m, "OptimizerProbe", (PyObject *)&OptProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0 ||
-        PyModule_AddIntConstant(m, "RING_VOID", RING_VOID) < 0) {
+        PyModule_AddIntConstant(m, "RING_VOID", RING_VOID) < 0 ||
+        PyModule_AddIntConstant(m, "RING_CALL_AT", RING_CALL_AT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

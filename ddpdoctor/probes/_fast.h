@@ -21,6 +21,7 @@
 #define RING_HEADER 64 /* trace/ring.py's HEADER_BYTES, SLOT and VOID, checked against it at import */
 #define RING_SLOT 128
 #define RING_VOID 0xFFFF /* the kind id of a slot that holds no event */
+#define RING_CALL_AT 32  /* the collective entered last: i64 seq, i32 signature id, i32 site id */
 
 /* A record's layout: one struct code and offset per value (kind id, step, t0, t1, fields...,
  * seq last). */
@@ -57,6 +58,7 @@ PyObject *take_slot(RingRef *r, Py_ssize_t *at);
 void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
 Value as_value(PyObject *v, char code, int *bad);
 void head_to(RingRef *r, PyObject *n_obj);
+void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site);
 
 int store(char *base, char code, int offset, Value value);
 

@@ -315,6 +315,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
                       : NULL;
     Py_XDECREF(t0_obj);
     if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+    if (ring_now(self, c, d) == 0) /* the call it died in, if it dies in it (trace/ring.py) */
+        enter_call(&self->ring, seq_obj, PyTuple_GET_ITEM(known, 9), site_obj);
+    PyErr_Clear(); /* best effort: the record after the call says what it can */
     result = PyObject_Call(self->orig, args, kwargs);
     if (result == NULL) {
         /* c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid); then re-raise */

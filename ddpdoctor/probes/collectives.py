@@ -20,6 +20,8 @@ from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.livephase import LivePhase
+from ddpdoctor.trace.ring import CALL as _CALL
+from ddpdoctor.trace.ring import CALL_AT as _CALL_AT
 from ddpdoctor.trace.ring import HEADER_BYTES as _SLOTS_AT
 from ddpdoctor.trace.ring import SLOT as _SLOT
 
@@ -70,6 +72,7 @@ _ROOT_ARG: dict[str, tuple[int, tuple[str, ...], int]] = {
 }
 _dtypes: dict[Any, str] = {}  # torch.dtype -> "float32", named once
 _members: dict[int, str] = {}  # id(process group) -> "0 1" (its global ranks; "" for WORLD)
+_enter = _CALL.pack_into
 _sigs: dict[tuple[str, int, int, str], int] = {}  # signature -> its interned id
 _sig_owner: list[Any] = [None]  # the collector the ids were declared to
 
@@ -286,6 +289,9 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if walk:  # called from a library: whose line called it varies
                     site = callsite.of_frame(c, frame)[0]
                 seq = seq_of()
+                ring = c.writer.ring
+                if ring is not None:  # the call it died in, if it dies in it (trace/ring.py)
+                    _enter(ring.mm, _CALL_AT, seq, sid, site)
             except Exception as exc:
                 c.fail(PROBE, exc)
                 return orig(*args, **kwargs)

@@ -36,8 +36,12 @@ def _load() -> Any:
         from ddpdoctor.probes import _fast
         from ddpdoctor.trace import ring
 
-        built = (_fast.RING_HEADER, _fast.RING_SLOT, getattr(_fast, "RING_VOID", None))
-        if built != (ring.HEADER_BYTES, ring.SLOT, ring.VOID):
+        built = (
+            _fast.RING_HEADER,
+            _fast.RING_SLOT,
+            *(getattr(_fast, k, None) for k in ("RING_VOID", "RING_CALL_AT")),
+        )
+        if built != (ring.HEADER_BYTES, ring.SLOT, ring.VOID, ring.CALL_AT):
             return None  # built from another version of the ring's layout
         return _fast
     except Exception as exc:

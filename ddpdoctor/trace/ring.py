@@ -12,7 +12,9 @@ The file ``trace-rank{R}[-attemptN].ring`` (space reserved up front with ``posix
 so a full disk fails here, at creation, and never as a SIGBUS while training)::
 
     header, 64 bytes: magic b"DDPRING2", u32 slot size, u32 slot count, u64 mono_ns anchor,
-                      u32 pid (little-endian)
+                      u32 pid (little-endian); at byte 32 the collective the training
+                      thread entered last: i64 sequence number, i32 signature id, i32 site
+                      id (-1s before the first), written before the call
     slots, each SLOT bytes: u16 kind id, 2 bytes unused, the record (``schema.record_dtype``
     of the kind: step, t0, t1, fields), then at byte 120 the u64 seq of the event
 
@@ -45,6 +47,10 @@ SEQ_AT = 120
 BODY_AT = 4
 VOID = 0xFFFF
 VOID_SLOT = struct.Struct(f"<H{SEQ_AT - 2}xQ")
+# The collective a rank entered last: its record is written as the call returns, so a rank
+# killed inside a call (gloo aborts on a size it did not expect) leaves only this of it.
+CALL = struct.Struct("<qii")
+CALL_AT = 32
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -83,6 +89,7 @@ class Ring:
                 raise
             os.close(fd)
         _HEAD.pack_into(self.mm, 0, MAGIC, SLOT, self.slots, mono_anchor_ns, self.pid)
+        CALL.pack_into(self.mm, CALL_AT, -1, -1, -1)
         self.next = itertools.count(1).__next__  # event numbers; atomic under the GIL
         self.head = 0  # the last seq written (by any thread)
         self.taken = 0  # the last seq taken by the writer: slots above it are not free
@@ -157,7 +164,9 @@ def read_ring(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     seqs = rows[:, SEQ_AT:].copy().view("<u8")[:, 0]
     order = np.argsort(seqs, kind="stable")
     order = order[seqs[order] > 0]
-    return {"slots": slots, "mono_ns": anchor, "pid": pid}, rows[order], seqs[order]
+    seq, sid, site = CALL.unpack_from(data, CALL_AT)
+    entered = {"seq": seq, "signature": sid, "site": site} if sid >= 0 else None
+    return {"slots": slots, "mono_ns": anchor, "pid": pid, "entered": entered}, rows[order], seqs[order]
 
 
 def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
@@ -185,7 +194,7 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
                 os.unlink(path)
         return None
     layout = dec.header.get("layout") or []
-    _, every, seqs = read_ring(rpath)
+    head, every, seqs = read_ring(rpath)
     keep = seqs >= max(dec.seq_hi, 1)
     rows, seqs = every[keep], seqs[keep]
     kinds = rows[:, :2].copy().view("<u2")[:, 0] if len(rows) else np.zeros(0, np.uint16)
@@ -205,6 +214,8 @@ def complete_trace(trace_path: str | os.PathLike[str]) -> dict[str, int] | None:
         last = rows[real][:, BODY_AT + 12 : BODY_AT + 20].copy().view("<i8") if real.any() else None
         last_ns = int(last.max()) if last is not None else dec.anchor
         out.append(binfmt.json_block(binfmt.META, [schema.DROPPED, last_ns, 0, -1, {"count": lost}]))
+    if head["entered"] is not None:  # the analysis tells a call that returned from one it died in
+        out.append(binfmt.json_block(binfmt.META, [schema.ENTERED, dec.anchor, 0, -1, head["entered"]]))
     with open(trace_path, "r+b") as fh:
         if dec.end < len(data):
             fh.truncate(dec.end)  # a block cut by the death: its events are in the ring

@@ -104,6 +104,9 @@ signature       {id, dtype, numel, root, ranks}: the rest of a collective's sign
                 once per distinct value (dtype of the first tensor, "" none; element count;
                 root rank ``src``/``dst``, -1 none; the group's global ranks "0 1", "" for
                 WORLD, for ``new_group`` the new group's); collective events carry its id
+entered         {seq, signature, site}: the collective the rank entered last, from its ring's
+                header (written before each call), appended when the trace is completed after
+                the rank died: the call it died in, unless that call's record is there
 sync_log        {site, name}: a framework's logging call that all-reduces (Lightning's
                 ``self.log(..., sync_dist=True)``), once per (call site id, metric name): the
                 user's hook line behind a collective the framework issues later
@@ -216,6 +219,9 @@ RAISED = "raised"
 SITE = "site"
 SYNC_LOG = "sync_log"
 SIGNATURE = "signature"
+# The collective a rank entered last (seq, signature id, site id), from its ring after a death:
+# written before the call, so it names the call a rank died in (trace/ring.py).
+ENTERED = "entered"
 
 # Not a record: the time a rank spent outside every sync point (its own code between them). A
 # failure view draws it when a rank hung or died there; nothing is ever recorded under this name.
@@ -336,7 +342,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE)
+    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE, ENTERED)
 )
 
 

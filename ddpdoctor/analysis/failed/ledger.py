@@ -321,9 +321,19 @@ def _buckets(trace: RankTrace) -> int:
 
 
 def _unfinished(trace: RankTrace, coll: Any) -> dict[str, Any] | None:
-    """The signature described for a collective call whose record was never written: the probe
-    writes a new signature just before the call, so one newer than every collective record
-    and raised record, and named by none, is the call's the rank was in when it died."""
+    """The signature of the collective call a rank died in, whose record was never written:
+    the call its ring says it entered last (``schema.ENTERED``), unless that call's record is
+    there. Traces from before that field: the probe writes a new signature just before the
+    call, so one newer than every collective record and raised record, and named by none, is
+    the call's the rank was in when it died."""
+    entered = trace.meta.get(schema.ENTERED, [])
+    if entered:
+        info = entered[-1][2]
+        call = (info.get("seq"), info.get("signature"), info.get("site"))
+        done = {(f[4], f[7], f[6]) for f in coll.fields if len(f) > 7}
+        done |= {tuple(r[2].get("fields", [])[i] for i in (4, 7, 6)) for r in _raised_calls(trace)}
+        sigs = {i.get("id"): i for _, _, i in trace.meta.get(schema.SIGNATURE, [])}
+        return None if call in done else sigs.get(call[1])
     last, used = -1, set()
     if len(coll):
         last = int(coll.ts[-1])
@@ -348,3 +358,12 @@ def forward_site(trace: RankTrace, step: int | None = None) -> str:
     if not len(idx):
         return ""
     return sites_of(trace).get(int(fwd.ints(3)[idx[0] if step is not None else idx[-1]]), "")
+
+
+def _raised_calls(trace: RankTrace) -> list[tuple[int, int, dict[str, Any]]]:
+    """The rank's ``raised`` records of collectives with their whole signature."""
+    return [
+        r
+        for r in trace.meta.get(schema.RAISED, [])
+        if r[2].get("kind") == schema.COLLECTIVE and len(r[2].get("fields") or []) > 7
+    ]
