@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.ledger import build, forward_site
+from ddpdoctor.analysis.failed.order import order_differs
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
 from ddpdoctor.analysis.failed.passes import batches
 from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
@@ -256,6 +257,10 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         )
         if alone is not None:
             return alone
+        backend = bool(div.evidence.get("backend"))
+        ordered = order_differs(points, ledgers, seq, details, backend) if isinstance(seq, int) else None
+        if ordered is not None:
+            return ordered
         differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))
         text = div.evidence.get("disagreement") or f"the ranks disagree at collective #{seq}"
         if div.evidence.get("changed"):

@@ -186,3 +186,103 @@ def _scope(path: str, chain: list[ast.AST]) -> ast.AST | None:
     """The innermost function in ``chain``, else the module; None without the file."""
     functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return functions[-1] if functions else (_tree(path) if chain else None)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def loop_over(path: str, func: str, line: int) -> tuple[int, str, ast.AST, ast.AST] | None:
+    """(its line, its header, what it iterates, the function) of the innermost ``for`` loop or
+    comprehension that holds ``line`` in the function the stack names ``func``; None without
+    one, or for a missing or edited file."""
+    chain = _chain(path, line)
+    scope = function_at(path, func, line)
+    if scope is None:
+        return None
+    inner = chain[chain.index(scope) + 1 :] if scope in chain else chain
+    for node in reversed(inner):
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            return (
+                node.lineno,
+                f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}:",
+                node.iter,
+                scope,
+            )
+        if isinstance(node, _COMPREHENSIONS):
+            it = node.generators[0]
+            return node.lineno, f"for {ast.unparse(it.target)} in {ast.unparse(it.iter)}", it.iter, scope
+        if isinstance(node, _SCOPES):
+            return None
+    return None
+
+
+def set_at(scope: ast.AST, expr: ast.AST, before: int) -> ast.AST | None:
+    """The assignment where ``expr``, a name read at line ``before``, was last assigned in
+    ``scope`` above it; None for anything else (an expression computes its value where it is
+    read), or a name the function does not assign (a parameter, a global)."""
+    return _assigned(scope, expr.id, before) if isinstance(expr, ast.Name) else None
+
+
+def fed_by(scope: ast.AST, assignment: ast.AST) -> list[ast.AST]:
+    """The assignments in ``scope`` above ``assignment`` of the names its value reads (one
+    level: `order = [worst] + rest` is fed by `worst = max(...)`), in line order."""
+    value = getattr(assignment, "value", None)
+    if value is None:
+        return []
+    read = {n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    found = [_assigned(scope, name, assignment.lineno) for name in sorted(read)]
+    return sorted((n for n in found if n is not None), key=lambda n: n.lineno)
+
+
+def returned_by(path: str, assignment: ast.AST) -> ast.AST | None:
+    """Where an assignment's value is a call of a function of the same file (`f(...)`,
+    `self.f(...)`) with one ``return``: that return."""
+    value = getattr(assignment, "value", None)
+    tree = _tree(path) if os.path.isfile(path) else None
+    if not isinstance(value, ast.Call) or tree is None:
+        return None
+    f = value.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    defs = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+    ]
+    returns = [r for r in _walk_here(defs[0]) if isinstance(r, ast.Return)] if len(defs) == 1 else []
+    return returns[0] if len(returns) == 1 and returns[0].value is not None else None
+
+
+def statement(node: ast.AST) -> str:
+    """A statement's first line, as code (without its comments)."""
+    return ast.unparse(node).splitlines()[0]
+
+
+def argument(path: str, line: int, callee: ast.AST, name: str) -> ast.AST | None:
+    """The expression a call at ``line`` passes ``callee`` (a function) for its parameter
+    ``name``; None where no call of it there says (a ``*args``, a call of another name)."""
+    if not isinstance(callee, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    params = [a.arg for a in (*callee.args.posonlyargs, *callee.args.args)]
+    if name not in params:
+        return None
+    method = params[0] in ("self", "cls")
+    for node in [n for n in _chain(path, line) if isinstance(n, ast.stmt)][-1:]:
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            f = call.func
+            called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if called != callee.name:
+                continue
+            for kw in call.keywords:
+                if kw.arg == name:
+                    return kw.value
+            index = params.index(name) - (1 if method and isinstance(f, ast.Attribute) else 0)
+            starred = any(isinstance(a, ast.Starred) for a in call.args[: index + 1])
+            if 0 <= index < len(call.args) and not starred:
+                return call.args[index]
+    return None
+
+
+def function_at(path: str, func: str, line: int) -> ast.AST | None:
+    """The function (or the module) holding ``line`` that the stack names ``func``; None for a
+    missing or edited file."""
+    scope = _scope(path, _chain(path, line))
+    name = "<module>" if isinstance(scope, ast.Module) else getattr(scope, "name", None)
+    return scope if scope is not None and func.rsplit(".", 1)[-1] == name else None

@@ -1,0 +1,108 @@
+"""Calls of one line issued in an order that differs by rank (analysis/failed/order.py): named
+with the loop and the line that set its order only when each rank's call is one the line makes
+every round; a size the line never made is a size that differs, not an order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO, diagnose_json, read_lines, run_doctor, torchrun
+
+from ddpdoctor.analysis.failed.order import order_differs
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.trace import schema
+
+ZOO = REPO / "tests" / "zoo"
+SCRIPT = """\
+def report(meters, losses):
+    order = sorted(meters, key=lambda t: losses[t])
+    for task in order:
+        sync(meters[task])
+
+
+def sync(meter):
+    all_reduce(meter)
+"""
+
+
+def _ledger(rank: int, path: Path, rounds: list[list[int]], now: list[int], died: bool) -> Ledger:
+    """Rounds of a report's all_reduces at sync()'s line, each after a step's gradient
+    all-reduce; then the round that broke (``now``, the last call in flight if ``died``)."""
+    site, points, seq = f"{path.name}:8", [], 0
+    for sizes in [*rounds, now]:
+        points.append(Point(seq, GRAD_ALLREDUCE, 4096, "WORLD", seq, "train.py:1"))
+        seq += 1
+        for numel in sizes:
+            call = Point(seq, "all_reduce", 8 * numel, "WORLD", seq, site, dtype="float64", numel=numel)
+            points.append(call)
+            seq += 1
+    last = points[-1]
+    if died:
+        last.in_flight = last.died_in = True
+    stack = [(str(path), 4, "report"), (str(path), 8, "sync")]
+    return Ledger(rank, points=points, stack=stack)
+
+
+@pytest.mark.parametrize(
+    ("now", "found"),
+    [
+        (([5], [2]), True),  # both calls the line makes each round, another order
+        (([2, 5], [2, 2]), True),
+        (([5], [3]), False),  # a size the line never made: a size that differs
+        (([2, 2, 2], [2, 2, 5]), False),  # one 2 more than a round holds
+    ],
+)
+def test_an_order_is_named_only_for_calls_the_line_makes_every_round(
+    tmp_path: Path, now: tuple[list[int], list[int]], found: bool
+) -> None:
+    path = tmp_path / "report.py"
+    path.write_text(SCRIPT)
+    ledgers = {r: _ledger(r, path, [[5, 2, 2], [5, 2, 2]], now[r], died=False) for r in (0, 1)}
+    points = {r: lg.points[-1] for r, lg in ledgers.items()}
+    finding = order_differs(points, ledgers, points[0].seq, {}, said=False)
+    assert (finding is not None) == found, finding
+    if finding is not None:
+        assert finding.details["differs"] == "order" and finding.details["root_rank"] is None
+        assert finding.details["place"] == "report.py:2" and finding.details["loop"] == "report.py:3"
+        assert "all_reduce of 5, 2 and 2 float64 elements" in finding.summary
+
+
+def test_a_rank_that_died_in_the_call_counts_only_with_the_backends_word(tmp_path: Path) -> None:
+    """Its call's size is not on record: an order is said only when the other rank's call
+    moved from where it stood in the round before, and the backend said the calls differed."""
+    path = tmp_path / "report.py"
+    path.write_text(SCRIPT)
+    for moved, said in ((True, True), (True, False), (False, True)):
+        first = [2] if moved else [5]
+        ledgers = {0: _ledger(0, path, [[5, 2, 2]] * 2, first, died=False)}
+        ledgers[1] = _ledger(1, path, [[5, 2, 2]] * 2, [2], died=True)
+        ledgers[1].points[-1].numel = 0  # died inside it: no size
+        points = {r: lg.points[-1] for r, lg in ledgers.items()}
+        finding = order_differs(points, ledgers, points[0].seq, {}, said=said)
+        assert (finding is not None) == (moved and said), (moved, said, finding)
+
+
+@pytest.mark.e2e
+def test_meters_synced_in_a_rank_local_sorted_order_name_the_sort(tmp_path: Path) -> None:
+    """The held-out job: each rank sorts its meters by its own loss before syncing them; at the
+    fourth report the orders differ and gloo aborts rank 1 on the size. The rank killed inside
+    the call left its size in its ring (``entered``), so both sides' sizes are known."""
+    script = ZOO / "mismatch_multitask_report_heldout14.py"
+    lines = script.read_text().splitlines()
+    place = next(n for n, text in enumerate(lines, 1) if "# zoo: place" in text)
+    loop = next(n for n, text in enumerate(lines, 1) if text.strip() == "for task in order:")
+    job = run_doctor(tmp_path, torchrun(2, script), "--hang-timeout", "8", "--on-hang", "kill")
+    assert job.returncode != 0
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "collective_mismatch"]
+    assert f["details"]["differs"] == "order", f
+    assert f["details"]["place"] == f"{script.name}:{place}"
+    assert f["details"]["loop"] == f"{script.name}:{loop}"
+    assert "5 float64 elements" in f["summary"] and "2 float64 elements" in f["summary"], f["summary"]
+    assert "sorted(" in f["summary"] and "sorted(d)" in f["fix"]
+    aborted = [r for r in (0, 1) if "SIGABRT" in str(f["details"].get("deaths", {}).get(str(r), ""))]
+    for rank in aborted:  # its ring named the call it died in, and its signature says its size
+        trace = read_lines(job.run_dir / f"trace-rank{rank}.jsonl")
+        (entered,) = [r[4] for r in trace if r[0] == schema.ENTERED]
+        sigs = {r[4]["id"]: r[4] for r in trace if r[0] == schema.SIGNATURE}
+        assert sigs[entered["signature"]]["numel"] in (2, 5), (entered, sigs)
