@@ -419,3 +419,24 @@ def test_a_deaths_uncommitted_timer_notes_are_recovered_once(tmp_path: Path) -> 
     got = sorted(_rows(t.kind(schema.ALLREDUCE)))  # (ts µs, dur µs, step, index, bytes, seq)
     assert got == [(2, 1, 3, 1, 64, 8), (4, 1, 4, 0, 4096, 9)]
     assert t.meta[schema.DROPPED][0][2] == {"count": 1}
+
+
+def test_the_ring_names_the_collective_entered_last_and_old_rings_name_none(tmp_path: Path) -> None:
+    """Before each collective the probe writes (seq, signature id, site id) into the ring's
+    header; a ring from before that field (zeros there, no tag) names no call."""
+    from ddpdoctor.probes.fastpath import module
+    from ddpdoctor.trace.ring import CALL, CALL_AT, Ring, read_ring
+
+    path = str(tmp_path / "trace-rank0.ring")
+    ring = Ring(path, 0, slots=8)
+    assert read_ring(path)[0]["entered"] is None  # none entered yet
+    CALL.pack_into(ring.mm, CALL_AT, 41, 3, 7)  # as the Python probe writes it
+    ring.mm.flush()
+    assert read_ring(path)[0]["entered"] == {"seq": 41, "signature": 3, "site": 7}
+    fast = module()
+    if fast is not None:  # the C probe's store lands in the same bytes (_fast.c's enter_call)
+        assert fast.RING_CALL_AT == CALL_AT
+    ring.mm[CALL_AT - 4 : CALL_AT + CALL.size] = bytes(4 + CALL.size)  # an older ring's header
+    ring.mm.flush()
+    assert read_ring(path)[0]["entered"] is None
+    ring.close(unlink=True)

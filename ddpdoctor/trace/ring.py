@@ -12,9 +12,10 @@ The file ``trace-rank{R}[-attemptN].ring`` (space reserved up front with ``posix
 so a full disk fails here, at creation, and never as a SIGBUS while training)::
 
     header, 64 bytes: magic b"DDPRING2", u32 slot size, u32 slot count, u64 mono_ns anchor,
-                      u32 pid (little-endian); at byte 32 the collective the training
-                      thread entered last: i64 sequence number, i32 signature id, i32 site
-                      id (-1s before the first), written before the call
+                      u32 pid (little-endian); at byte 28 b"CALL", then the collective
+                      the training thread entered last: i64 sequence number, i32 signature
+                      id, i32 site id (-1s before the first), written before the call (a
+                      ring from before these fields has zeros there, and no tag)
     slots, each SLOT bytes: u16 kind id, 2 bytes unused, the record (``schema.record_dtype``
     of the kind: step, t0, t1, fields), then at byte 120 the u64 seq of the event
 
@@ -51,6 +52,7 @@ VOID_SLOT = struct.Struct(f"<H{SEQ_AT - 2}xQ")
 # killed inside a call (gloo aborts on a size it did not expect) leaves only this of it.
 CALL = struct.Struct("<qii")
 CALL_AT = 32
+CALL_TAG = b"CALL"  # at byte 28: the field is there
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -89,6 +91,7 @@ class Ring:
                 raise
             os.close(fd)
         _HEAD.pack_into(self.mm, 0, MAGIC, SLOT, self.slots, mono_anchor_ns, self.pid)
+        self.mm[CALL_AT - 4 : CALL_AT] = CALL_TAG
         CALL.pack_into(self.mm, CALL_AT, -1, -1, -1)
         self.next = itertools.count(1).__next__  # event numbers; atomic under the GIL
         self.head = 0  # the last seq written (by any thread)
@@ -165,7 +168,8 @@ def read_ring(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     order = np.argsort(seqs, kind="stable")
     order = order[seqs[order] > 0]
     seq, sid, site = CALL.unpack_from(data, CALL_AT)
-    entered = {"seq": seq, "signature": sid, "site": site} if sid >= 0 else None
+    tagged = data[CALL_AT - 4 : CALL_AT] == CALL_TAG
+    entered = {"seq": seq, "signature": sid, "site": site} if tagged and sid >= 0 else None
     return {"slots": slots, "mono_ns": anchor, "pid": pid, "entered": entered}, rows[order], seqs[order]
 
 
