@@ -16,7 +16,7 @@ from ddpdoctor.analysis.failed.ledger import build, forward_site
 from ddpdoctor.analysis.failed.order import order_differs
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
 from ddpdoctor.analysis.failed.passes import batches
-from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, Ledger, is_ddp
 from ddpdoctor.analysis.failed.rankonly import (
     FIX_BRANCH,
     extra_call,
@@ -92,10 +92,6 @@ def _left_first(ledgers: dict[int, Ledger]) -> Divergence | None:
     return Divergence(
         "left", first.rank, ahead, {}, {"steps": {lg.rank: lg.last_step for lg in ledgers.values()}}
     )
-
-
-def _is_ddp(point: Point | None) -> bool:
-    return point is not None and point.op.startswith((GRAD_ALLREDUCE, BUFFERS, FORWARD))
 
 
 def _ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
@@ -248,8 +244,8 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     said = "; ".join(f"rank {r}: {p.describe()}" for r, p in sorted(points.items()))
     details: dict[str, Any] = {"seq": seq, "points": {str(r): p.describe() for r, p in points.items()}}
     details["ranks"] = _evidence(ledgers, ledgers)
-    python = {r: p for r, p in points.items() if not _is_ddp(p)}
-    ddp = {r: p for r, p in points.items() if _is_ddp(p)}
+    python = {r: p for r, p in points.items() if not is_ddp(p)}
+    ddp = {r: p for r, p in points.items() if is_ddp(p)}
     forward_side = {r: p for r, p in ddp.items() if p.op.startswith((BUFFERS, FORWARD))}
     if python and not ddp:
         alone = extra_call(points, ledgers, _evidence(ledgers, ledgers)) or rank_only_call(

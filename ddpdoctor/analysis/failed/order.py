@@ -18,7 +18,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, GRAD_ALLREDUCE, Ledger, Point
+from ddpdoctor.analysis.failed.points import Ledger, Point, is_ddp
 from ddpdoctor.analysis.failed.source import (
     argument,
     fed_by,
@@ -45,24 +45,20 @@ def _key(point: Point) -> Key | None:
     return (point.op, point.dtype, point.numel) if point.numel > 0 and point.dtype else None
 
 
-def _users(point: Point | None) -> bool:
-    return point is not None and not point.op.startswith((GRAD_ALLREDUCE, BUFFERS, FORWARD))
-
-
 def _rounds(ledger: Ledger, seq: int, site: str) -> tuple[list[Key | None], list[Key | None]] | None:
     """(this line's calls in the rank's round holding ``seq``, up to it; those of the last
     earlier round that called the line at all), in order; None without such a round on record."""
     by_seq = {p.seq: p for p in ledger.points if p.group == "WORLD" and p.seq >= 0}
     start = seq
-    while _users(by_seq.get(start - 1)):
+    while start - 1 in by_seq and not is_ddp(by_seq[start - 1]):
         start -= 1
     now = [_key(by_seq[k]) for k in range(start, seq + 1) if k in by_seq and by_seq[k].site == site]
     k = start - 1
     while k in by_seq:
-        while k in by_seq and not _users(by_seq[k]):
+        while k in by_seq and is_ddp(by_seq[k]):
             k -= 1
         calls: list[Key | None] = []
-        while _users(by_seq.get(k)):
+        while k in by_seq and not is_ddp(by_seq[k]):
             if by_seq[k].site == site:
                 calls.insert(0, _key(by_seq[k]))
             k -= 1

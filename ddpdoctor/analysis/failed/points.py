@@ -21,6 +21,12 @@ BUFFERS = LivePhase.SYNC_BUFFERS.label
 FORWARD = LivePhase.FORWARD.label
 
 
+def is_ddp(point: Point | None) -> bool:
+    """One of DDP's own sync points (its gradient all-reduce, buffer broadcast, forward), not a
+    collective the job's code issued."""
+    return point is not None and point.op.startswith((GRAD_ALLREDUCE, BUFFERS, FORWARD))
+
+
 @dataclass(slots=True)
 class Point:
     """One sync point a rank issued (or was inside when the job was stopped)."""

@@ -241,8 +241,7 @@ def returned_by(path: str, assignment: ast.AST) -> ast.AST | None:
     tree = _tree(path) if os.path.isfile(path) else None
     if not isinstance(value, ast.Call) or tree is None:
         return None
-    f = value.func
-    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    name = _called(value)
     defs = [
         n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
     ]
@@ -266,14 +265,12 @@ def argument(path: str, line: int, callee: ast.AST, name: str) -> ast.AST | None
     method = params[0] in ("self", "cls")
     for node in [n for n in _chain(path, line) if isinstance(n, ast.stmt)][-1:]:
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-            f = call.func
-            called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-            if called != callee.name:
+            if _called(call) != callee.name:
                 continue
             for kw in call.keywords:
                 if kw.arg == name:
                     return kw.value
-            index = params.index(name) - (1 if method and isinstance(f, ast.Attribute) else 0)
+            index = params.index(name) - (1 if method and isinstance(call.func, ast.Attribute) else 0)
             starred = any(isinstance(a, ast.Starred) for a in call.args[: index + 1])
             if 0 <= index < len(call.args) and not starred:
                 return call.args[index]
@@ -286,3 +283,9 @@ def function_at(path: str, func: str, line: int) -> ast.AST | None:
     scope = _scope(path, _chain(path, line))
     name = "<module>" if isinstance(scope, ast.Module) else getattr(scope, "name", None)
     return scope if scope is not None and func.rsplit(".", 1)[-1] == name else None
+
+
+def _called(call: ast.Call) -> str:
+    """The name a call calls: ``f`` of `f(...)` and of `obj.f(...)`; "" otherwise."""
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
