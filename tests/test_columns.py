@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from ddpdoctor.trace.columns import MAX_PERIOD, Packed
+from ddpdoctor.trace.columns import MAX_PERIOD, Packed, count_distinct
 
 
 def _columns() -> dict[str, np.ndarray]:
@@ -89,3 +89,12 @@ def test_a_rising_columns_selection_reads_its_values(index: np.ndarray) -> None:
     assert col.rising
     got = col.select(index).values()
     assert got.dtype == np.int64 and got.tolist() == values[index].tolist()
+
+
+@pytest.mark.parametrize("name", list(_columns()))
+def test_count_distinct_is_the_number_of_distinct_values(name: str) -> None:
+    """Counted from the changes where a column is in order (a rank's steps), else by counting
+    values: the same number either way."""
+    values = _columns()[name]
+    assert count_distinct(values) == len(np.unique(values))
+    assert count_distinct(np.sort(values)) == len(np.unique(values))

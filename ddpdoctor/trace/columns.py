@@ -34,6 +34,15 @@ def distinct(values: np.ndarray, counts: bool = False, inverse: bool = False) ->
     return np.unique(values, return_counts=counts)
 
 
+def count_distinct(values: np.ndarray) -> int:
+    """``len(distinct(values))``: for a column in order (a rank's steps), its changes counted."""
+    if len(values) > 1:
+        jumps = np.diff(values)
+        if jumps.min() >= 0:
+            return int(np.count_nonzero(jumps)) + 1
+    return len(distinct(values))
+
+
 MAX_PERIOD = 16  # the longest pattern a repeating column is stored as (buckets per step)
 
 

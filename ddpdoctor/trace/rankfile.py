@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.trace import binfmt, recover, schema
-from ddpdoctor.trace.columns import Events, Fields, Packed, Strings, distinct
+from ddpdoctor.trace.columns import Events, Fields, Packed, Strings, count_distinct, distinct
 
 _I64 = 2**63
 
@@ -88,7 +88,7 @@ class RankTrace:
         """Training steps: the steps DDP forwards in grad mode ran in (the micro-batches of
         gradient accumulation under no_sync() share their optimizer step's number)."""
         fwd = self.kind(schema.FORWARD)
-        return len(distinct(fwd.step[fwd.ints(0) == 1])) if len(fwd) else 0
+        return count_distinct(fwd.step[fwd.ints(0) == 1]) if len(fwd) else 0
 
     def wall_offset_us(self) -> int:
         """Add to this rank's timestamps to get its own wall-clock µs since the epoch."""

@@ -32,7 +32,7 @@ from ddpdoctor.analysis.hung.hang import in_own_code
 from ddpdoctor.probes.collectives import COLLECTIVE_OPS
 from ddpdoctor.probes.status import RankStatus
 from ddpdoctor.trace import schema
-from ddpdoctor.trace.columns import distinct
+from ddpdoctor.trace.columns import count_distinct
 from ddpdoctor.trace.livephase import LivePhase
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -149,8 +149,17 @@ def _raised_last_in_backward(ledger: Ledger) -> bool:
 def _sign(point: Point, sig: dict[str, Any] | None) -> None:
     """Give a point the rest of its signature (dtype, element count, root, group members)."""
     if sig is not None:
-        point.dtype, point.numel = str(sig.get("dtype") or ""), int(sig.get("numel") or 0)
-        point.root, point.ranks = int(sig.get("root", -1)), str(sig.get("ranks") or "")
+        point.dtype, point.numel, point.root, point.ranks = _signature(sig)
+
+
+def _signature(sig: dict[str, Any]) -> tuple[str, int, int, str]:
+    """A signature record's dtype, element count, root and group members, as ``Point`` holds them."""
+    return (
+        str(sig.get("dtype") or ""),
+        int(sig.get("numel") or 0),
+        int(sig.get("root", -1)),
+        str(sig.get("ranks") or ""),
+    )
 
 
 def build(run: Run) -> dict[int, Ledger]:
@@ -208,13 +217,16 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         if info.get("func"):
             ledger.funcs[f"{os.path.basename(str(info.get('file')))}:{info.get('line')}"] = str(info["func"])
     sigs = {info.get("id"): info for _, _, info in trace.meta.get(schema.SIGNATURE, [])}
+    signed = {sid: _signature(info) for sid, info in sigs.items()}
     points: list[Point] = []
     coll = _tail(trace.kind(schema.COLLECTIVE))
+    unsigned = ("", 0, -1, None)
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
-        site = sites.get(int(f[6]), "") if len(f) > 6 and isinstance(f[6], int) else ""
-        point = Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts)
-        _sign(point, sigs.get(f[7]) if len(f) > 7 else None)  # older traces: no signature
-        points.append(point)
+        site = sites.get(f[6], "") if len(f) > 6 and type(f[6]) is int else ""
+        sig = signed.get(f[7], unsigned) if len(f) > 7 else unsigned  # older traces: no signature
+        points.append(
+            Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts, False, False, False, *sig)
+        )
     fwd = trace.kind(schema.FORWARD)
     ledger.forwards_from = max(0, len(fwd) - TAIL)
     fwd = _tail(fwd)
@@ -225,8 +237,10 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
         if f[0]:
             fwd_site[step] = site
     red = _tail(trace.kind(schema.ALLREDUCE))
-    for ts, step, f in zip(red.ts.tolist(), red.step.tolist(), red.fields, strict=True):
-        points.append(Point(int(f[2]), GRAD_ALLREDUCE, int(f[1]), "WORLD", step, fwd_site.get(step, ""), ts))
+    for ts, step, nbytes, seq in zip(
+        red.ts.tolist(), red.step.tolist(), red.ints(1).tolist(), red.ints(2).tolist()
+    ):
+        points.append(Point(seq, GRAD_ALLREDUCE, nbytes, "WORLD", step, fwd_site.get(step, ""), ts))
     buf = _tail(trace.kind(schema.SYNC_BUFFERS))
     for ts, step, f in zip(buf.ts.tolist(), buf.step.tolist(), buf.fields, strict=True):
         points.append(Point(int(f[0]), BUFFERS, 0, "WORLD", step, "", ts))
@@ -243,8 +257,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
                 ledger.backward_raised = (ts, step)
             continue
         point = Point(seq, op, nbytes, group, step, site, ts, died_in=raised, raised=True)
-        if len(fields) > 7:
-            _sign(point, sigs.get(fields[7]))
+        _sign(point, sigs.get(fields[7]) if len(fields) > 7 else None)
         points.append(point)
     if not len(red):  # buckets untimed (DDPDOCTOR_BUCKET_TIMING): their numbers are the gaps
         points.extend(_untimed_reductions(trace, fwd, points, fwd_site))
@@ -252,7 +265,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     if len(trace.kind(schema.DDP_INIT)) == 1:  # one model's layout: a step's all-reduces, counted
         ledger.buckets = len({info.get("index") for _, _, info in trace.meta.get(schema.BUCKET, [])})
     ledger.unfinished = _unfinished(trace, coll)
-    ledger.steps = len(distinct(trace.kind(schema.BACKWARD).step))  # micro-batches share a step
+    ledger.steps = count_distinct(trace.kind(schema.BACKWARD).step)  # micro-batches share a step
     grad = fwd.ints(0) == 1 if len(fwd) else np.zeros(0, dtype=bool)
     ledger.last_step = int(fwd.step[grad].max(initial=-1)) if len(fwd) else -1
     ledger.last_step = max(ledger.last_step, last_step_started(trace))
