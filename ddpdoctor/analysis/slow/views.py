@@ -75,14 +75,17 @@ def step_spans(run: Run, tb: TimeBase) -> dict[int, tuple[float, float]]:
     to the last event labelled with it. Folded rank by rank on the step grid: O(steps) memory."""
     grid = StepGrid.spanning(training_forwards(t).step for t in run.ranks.values())
     starts, ends = np.full(grid.n, np.inf), np.full(grid.n, -np.inf)
+    rank_ends = np.empty(grid.n)
     for rank, trace in run.ranks.items():
         fwd = training_forwards(trace)
         first, has = grid.put(fwd.step, tb.rel(rank, fwd.ts), np.minimum)
         starts = np.minimum(starts, np.where(has, first, np.inf))
+        rank_ends.fill(-np.inf)  # on the rank's own clock: one shift per rank, not per kind
         for ev in trace.events.values():  # kind by kind: each in step order, so no scatter
             if len(ev):
-                last, has = grid.put(ev.step, tb.rel(rank, ev.end), np.maximum)
-                ends = np.maximum(ends, np.where(has, last, -np.inf), out=ends)
+                last, has = grid.put(ev.step, ev.end, np.maximum)
+                np.maximum(rank_ends, last, out=rank_ends, where=has)
+        ends = np.maximum(ends, tb.rel(rank, rank_ends), out=ends)
     started = np.isfinite(starts)
     begin, end = starts[started] / 1e6, np.maximum(ends, starts)[started] / 1e6
     return dict(zip(grid.steps[started].tolist(), zip(begin.tolist(), end.tolist())))
