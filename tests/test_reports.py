@@ -16,7 +16,7 @@ from ddpdoctor import reports
 from ddpdoctor.analysis import Finding, diagnose
 from ddpdoctor.analysis.slow.views import LATENESS_AT_LAST_BUCKET
 from ddpdoctor.reports import html, terminal
-from ddpdoctor.reports.timeline import choose_steps
+from ddpdoctor.reports.timeline import _chosen, _step_table, choose_steps
 from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.synthetic import SyntheticJob, write_run
 
@@ -100,6 +100,19 @@ def test_large_run_keeps_slowest_steps_and_every_step_in_heatmap(tmp_path: Path)
     chosen = choose_steps(spans, per_step=100, budget=2_000)
     slowest = max(spans, key=lambda s: spans[s][1] - spans[s][0])
     assert chosen is not None and len(chosen) <= 20 and slowest in chosen
+
+
+def test_timeline_picks_the_events_of_the_chosen_steps_in_order_or_not() -> None:
+    """Bisection where a kind's steps are in order, a mask where not: the same events."""
+    rng = np.random.default_rng(3)
+    for trial in range(500):
+        step = rng.integers(-2, 30, rng.integers(0, 80))
+        if trial % 3:
+            step = np.sort(step)
+        steps = set(rng.integers(-1, 33, rng.integers(1, 6)).tolist())
+        picked = _chosen(step, _step_table(steps))
+        index = np.flatnonzero(picked) if picked.dtype == bool else picked
+        assert index.tolist() == np.flatnonzero(np.isin(step, list(steps))).tolist()
 
 
 def test_report_at_scale_stays_within_its_size_budget(tmp_path: Path) -> None:

@@ -74,12 +74,14 @@ def collect_segments(diag: Diagnosis, rows: dict[int, int], steps: set[int] | No
         hidden.setdefault((rank, kind), []).append(ts)
     chosen = None if steps is None else _step_table(steps)
     for phase, style in schema.PHASES.items():
+        if chosen is not None and not style.per_step:  # not in a step (DDP init): drawn with all
+            continue
         parts: list[tuple[np.ndarray, ...]] = []
         for rank, trace in diag.run.ranks.items():
             ev = phase_events(trace, phase)
             if chosen is not None:  # select before materialising times: few steps of many
                 shift = 1 if style.kind == schema.DATA_WAIT else 0  # the wait before a chosen step
-                ev = ev.select(_chosen(ev.step + shift, chosen) & style.per_step)
+                ev = ev.select(_chosen(ev.step + shift, chosen))
             cut = hidden.get((rank, style.kind))
             if cut and len(ev):
                 ev = ev.select(~np.isin(ev.ts, cut))
@@ -103,7 +105,16 @@ def _step_table(steps: set[int]) -> tuple[int, np.ndarray]:
 
 
 def _chosen(step: np.ndarray, chosen: tuple[int, np.ndarray]) -> np.ndarray:
+    """The events in the chosen steps: index ranges found by bisection where the steps are in
+    order (the usual kind: a few steps of tens of thousands of events), else a mask."""
     lo, table = chosen
+    if len(step) > 1 and (step[1:] >= step[:-1]).all():
+        wanted = np.flatnonzero(table) + lo
+        starts = np.searchsorted(step, wanted, "left")
+        counts = np.searchsorted(step, wanted, "right") - starts
+        # each range's first index, repeated over its events, plus the event's place in it
+        first = np.repeat(starts - np.cumsum(counts) + counts, counts)
+        return first + np.arange(len(first))
     at = step - lo
     inside = (at >= 0) & (at < len(table))
     out = np.zeros(len(step), bool)
