@@ -163,7 +163,7 @@ def _reduce_runs(
     """(steps, values, whether each step now has one value): ``ufunc`` (a max, a min) over each
     run of equal steps where ``step`` never decreases (one reduceat, not a scatter); as they
     are otherwise."""
-    every = _fixed_runs(step)
+    every = fixed_runs(step)
     if every:  # runs of one length (a step's buckets): a strided pass per position, no reduceat
         out = values[::every].copy()
         for j in range(1, every):
@@ -177,10 +177,10 @@ def _reduce_runs(
     return step[starts], ufunc.reduceat(values, starts), True
 
 
-_MAX_RUN = 64  # the longest run of equal steps _fixed_runs looks for
+_MAX_RUN = 64  # the longest run of equal steps fixed_runs looks for
 
 
-def _fixed_runs(step: np.ndarray) -> int:
+def fixed_runs(step: np.ndarray) -> int:
     """p when ``step`` is runs of exactly p > 1 equal values, each run's value above the one
     before (an all-reduce per bucket: every bucket of every step, in order), else 0."""
     n = len(step)
@@ -204,7 +204,7 @@ def _runs(step: np.ndarray) -> np.ndarray | None:
     when each step has one event (one reduction, no index array)."""
     if not len(step):
         return None
-    every = _fixed_runs(step)
+    every = fixed_runs(step)
     if every:
         return np.arange(0, len(step), every)
     jumps = np.diff(step)
