@@ -238,7 +238,7 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
             fwd_site[step] = site
     red = _tail(trace.kind(schema.ALLREDUCE))
     for ts, step, nbytes, seq in zip(
-        red.ts.tolist(), red.step.tolist(), red.ints(1).tolist(), red.ints(2).tolist()
+        red.ts.tolist(), red.step.tolist(), red.ints(1, default=0).tolist(), red.ints(2).tolist()
     ):
         points.append(Point(seq, GRAD_ALLREDUCE, nbytes, "WORLD", step, fwd_site.get(step, ""), ts))
     buf = _tail(trace.kind(schema.SYNC_BUFFERS))
