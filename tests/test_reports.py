@@ -15,7 +15,7 @@ from conftest import JOBS, job_env, run_doctor, torchrun
 from ddpdoctor import reports
 from ddpdoctor.analysis import Finding, diagnose
 from ddpdoctor.analysis.slow.views import LATENESS_AT_LAST_BUCKET
-from ddpdoctor.reports import html, terminal
+from ddpdoctor.reports import html, markup, terminal
 from ddpdoctor.reports.timeline import _chosen, _step_table, choose_steps
 from ddpdoctor.trace.reader import load_run
 from ddpdoctor.trace.synthetic import SyntheticJob, write_run
@@ -113,6 +113,18 @@ def test_timeline_picks_the_events_of_the_chosen_steps_in_order_or_not() -> None
         picked = _chosen(step, _step_table(steps))
         index = np.flatnonzero(picked) if picked.dtype == bool else picked
         assert index.tolist() == np.flatnonzero(np.isin(step, list(steps))).tolist()
+
+
+def test_every_trace_type_drawn_has_plotly_whites_defaults() -> None:
+    """The figures' template keeps plotly_white's defaults only for the trace types the report
+    draws: a new type must join them, or it would be drawn without its plotly_white look."""
+    sources = (Path(markup.__file__).parent).glob("*.py")
+    drawn = {name.lower() for path in sources for name in re.findall(r"\bgo\.(\w+)\(", path.read_text())}
+    drawn -= {"figure"}
+    assert drawn and drawn <= set(markup._DRAWN)
+    tmpl = markup.template()
+    assert not isinstance(tmpl, str), "plotly_white's file was not found where plotly keeps it"
+    assert set(tmpl.data.to_plotly_json()) == set(markup._DRAWN) and tmpl.layout.paper_bgcolor == "white"
 
 
 def test_report_at_scale_stays_within_its_size_budget(tmp_path: Path) -> None:

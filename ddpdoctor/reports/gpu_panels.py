@@ -8,7 +8,7 @@ import numpy as np
 
 from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.findings import rank_list
-from ddpdoctor.reports.markup import asset, esc, figure_html
+from ddpdoctor.reports.markup import asset, esc, figure_html, template
 
 GPU_PANELS = (  # (metric, panel title, scale)
     ("util", "utilisation %", 1.0),
@@ -57,7 +57,7 @@ def gpu_figure(diag: Diagnosis) -> Any:
                 col=1,
             )
     fig.update_layout(
-        template="plotly_white",
+        template=template(),
         height=120 + 150 * max(len(panels), 1),
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},

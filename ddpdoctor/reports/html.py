@@ -35,7 +35,7 @@ from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.analysis.misuse.models import alike_runs
 from ddpdoctor.reports.failure import failure_section
 from ddpdoctor.reports.gpu_panels import gpu_section
-from ddpdoctor.reports.markup import asset, esc, figure_html, kv_table
+from ddpdoctor.reports.markup import asset, esc, figure_html, kv_table, template
 from ddpdoctor.reports.timeline import MAX_SEGMENTS, rank_label, timeline_section
 from ddpdoctor.trace import schema
 
@@ -82,7 +82,7 @@ def heatmap_figure(diag: Diagnosis) -> Any:
         )
     )
     fig.update_layout(
-        template="plotly_white",
+        template=template(),
         height=int(min(900, max(260, 14 * len(ranks) + 120))),
         margin={"l": 10, "r": 10, "t": 10, "b": 40},
         xaxis={"title": {"text": "step"}},

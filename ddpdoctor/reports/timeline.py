@@ -19,7 +19,7 @@ from ddpdoctor.analysis import Diagnosis
 from ddpdoctor.analysis.slow.device import clock as device_clock
 from ddpdoctor.analysis.slow.phases import phase_events
 from ddpdoctor.reports.failure import draw_failure
-from ddpdoctor.reports.markup import asset, esc, figure_html, json_script
+from ddpdoctor.reports.markup import asset, esc, figure_html, json_script, template
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import Events
 from ddpdoctor.trace.reader import RankTrace
@@ -242,7 +242,7 @@ def timeline_figure(diag: Diagnosis, rows: dict[int, int], steps: set[int] | Non
     ticktext = [rank_label(diag.run.ranks[r]) for r in sorted(rows, key=rows.get)]
     height = int(n_rows * max(14.0, min(60.0, 700.0 / max(n_rows, 1))) + 150)
     fig.update_layout(
-        template="plotly_white",
+        template=template(),
         height=max(height, 320),
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         hovermode="closest",
