@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from ddpdoctor.analysis import diagnose
-from ddpdoctor.analysis.slow.phases import StepGrid, first_per_step
-from ddpdoctor.analysis.slow.synctable import _top_buckets
+from ddpdoctor.analysis.slow.phases import last_buckets
 from ddpdoctor.trace.simulate import BASE_MS, Slowdown, simulate_run
 
 STEP_MS = sum(BASE_MS.values())
@@ -167,9 +166,10 @@ def test_a_few_long_stalls_among_jitter_are_the_cost() -> None:
     assert costliest(even, even > 900).sum() == 40
 
 
-def test_top_bucket_of_each_step_whatever_the_layout() -> None:
-    """The event the straggler table times each step by: the first event of the step's highest
-    bucket index, whether the steps' buckets make a table (one layout or several) or not."""
+def test_last_bucket_of_each_step_whatever_the_layout() -> None:
+    """The event the straggler table and the periodic rule time each step by: the first event
+    of the step's highest bucket index, whether the steps' buckets make a table (one layout or
+    several) or not."""
     rng = np.random.default_rng(5)
     for trial in range(300):
         nb, steps = int(rng.integers(1, 6)), int(rng.integers(1, 20))
@@ -181,5 +181,4 @@ def test_top_bucket_of_each_step_whatever_the_layout() -> None:
             keep = rng.random(len(step)) < 0.7
             step, index = step[keep], index[keep]
         top = [np.flatnonzero((step == s) & (index == index[step == s].max()))[0] for s in np.unique(step)]
-        found = _top_buckets(step, index, StepGrid(0, steps))
-        assert first_per_step(step[found], found)[1].tolist() == top  # as the table reads them
+        assert last_buckets(step, index).tolist() == top

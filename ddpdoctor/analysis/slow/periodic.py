@@ -21,7 +21,7 @@ from ddpdoctor.analysis.slow.phases import (
     StepGrid,
     cpu_wait,
     cpu_wait_excess,
-    first_per_step,
+    last_buckets,
     training_forwards,
 )
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
@@ -146,15 +146,9 @@ def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     """(step, µs) of each step's last gradient bucket: the one the step waits for. The buckets'
     all-reduces overlap the backward and each other; summing them counts one wait many times."""
     ar = trace.kind(schema.ALLREDUCE)
-    steps, index = ar.step.astype(np.int64), ar.ints(0, default=0)
-    if not len(steps):
-        return steps, ar.dur.astype(np.float64)
-    lo = int(steps.min())
-    top = np.full(int(steps.max()) - lo + 1, np.iinfo(np.int64).min)
-    np.maximum.at(top, steps - lo, index)
-    last = np.flatnonzero(index == top[steps - lo])
-    _, first = first_per_step(steps[last], last)  # a repeated index: its first event
-    return steps[first], ar.dur[first].astype(np.float64)
+    steps = ar.step
+    last = last_buckets(steps, ar.ints(0, default=0))
+    return steps[last], ar.dur[last].astype(np.float64)
 
 
 @detector

@@ -163,7 +163,7 @@ def _reduce_runs(
     """(steps, values, whether each step now has one value): ``ufunc`` (a max, a min) over each
     run of equal steps where ``step`` never decreases (one reduceat, not a scatter); as they
     are otherwise."""
-    every = fixed_runs(step)
+    every = _fixed_runs(step)
     if every:  # runs of one length (a step's buckets): a strided pass per position, no reduceat
         out = values[::every].copy()
         for j in range(1, every):
@@ -177,10 +177,10 @@ def _reduce_runs(
     return step[starts], ufunc.reduceat(values, starts), True
 
 
-_MAX_RUN = 64  # the longest run of equal steps fixed_runs looks for
+_MAX_RUN = 64  # the longest run of equal steps _fixed_runs looks for
 
 
-def fixed_runs(step: np.ndarray) -> int:
+def _fixed_runs(step: np.ndarray) -> int:
     """p when ``step`` is runs of exactly p > 1 equal values, each run's value above the one
     before (an all-reduce per bucket: every bucket of every step, in order), else 0."""
     n = len(step)
@@ -196,6 +196,26 @@ def fixed_runs(step: np.ndarray) -> int:
     return p if all(np.array_equal(step[j::p], firsts) for j in range(1, p)) else 0
 
 
+def last_buckets(step: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The position of each step's last bucket all-reduce among a rank's (``step``, bucket
+    ``index``): the one of the step's highest index, the first if that index repeats. DDP fills
+    buckets from the output layers back, so the step waits for it. Where every step reduces
+    the same number of buckets in order (the usual trace), the steps are rows of a table and
+    each row's top is an argmax (one row's, when all rows match), not a scatter."""
+    every = _fixed_runs(step)
+    if every:
+        rows = index.reshape(-1, every)
+        if (rows == rows[0]).all():
+            return np.arange(int(rows[0].argmax()), len(step), every)
+        return np.arange(0, len(step), every) + rows.argmax(axis=1)
+    if not len(step):
+        return np.zeros(0, np.intp)
+    grid = StepGrid(int(step.min()), int(step.max()) - int(step.min()) + 1)
+    top, _ = grid.put(step, index.astype(np.float64), np.maximum)
+    at = np.flatnonzero(index == top[step - grid.lo])
+    return first_per_step(step[at], at)[1]
+
+
 _EVERY = np.arange(0)  # _runs' answer when every event is a run of its own
 
 
@@ -204,7 +224,7 @@ def _runs(step: np.ndarray) -> np.ndarray | None:
     when each step has one event (one reduction, no index array)."""
     if not len(step):
         return None
-    every = fixed_runs(step)
+    every = _fixed_runs(step)
     if every:
         return np.arange(0, len(step), every)
     jumps = np.diff(step)

@@ -17,8 +17,7 @@ from ddpdoctor.analysis.slow.device import device_timed
 from ddpdoctor.analysis.slow.phases import (
     StepGrid,
     cpu_wait,
-    first_per_step,
-    fixed_runs,
+    last_buckets,
     median_period,
     narrow_periods,
     optimizer_durations,
@@ -63,12 +62,10 @@ def _rank_rows(
     if untimed:  # every rank leaves backward as the last reduction ends: its time in backward
         ready, has_ar, last_dur = start, has_bwd, end - start  # is the wait, compute included
     else:
-        # The step's last bucket (highest index: DDP fills buckets from the output layers back)
-        # is the one the whole step waits for; the first event of that index if it repeats.
-        step = ar.step
-        is_top = _top_buckets(step, ar.ints(0, default=0), grid)
-        ready, has_ar = grid.put(*first_per_step(step[is_top], ar.ts[is_top]))
-        last_dur, _ = grid.put(*first_per_step(step[is_top], ar.dur[is_top]))
+        step = ar.step  # the whole step waits for its last bucket
+        last = last_buckets(step, ar.ints(0, default=0))
+        ready, has_ar = grid.put(step[last], ar.ts[last])
+        last_dur, _ = grid.put(step[last], ar.dur[last])
     prev_end, has_prev = np.roll(end, 1), np.roll(has_bwd, 1)
     has_prev[0] = False  # the step before the grid
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
@@ -82,21 +79,6 @@ def _rank_rows(
     parts["last_dur"] = last_dur
     parts["cpu_wait"] = cpu_wait(trace, grid)
     return has_fwd & has_bwd & has_prev & has_ar, parts
-
-
-def _top_buckets(step: np.ndarray, index: np.ndarray, grid: StepGrid) -> np.ndarray:
-    """The positions, among a rank's bucket all-reduces, of each step's events of its highest
-    bucket index (``first_per_step`` then takes each step's first). Where every step reduces the
-    same number of buckets in order (the usual trace) the steps are rows of a table, and each
-    row's first top is found without a scatter; rows that all match need one row's answer."""
-    every = fixed_runs(step)
-    if every:
-        rows = index.reshape(-1, every)
-        if (rows == rows[0]).all():
-            return np.arange(int(rows[0].argmax()), len(step), every)
-        return np.arange(0, len(step), every) + rows.argmax(axis=1)
-    top, _ = grid.put(step, index.astype(np.float64), np.maximum)
-    return np.flatnonzero(index == top[np.clip(step - grid.lo, 0, grid.n - 1)])
 
 
 def sync_table(run: Run) -> SyncTable | None:
