@@ -40,7 +40,8 @@ def template() -> Any:
     import plotly.graph_objects as go
 
     whole = json.loads(raw)
-    return go.layout.Template(layout=whole["layout"], data={k: whole["data"][k] for k in _DRAWN})
+    drawn = {k: v for k, v in whole["data"].items() if k in _DRAWN}
+    return go.layout.Template(layout=whole["layout"], data=drawn)
 
 
 def json_script(element_id: str, value: str) -> str:
