@@ -223,9 +223,12 @@ def _fill(ledger: Ledger, trace: RankTrace, world: int) -> None:
     unsigned = ("", 0, -1, None)
     for ts, step, f in zip(coll.ts.tolist(), coll.step.tolist(), coll.fields, strict=True):
         site = sites.get(f[6], "") if len(f) > 6 and type(f[6]) is int else ""
-        sig = signed.get(f[7], unsigned) if len(f) > 7 else unsigned  # older traces: no signature
+        dtype, numel, root, ranks = signed.get(f[7], unsigned) if len(f) > 7 else unsigned  # older: none
+        op, nbytes, group = str(f[0]), int(f[1]), str(f[2])
         points.append(
-            Point(int(f[4]), str(f[0]), int(f[1]), str(f[2]), step, site, ts, False, False, False, *sig)
+            Point(
+                int(f[4]), op, nbytes, group, step, site, ts, dtype=dtype, numel=numel, root=root, ranks=ranks
+            )
         )
     fwd = trace.kind(schema.FORWARD)
     ledger.forwards_from = max(0, len(fwd) - TAIL)
