@@ -7,12 +7,13 @@ process)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import job_env, read_lines
+from conftest import free_port, job_env, read_lines
 
 JOB = """
 import os, sys
@@ -274,3 +275,18 @@ def test_the_overhead_benchmark_says_unresolved_when_its_trials_spread_past_the_
     spread = ratio_interval([p * r for p, r in zip(plain, (0.9, 1.2, 1.0, 1.1, 0.95))], plain)
     assert spread is not None and verdict(spread, 1.03) is None
     assert ratio_interval([1.0], [1.0]) is None and verdict(None, 1.03) is None
+
+
+def test_the_gap_benchmark_times_recorded_and_plain_calls_at_each_gap() -> None:
+    """benchmarks/per_event_gap.py runs as documented and prints one JSON object: a row per gap,
+    whose plain call takes at least the busy wait before it."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "per_event_gap.py"
+    cmd = [sys.executable, str(script), "--gaps", "0", "50", "--rounds", "2", "--calls", "40", "--json"]
+    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert [row["gap_us"] for row in result["gaps"]] == [0, 50]
+    no_gap, gap = result["gaps"]
+    assert no_gap["plain_us"] > 0 and gap["plain_us"] >= 50
+    assert all(isinstance(row["recorded_minus_plain_cpu_us"], float) for row in result["gaps"])
