@@ -68,13 +68,15 @@ def test_multinode_on_one_machine_with_a_skewed_node(tmp_path: Path) -> None:
     assert diag["run"]["world_size"] == 4 and diag["run"]["ranks"] == [0, 1, 2, 3]
     assert diag["run"]["steps"] == {str(r): 6 for r in range(4)}
     assert not [f for f in diag["findings"] if f["severity"] != "info"]
-    # One view, one time base: node 1's wall clocks are 2 s off and its clock probe measures that.
+    # One view, one time base: node 1's wall clocks are 2 s off and its clock probe measures that
+    # within its bound, half the best round trip (plus a clock read's slack).
     run = load_run(dirs)
     raw = [run.ranks[r].wall_offset_us() for r in (0, 2)]
     assert abs((raw[1] - raw[0]) / 1e6 - skew_s) < 1.0
     tb = time_base(run)
     for rank in (2, 3):
-        assert abs(tb.clock_offset_us[rank] + skew_s * 1e6) < 1_000, tb.clock_offset_us
+        bound = (tb.rtt_us[rank] or 0) // 2 + 1_000
+        assert abs(tb.clock_offset_us[rank] + skew_s * 1e6) < bound, (tb.clock_offset_us, tb.rtt_us)
     # On the common base each rank's barrier exits sit among the others'. A misaligned rank is
     # off at every step, so its median says so; a single step's spread also holds the host's
     # scheduling (2 cores, 4 ranks): the last barrier releases ranks into their exit work, and
