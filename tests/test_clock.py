@@ -37,7 +37,9 @@ def test_skewed_rank_is_aligned_by_measured_offset(tmp_path: Path) -> None:
     tb = time_base(run)
     e0, e1 = _barrier_ends(run, tb, 0), _barrier_ends(run, tb, 1)
     assert len(e0) == len(e1) == 6
-    assert np.max(np.abs(e0 - e1)) < 50_000, e0 - e1  # µs: barrier exits within 50 ms
+    # A misaligned rank is off at every step; one step's exit may be late on a busy host (the
+    # last barrier releases the ranks into their exit work), so the median says it.
+    assert abs(np.median(e1 - e0)) < 5_000, e1 - e0  # µs
 
 
 def test_merge_applies_offsets_across_run_dirs(tmp_path: Path) -> None:
