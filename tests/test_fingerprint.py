@@ -131,6 +131,7 @@ def test_cpu_records_names_once_then_values_at_the_scheduled_steps(monkeypatch: 
         (3, "step"),
         (7, "step"),
         (11, "step"),
+        (11, "exit"),  # taken though step 11 was checked: a rank on another interval has only this
     ]
     first = records[0][4]
     names = [n for n, _ in ddp.module.named_parameters()] + [n for n, _ in ddp.module.named_buffers()]
@@ -201,6 +202,26 @@ def test_a_wrapper_freed_before_exit_is_checked_as_it_goes() -> None:
     assert records[-1][4]["values"] == final
 
 
+def test_every_model_gets_one_exit_check_however_its_wrapper_ends() -> None:
+    """One wrapper freed before exit, one alive at exit and freed after it: each model's final
+    state is checked once, and the first one's check does not stand in for the second's."""
+    c = _Collector()
+    f = fp.Fingerprints(c, interval=4)
+    first, registered = _model()
+    second, more = _model()
+    f.add(first, 0, registered)
+    f.add(second, 1, more)
+    opt = torch.optim.SGD(registered + more, lr=0.1)
+    for step in range(4):
+        c.step = step
+        f.after_step(opt)
+    del first  # freed: checked as it goes
+    f.at_exit()  # the second, alive
+    del second  # freed after the exit check: not checked again
+    exits = [(r[3], r[4]["model"]) for r in c.records if r[0] == schema.FINGERPRINT and r[4]["at"] == "exit"]
+    assert exits == [(3, 0), (3, 1)]
+
+
 def test_the_interval_keeps_the_cost_within_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(0, 10**12, 10**6))  # every reading of the clock: 1 ms later
     monkeypatch.setattr(fp, "_now", lambda: next(clock))
@@ -245,7 +266,7 @@ def test_pending_device_reads_are_written_at_exit() -> None:
     f.after_step(torch.optim.SGD(registered, lr=0.1))
     f.at_exit(wait_s=2.0)
     records = [r for r in c.records if r[0] == schema.FINGERPRINT]
-    assert [r[4]["at"] for r in records] == ["init", "step"]
+    assert [r[4]["at"] for r in records] == ["init", "step", "exit"]  # the exit check's read too
     assert all("values" in r[4] for r in records) and cuda.synchronizes == 0
 
 

@@ -137,6 +137,7 @@ class _Model:
         self.index = index
         self.registered = {id(p) for p in registered}  # the Reducer's parameters
         self.names: list[str] = []  # as last recorded
+        self.exited = False  # its final state is checked (once: at exit, or as its wrapper went)
 
 
 class Fingerprints:
@@ -227,8 +228,8 @@ class Fingerprints:
             return  # superseded by a new wrapper of the module, or fingerprinting is off
         try:
             step = c.step
-            if c.live and step != self.checked and step == self.stepped and step >= 0:
-                self.checked = step
+            if c.live and not model.exited and step == self.stepped and step >= 0:
+                model.exited = True
                 self._check_module(model, module, "exit")
                 self.settings.note_all(self)
         except Exception as exc:
@@ -333,14 +334,19 @@ class Fingerprints:
         self.c.put(record)
 
     def at_exit(self, wait_s: float = 2.0) -> None:
-        """The final state (unless just checked, the rank stopped inside a step, or it is dying of
-        an uncaught exception: states no other rank need share), then the reads in flight."""
+        """Each model's final state (unless the rank stopped inside a step, or it is dying of an
+        uncaught exception: states no other rank need share), then the reads in flight. Taken
+        even where the last step was checked: every rank that ends after a whole step has an
+        exit check to compare, whatever interval its own step times chose."""
         step = self.c.step
         crashed = getattr(sys, "last_value", None) is not None  # set before atexit on a crash
-        if self.c.live and not crashed and step != self.checked and step == self.stepped and step >= 0:
-            self.checked = step
-            self.check(self.models, "exit")
-            self.settings.note_all(self)
+        if self.c.live and not crashed and step == self.stepped and step >= 0:
+            final = [m for m in self.models if not m.exited and m.ref() is not None]
+            for model in final:
+                model.exited = True
+            if final:
+                self.check(final, "exit")
+                self.settings.note_all(self)
         deadline = time.monotonic() + wait_s
         while self.pending and time.monotonic() < deadline:
             if not self.poll():
