@@ -68,10 +68,13 @@ def test_auto_leaves_gradients_whose_extra_pass_a_step_cannot_carry_to_ddp(
     tmp_path: Path, native_timer: Path
 ) -> None:
     """Any comm hook costs one more pass over the gradients (DDP divides as it copies them into
-    its buckets only when its slot is empty). 13 MB of them in steps of tens of ms: a pass
-    takes about 1 ms here, far more than 0.5 % of a step, so ``auto``, the default, leaves the
-    reduction to DDP, and the trace and the summary say what it measured; ``on`` times it
-    still."""
+    its buckets only when its slot is empty). 13 MB of them in steps of tens of ms: where a pass
+    costs more than 0.5 % of a step, ``auto``, the default, leaves the reduction to DDP, and the
+    trace and the summary say what it measured; ``on`` times it still. Which way each rank goes
+    is the host's: a pass took about 1 ms on the slower days, 0.16-0.38 ms on 2026-11-29 against
+    a share of 0.12-0.23 ms, and one CI run of three had neither rank leave it. So each rank's
+    decision is checked against its own measurement; ``auto`` leaving steps to DDP whatever the
+    host is test_core_e2e's Python-timer case (a 240 ms margin)."""
     args = ("--epochs=1", "--deep=4", "--width=1024")
     for mode in ("auto", "on"):
         (tmp_path / mode).mkdir()
@@ -86,9 +89,12 @@ def test_auto_leaves_gradients_whose_extra_pass_a_step_cannot_carry_to_ddp(
         dear = auto["pass_us"] > auto["share"] * auto["step_ms"] * 1e3
         assert hook.get("timed", True) is not dear and bool(reduced) is not dear
         untimed.append(dear)
-    assert any(untimed)
-    said = f"gradient buckets untimed on rank {rank_list(r for r in range(2) if untimed[r])}: "
-    assert said + "one more pass over its 12." in " ".join(job.stderr.split())
+    summary = " ".join(job.stderr.split())
+    if any(untimed):
+        said = f"gradient buckets untimed on rank {rank_list(r for r in range(2) if untimed[r])}: "
+        assert said + "one more pass over its 12." in summary
+    else:
+        assert "gradient buckets untimed" not in summary
     on_cmd = torchrun(2, JOBS / "seeded_train.py", "on.pt", *args)
     on = run_doctor(tmp_path / "on", on_cmd, DDPDOCTOR_BUCKET_TIMING="on")
     assert on.returncode == 0, on.stderr
