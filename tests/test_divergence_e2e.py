@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, REPO, diagnose_json, diagnose_proc, read_lines, run_doctor, torchrun
+from conftest import (
+    JOBS,
+    REPO,
+    diagnose_json,
+    diagnose_proc,
+    free_port,
+    job_env,
+    read_lines,
+    run_doctor,
+    torchrun,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpdoctor.rundir import RunDir
@@ -142,3 +154,28 @@ def test_healthy_twins_are_checked_and_stay_quiet(tmp_path: Path, script: str) -
     params = first["n_params"]
     for (s0, a), (s1, b) in zip(checks[0], checks[1], strict=True):
         assert s0 == s1 and a["at"] == b["at"] and a["values"][:params] == b["values"][:params]
+
+
+def test_ranks_on_different_fingerprint_intervals_still_compare_their_final_weights(tmp_path: Path) -> None:
+    """Two launchers standing for two nodes, one rank each, whose ranks check on different
+    intervals (as ranks whose own step times chose them would): 64 checks the last step, 256
+    does not. The ranks cut their learning rate at different epochs, after every check they
+    share but the one at exit, which each rank takes whether or not it checked that step."""
+    port, procs = free_port(), []
+    for node, interval in ((0, "64"), (1, "256")):
+        command = [
+            sys.executable, "-m", "ddpdoctor", "run", "--out", f"n{node}", "--",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+            "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+            str(ZOO / "divergence_plateau_house_prices_heldout14.py"),
+        ]  # fmt: skip
+        env = job_env(DDPDOCTOR_FINGERPRINT=interval)
+        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE))
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    checks = [[(step, info["at"]) for step, info in _fingerprints(tmp_path / f"n{r}", r)] for r in (0, 1)]
+    assert (127, "step") in checks[0] and (127, "step") not in checks[1]
+    assert checks[0][-1] == checks[1][-1] == (127, "exit")
+    diag = diagnose_json(tmp_path / "n0", tmp_path / "n1")
+    assert [f["kind"] for f in diag["findings"] if f["severity"] == "error"] == ["weights_diverged"]
