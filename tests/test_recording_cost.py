@@ -8,6 +8,7 @@ process)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -290,3 +291,35 @@ def test_the_gap_benchmark_times_recorded_and_plain_calls_at_each_gap() -> None:
     no_gap, gap = result["gaps"]
     assert no_gap["plain_us"] > 0 and gap["plain_us"] >= 50
     assert all(isinstance(row["recorded_minus_plain_cpu_us"], float) for row in result["gaps"])
+
+
+COUNTED_CHILD = """
+import sys
+case, mode, warmup, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def extra():
+    return sorted(range(50, 0, -1))
+def one():
+    if mode == "recorded":
+        extra()
+for _ in range(warmup + n):
+    one()
+"""
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="benchmarks/instructions.py needs valgrind")
+def test_the_instruction_benchmark_counts_what_the_recorded_mode_adds(tmp_path: Path) -> None:
+    """benchmarks/instructions.py's counting, on a child whose recorded mode sorts a reversed
+    list on every call and whose plain mode does nothing: the instructions added per call are
+    the sort's, and the function that does the work heads the list of what was added."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from instructions import measure
+
+    child = tmp_path / "counted.py"
+    child.write_text(COUNTED_CHILD)
+    few, many = (measure("x", n, 10, 5, tmp_path, child) for n in (50, 200))
+    for r in (few, many):
+        assert r["plain_instructions"] < r["added_instructions"], r
+        assert abs(r["recorded_instructions"] - r["plain_instructions"] - r["added_instructions"]) <= 1
+        assert any("sort" in row["function"] for row in r["top"][:3]), r["top"]
+    # a cost per call: the same whichever number of calls was counted
+    assert abs(few["added_instructions"] - many["added_instructions"]) < 0.05 * many["added_instructions"]
