@@ -61,10 +61,13 @@ if case == "collective":
 else:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path.insert(0, __BENCHMARKS__)  # overhead_job.py: the tiny model
+    from overhead_job import build
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)), bucket_cap_mb=4)
+    module, width, batch = build("tiny")
+    model = DDP(module, bucket_cap_mb=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
     loss_fn = nn.CrossEntropyLoss()
     def one():
         opt.zero_grad()
@@ -159,7 +162,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="instructions_") as tmp:
         child = Path(tmp) / "counted.py"  # a file, as a training script is (see overhead.py)
-        child.write_text(CHILD)
+        child.write_text(CHILD.replace("__BENCHMARKS__", repr(str(Path(__file__).resolve().parent))))
         for case in args.case:
             n = args.calls if case == "collective" else args.steps
             result[case] = measure(case, n, args.warmup, args.top, Path(tmp), child)
