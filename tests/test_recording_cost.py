@@ -29,7 +29,10 @@ probes.install()
 import torch, torch.distributed as dist
 from ddpdoctor.probes import callsite
 print("c path:", fastpath.module() is not None)
+if sys.argv[4] == "native":  # imported before: each collective is the C call from the start
+    import torch._dynamo
 dist.init_process_group("gloo", rank=0, world_size=1)
+print("collectives:", type(dist.all_reduce).__name__)
 lib_dir = sys.argv[3]
 callsite._skip = callsite._prefixes() + (lib_dir + os.sep,)  # frames there are not the user's
 sys.path.insert(0, lib_dir)
@@ -88,6 +91,7 @@ heads.require_backward_grad_sync = True  # the unused head would make DDP raise 
 from ddpdoctor.probes import ddp, optimizer
 print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
+print("collectives after DDP:", type(dist.barrier).__name__)  # DDP imported torch._dynamo
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -105,8 +109,9 @@ def _line(source: str, marker: str) -> int:
 
 def _events(records: list[list]) -> list[list]:
     """The records but their times (t0, duration, a raised call's), the end record's
-    measurements and the directory of each site's file."""
-    out = []
+    measurements and the directory of each site's file. The count of dropped events is
+    written when the writer thread next flushes: its total goes last, not where it fell."""
+    out, dropped = [], 0
     for r in records:
         if r[0] == "site":
             r = [*r[:4], dict(r[4], file=Path(r[4]["file"]).name)]
@@ -118,9 +123,11 @@ def _events(records: list[list]) -> list[list]:
             r = [*r[:4], r[4] >= 0]
         if r[0] == "comm_hook":  # which timer timed the buckets (C++ where built, or Python)
             r = [*r[:4], {k: v for k, v in r[4].items() if k != "native"}]
-        if r[0] not in ("end", "header", "clock"):
+        if r[0] == "dropped":
+            dropped = r[4]["count"]
+        elif r[0] not in ("end", "header", "clock"):
             out.append([r[0], *r[3:]])
-    return out
+    return [*out, ["dropped", dropped]]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +159,13 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     # both optimizer steps were recorded by the C post hook (the pre hook records nothing)
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
     assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
+    # the C path's collectives are C calls once torch._dynamo is imported (fastpath.native)
+    builtin = "builtin_function_or_method"
+    before, after = {"1": ("function",) * 2, "0": (builtin if mode == "native" else "function", builtin)}[
+        pure_python if mode != "refused" else "1"
+    ]
+    assert f"collectives: {before}\n" in proc.stdout, proc.stdout
+    assert f"collectives after DDP: {after}\n" in proc.stdout, proc.stdout
     forward, backward = _line(JOB, "RAISES_FORWARD"), _line(JOB, "RAISES_BACKWARD")
     assert f"raised: forward Expected to have finished reduction in the prior i {forward}" in proc.stdout
     assert f"raised: backward element 0 of tensors does not require grad and doe {backward}" in proc.stdout
@@ -159,7 +173,9 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
 
 
 @pytest.mark.parametrize(
-    ("pure_python", "mode"), [("0", ""), ("1", ""), ("0", "refused")], ids=["c", "python", "c-refused"]
+    ("pure_python", "mode"),
+    [("0", ""), ("0", "native"), ("1", ""), ("0", "refused")],
+    ids=["c", "c-native", "python", "c-refused"],
 )
 def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     tmp_path: Path, pure_python: str, mode: str, pure_python_records: list[list]

@@ -93,6 +93,11 @@ def install() -> None:
             _mirror(dist, c10d, op)
 
 
+def native() -> None:
+    """Each collective's C call in torch's place, once torch._dynamo is imported (fastpath)."""
+    fastpath.native(COLLECTIVE_OPS)
+
+
 def _mirror(dist: Any, c10d: Any, name: str) -> None:
     """``torch.distributed`` re-exports c10d's functions: point its name at our wrapper too."""
     from ddpdoctor.probes.patching import original
@@ -107,6 +112,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         import torch.distributed as dist
 
         if _c.activate(dist) is not None:
+            native()  # where torch._dynamo is imported already
             try:
                 from ddpdoctor.probes import lightning
 
@@ -257,7 +263,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     fast_module = fastpath.module()
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        depth = 1  # the user's frame; 2 when this runs under fastpath's wrapper
+        ours: Any = None  # fastpath's wrapper's code: a frame between the user's and this one
 
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
@@ -275,7 +281,9 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
                 root = _root(op, args, kwargs) if has_root else -1
-                frame = getframe(depth)
+                frame = getframe(1)
+                if frame.f_code is ours:
+                    frame = frame.f_back
                 head = args[0] if args else None
                 # What a record shares with every call from this instruction on a tensor of
                 # this dtype and size: all but the times and the sequence number.
@@ -329,7 +337,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
         except Exception as exc:  # a record layout the C path does not know: Python's alone
             guard.passthrough(exc)
             return collective
-        depth = 2
+        ours = wrapper.__code__
         return wrapper
 
     return make
