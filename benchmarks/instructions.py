@@ -6,13 +6,16 @@ Here each case runs under valgrind's callgrind, which counts the instructions ev
 executes: the same code counts the same on any day. Each case runs four times, recorded and
 plain, with no calls and with ``--calls``/``--steps`` of them after the same warm-up, and the
 figure is the training thread's (recorded minus plain) per call or step. The garbage collector
-is switched off after warm-up in all four: under valgrind the doctor's threads, which run on
+is switched off in all four, from the start: under valgrind the doctor's threads, which run on
 wall-clock periods, run fifty times more per step than in real time and their allocations set
 off collections in the training thread that a real run does not have (in real time neither
-mode collected once in 20,000 tiny steps on 2026-11-29).
+mode collected once in 20,000 tiny steps on 2026-11-29). Their number varies from run to run,
+and once torch._dynamo is imported (DDP's constructor does) one full collection is worth
+millions of instructions.
 
 - ``collective``: a 1-element gloo ``all_reduce`` (world size 1), as ``overhead.py``'s
-  ``per_event_us``: recorded (``dist.all_reduce``) against torch's own function;
+  ``per_event_us``: recorded (``dist.all_reduce``) against torch's own function, after a DDP
+  model is made, as in a DDP job (``dist.all_reduce`` is then the probe's C call);
 - ``step``: a tiny DDP step (``overhead_job.py``'s tiny model: forward, backward, SGD step)
   under the doctor against the same script without it.
 
@@ -42,6 +45,7 @@ from typing import Any
 
 CHILD = """
 import gc, os, sys, tempfile
+gc.disable()
 os.environ["MASTER_ADDR"] = "127.0.0.1"
 os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
 os.environ["DDPDOCTOR_RUN_DIR"] = tempfile.mkdtemp()
@@ -53,7 +57,9 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo", rank=0, world_size=1)
 torch.set_num_threads(1)
 if case == "collective":
+    from torch.nn.parallel import DistributedDataParallel as DDP
     from ddpdoctor.probes.patching import original
+    DDP(torch.nn.Linear(1, 1))  # as in a DDP job: its constructor imports torch._dynamo
     t = torch.ones(1)
     f = dist.all_reduce if mode == "recorded" else original(dist.all_reduce)
     def one():
@@ -75,7 +81,6 @@ else:
         opt.step()
 for _ in range(warmup):
     one()
-gc.disable()
 for _ in range(n):
     one()
 os._exit(0)  # the same exit in every run: no teardown counted
