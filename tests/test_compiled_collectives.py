@@ -1,5 +1,5 @@
 """A collective inside a ``torch.compile``'d function, under the doctor, once the patched names
-are the probes' C calls (``fastpath.native``): dynamo still traces it whole into its graph as
+are the probes' C calls (``fastpath.direct_calls``): dynamo still traces it whole into its graph as
 torch's traceable collective, without a graph break or a recompile, and the results are those
 of the same job without the doctor; the eager collectives around it are recorded."""
 

@@ -27,7 +27,7 @@
 /* Names looked up on each call, interned once. */
 PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
     *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_is_compiling_flag, *one;
+    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_is_compiling_flag, *s_seq_method, *one;
 
 int64_t now_ns(void) {
     struct timespec ts;
@@ -359,7 +359,28 @@ static PyObject *exit_note(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* The C++ timer's sequence number reader (_hook.cpp's seq_of), once set_seq_reader is given it. */
+static int64_t (*seq_reader)(PyObject *group) = NULL;
+
+static PyObject *set_seq_reader(PyObject *mod, PyObject *capsule) {
+    void *f = PyCapsule_GetPointer(capsule, "ddpdoctor.seq_of");
+    if (f == NULL) return NULL;
+    seq_reader = (int64_t (*)(PyObject *))f;
+    Py_RETURN_NONE;
+}
+
+/* ``group``'s collective sequence number now, a new int: read in C++ where the timer's reader
+ * is set, else ``seq_of()`` (``group._get_sequence_number_for_group()`` where it is NULL). */
+PyObject *seq_now(PyObject *group, PyObject *seq_of) {
+    if (seq_reader != NULL && group != Py_None) {
+        int64_t seq = seq_reader(group);
+        if (seq != -2) return PyLong_FromLongLong(seq);
+    }
+    return seq_of ? PyObject_CallNoArgs(seq_of) : PyObject_CallMethodNoArgs(group, s_seq_method);
+}
+
 static PyMethodDef functions[] = {
+    {"set_seq_reader", set_seq_reader, METH_O, "Read sequence numbers with the C++ timer's reader (a capsule)."},
     {"site", (PyCFunction)(void (*)(void))site, METH_FASTCALL, "The call site callsite.py has learnt, or None."},
     {"exit_code", exit_code, METH_O, "Record the status this process exits with to a file (glibc's on_exit)."},
     {"exit_note", exit_note, METH_O, "What the last sys.exit() call said, written with the status."},
@@ -380,6 +401,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
     INTERN(s_collective_kind, "collective_kind"); INTERN(s_is_compiling_flag, "_is_compiling_flag");
+    INTERN(s_seq_method, "_get_sequence_number_for_group");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0 ||

@@ -304,7 +304,7 @@ static PyObject *run(Collective *self, PyObject *args, PyObject *kwargs, int dep
         Py_SETREF(site_obj, Py_NewRef(PyTuple_GET_ITEM(found, 0)));
         Py_DECREF(found);
     }
-    seq_obj = PyObject_CallNoArgs(PyTuple_GET_ITEM(known, 10));
+    seq_obj = seq_now(PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 10));
     if (seq_obj == NULL) goto broken;
 
     int64_t t0 = now_ns();

@@ -29,7 +29,7 @@ typedef struct {
 } DdpProbe;
 
 static PyObject *s_pace_model, *s_accumulating, *s_native_step, *s_awaiting, *s_step_model, *s_last_step,
-    *s_max_step, *s_default_pg, *s_seq_method, *s_sync_flag, *s_training, *s_group_named,
+    *s_max_step, *s_default_pg, *s_sync_flag, *s_training, *s_group_named,
     *s_seq_of, *s_registered, *s_untimed, *s_owner, *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
 
 static void DdpProbe_dealloc(DdpProbe *self) {
@@ -147,7 +147,8 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     if (site == NULL) goto broken;
     if (site == Py_None) goto slow; /* a site not learnt yet: the Python path walks and learns it */
     PyObject *seq_of = PyDict_GetItemWithError(sd, s_seq_of);
-    if (seq_of == NULL || (seq = PyObject_CallNoArgs(seq_of)) == NULL) goto slow_or_broken;
+    PyObject *group = seq_of ? PyDict_GetItemWithError(sd, s_group) : NULL;
+    if (group == NULL || (seq = seq_now(group, seq_of)) == NULL) goto slow_or_broken;
     PyObject *training = PyObject_GetAttr(module, s_training);
     int train = training ? PyObject_IsTrue(training) : -1;
     Py_XDECREF(training);
@@ -271,7 +272,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
     if (timer != Py_None) goto slow_or_broken;
     PyObject *pg = PyDict_GetItemWithError(d, s_default_pg);
-    if (pg == NULL || (seq = PyObject_CallMethodNoArgs(pg, s_seq_method)) == NULL) {
+    if (pg == NULL || (seq = seq_now(pg, NULL)) == NULL) {
         if (clear_own_error() < 0) goto done; /* else the Python path reads it as -1 */
         goto slow;
     }
@@ -334,7 +335,7 @@ int ddp_init(void) {
     INTERN(s_pace_model, "pace_model"); INTERN(s_accumulating, "accumulating"); INTERN(s_native_step, "native_step");
     INTERN(s_awaiting, "awaiting_backward"); INTERN(s_step_model, "step_model");
     INTERN(s_last_step, "last_step_ns"); INTERN(s_max_step, "max_step_ns");
-    INTERN(s_default_pg, "default_pg"); INTERN(s_seq_method, "_get_sequence_number_for_group");
+    INTERN(s_default_pg, "default_pg");
     INTERN(s_sync_flag, "require_backward_grad_sync"); INTERN(s_training, "training");
     INTERN(s_group_named, "group_named"); INTERN(s_seq_of, "seq_of"); INTERN(s_registered, "timer_registered");
     INTERN(s_untimed, "untimed"); INTERN(s_owner, "_owner");

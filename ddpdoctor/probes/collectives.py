@@ -93,9 +93,13 @@ def install() -> None:
             _mirror(dist, c10d, op)
 
 
-def native() -> None:
-    """Each collective's C call in torch's place, once torch._dynamo is imported (fastpath)."""
-    fastpath.native(COLLECTIVE_OPS)
+def direct_calls() -> None:
+    """Each collective's C call in torch's place, once torch._dynamo is imported (fastpath);
+    the C++ timer loaded where it is built: its sequence number reader serves the C probes."""
+    from ddpdoctor.probes import native
+
+    fastpath.direct_calls(COLLECTIVE_OPS)
+    native.module()
 
 
 def _mirror(dist: Any, c10d: Any, name: str) -> None:
@@ -112,7 +116,7 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         import torch.distributed as dist
 
         if _c.activate(dist) is not None:
-            native()  # where torch._dynamo is imported already
+            direct_calls()  # where torch._dynamo is imported already
             try:
                 from ddpdoctor.probes import lightning
 

@@ -76,7 +76,7 @@ def collective(
 ) -> Callable[..., Any]:
     """The wrapper that runs ``_fast.Collective`` (a call site seen before, in C) and ``slow``,
     the Python path, for everything else. It is a Python function so that torch.compile inlines
-    it and sees ``is_compiling()``, as it does the Python path, until ``native()`` can hand
+    it and sees ``is_compiling()``, as it does the Python path, until ``direct_calls()`` can hand
     dynamo a stand-in and put the C call itself in its place."""
     import torch
     from torch import Tensor
@@ -120,7 +120,7 @@ _wrappers: dict[str, Any] = {}  # op -> the Python wrapper a C call stands in fo
 _native: dict[str, Any] = {}  # op -> the C call in torch's place: dynamo keys its stand-in by id
 
 
-def native(ops: tuple[str, ...]) -> None:
+def direct_calls(ops: tuple[str, ...]) -> None:
     """Put each collective's C call (``Collective.call``) where torch.distributed's name points
     at the Python wrapper: no Python frame, tuple of arguments or ``is_compiling()`` call per
     collective. Dynamo cannot inline a C function, so it is first given a Python stand-in that

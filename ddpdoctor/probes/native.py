@@ -86,10 +86,21 @@ def _load() -> Any:
             return None
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
+        _share_seq_reader(mod)
         return mod
     except Exception as exc:
         guard.passthrough(exc)
         return None
+
+
+def _share_seq_reader(mod: Any) -> None:
+    """The C probes read a group's sequence number through the timer's reader, built against
+    torch's headers, rather than torch's binding (which releases the GIL and takes it back)."""
+    from ddpdoctor.probes import fastpath
+
+    fast = fastpath.module()
+    if fast is not None and hasattr(mod, "seq_reader"):
+        fast.set_seq_reader(mod.seq_reader())
 
 
 def eligible(ddp: Any) -> bool:
