@@ -14,8 +14,7 @@ and once torch._dynamo is imported (DDP's constructor does) one full collection 
 millions of instructions.
 
 - ``collective``: a 1-element gloo ``all_reduce`` (world size 1), as ``overhead.py``'s
-  ``per_event_us``: recorded (``dist.all_reduce``) against torch's own function, after a DDP
-  model is made, as in a DDP job (``dist.all_reduce`` is then the probe's C call);
+  ``per_event_us``: recorded (``dist.all_reduce``) against torch's own function;
 - ``step``: a tiny DDP step (``overhead_job.py``'s tiny model: forward, backward, SGD step)
   under the doctor against the same script without it.
 
@@ -57,9 +56,7 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo", rank=0, world_size=1)
 torch.set_num_threads(1)
 if case == "collective":
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from ddpdoctor.probes.patching import original
-    DDP(torch.nn.Linear(1, 1))  # as in a DDP job: its constructor imports torch._dynamo
     t = torch.ones(1)
     f = dist.all_reduce if mode == "recorded" else original(dist.all_reduce)
     def one():

@@ -29,10 +29,7 @@ probes.install()
 import torch, torch.distributed as dist
 from ddpdoctor.probes import callsite
 print("c path:", fastpath.module() is not None)
-if sys.argv[4] == "native":  # imported before: each collective is the C call from the start
-    import torch._dynamo
 dist.init_process_group("gloo", rank=0, world_size=1)
-print("collectives:", type(dist.all_reduce).__name__)
 lib_dir = sys.argv[3]
 callsite._skip = callsite._prefixes() + (lib_dir + os.sep,)  # frames there are not the user's
 sys.path.insert(0, lib_dir)
@@ -91,7 +88,6 @@ heads.require_backward_grad_sync = True  # the unused head would make DDP raise 
 from ddpdoctor.probes import ddp, optimizer
 print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
-print("collectives after DDP:", type(dist.barrier).__name__)  # DDP imported torch._dynamo
 from ddpdoctor.probes import native
 print("C++ timer:", native.module() is not None)  # its reader gives the C probes sequence numbers
 dist.barrier()
@@ -161,13 +157,6 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     # both optimizer steps were recorded by the C post hook (the pre hook records nothing)
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
     assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
-    # the C path's collectives are C calls once torch._dynamo is imported (fastpath.direct_calls)
-    builtin = "builtin_function_or_method"
-    before, after = {"1": ("function",) * 2, "0": (builtin if mode == "native" else "function", builtin)}[
-        pure_python if mode != "refused" else "1"
-    ]
-    assert f"collectives: {before}\n" in proc.stdout, proc.stdout
-    assert f"collectives after DDP: {after}\n" in proc.stdout, proc.stdout
     assert f"C++ timer: {pure_python != '1'}" in proc.stdout, proc.stdout
     forward, backward = _line(JOB, "RAISES_FORWARD"), _line(JOB, "RAISES_BACKWARD")
     assert f"raised: forward Expected to have finished reduction in the prior i {forward}" in proc.stdout
@@ -176,9 +165,7 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
 
 
 @pytest.mark.parametrize(
-    ("pure_python", "mode"),
-    [("0", ""), ("0", "native"), ("1", ""), ("0", "refused")],
-    ids=["c", "c-native", "python", "c-refused"],
+    ("pure_python", "mode"), [("0", ""), ("1", ""), ("0", "refused")], ids=["c", "python", "c-refused"]
 )
 def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     tmp_path: Path, pure_python: str, mode: str, pure_python_records: list[list], native_timer: Path

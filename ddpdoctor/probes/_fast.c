@@ -27,7 +27,7 @@
 /* Names looked up on each call, interned once. */
 PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
     *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_is_compiling_flag, *s_seq_method, *one;
+    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
 
 int64_t now_ns(void) {
     struct timespec ts;
@@ -400,8 +400,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_mask, "mask"); INTERN(s_next, "next"); INTERN(s_head, "head"); INTERN(s_dtype, "dtype");
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
-    INTERN(s_collective_kind, "collective_kind"); INTERN(s_is_compiling_flag, "_is_compiling_flag");
-    INTERN(s_seq_method, "_get_sequence_number_for_group");
+    INTERN(s_collective_kind, "collective_kind"); INTERN(s_seq_method, "_get_sequence_number_for_group");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0 ||

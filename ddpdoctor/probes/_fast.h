@@ -45,7 +45,7 @@ typedef union {
 /* Names looked up on each call, interned once. */
 extern PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
     *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_is_compiling_flag, *s_seq_method, *one;
+    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
 
 
 /* Shared by the module's parts (_fast.c). */

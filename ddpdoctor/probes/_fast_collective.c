@@ -1,6 +1,5 @@
 /* The collective probe in C: see _fast.c for what it does and when it runs. */
 #include "_fast.h"
-#include <structmember.h>
 
 typedef struct {
     PyObject_HEAD
@@ -15,7 +14,6 @@ typedef struct {
     PyObject *op;         /* "all_reduce" */
     PyObject *kind;       /* schema.COLLECTIVE, for the raised record */
     PyObject *root_names; /* keyword names of the root rank (tuple), or None */
-    PyObject *compiler;   /* torch.compiler's module dict: its _is_compiling_flag, for call() */
     int always_async, root_pos, root_default, depth;
     Layout layout;
     /* The last call site: its key's values and what the Python path described it as (its
@@ -36,7 +34,7 @@ static void Collective_dealloc(Collective *self) {
     Py_XDECREF(self->orig); Py_XDECREF(self->slow); Py_XDECREF(self->failed);
     Py_XDECREF(self->of_frame); Py_XDECREF(self->globals); Py_XDECREF(self->tensor);
     Py_XDECREF(self->phase); Py_XDECREF(self->op); Py_XDECREF(self->kind); Py_XDECREF(self->root_names);
-    Py_XDECREF(self->compiler); Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
+    Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
     Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype);
     ring_clear(&self->ring);
     Py_XDECREF(self->kid_c);
@@ -46,15 +44,13 @@ static void Collective_dealloc(Collective *self) {
 static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"orig", "slow", "failed", "of_frame", "globals", "tensor", "phase", "op",
                             "kind", "fmt", "always_async", "root_pos", "root_names", "root_default",
-                            "depth", "compiler", NULL};
+                            "depth", NULL};
     PyObject *orig, *slow, *failed, *of_frame, *globals, *tensor, *phase, *op, *kind, *root_names;
-    PyObject *compiler = NULL;
     const char *fmt;
     int always_async, root_pos, root_default, depth;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO!OOUUspiOii|O!", names, &orig, &slow, &failed,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO!OOUUspiOii", names, &orig, &slow, &failed,
                                      &of_frame, &PyDict_Type, &globals, &tensor, &phase, &op, &kind,
-                                     &fmt, &always_async, &root_pos, &root_names, &root_default, &depth,
-                                     &PyDict_Type, &compiler))
+                                     &fmt, &always_async, &root_pos, &root_names, &root_default, &depth))
         return -1;
     if (parse_format(&self->layout, fmt) < 0 || self->layout.ncodes != 13 ||
         self->layout.codes[12] != 'Q' || self->layout.size > RING_SLOT) {
@@ -69,7 +65,6 @@ static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
     SET(orig, orig); SET(slow, slow); SET(failed, failed); SET(of_frame, of_frame);
     SET(globals, globals); SET(tensor, tensor); SET(phase, phase); SET(op, op); SET(kind, kind);
     SET(root_names, root_names);
-    if (compiler) SET(compiler, compiler);
 #undef SET
     self->always_async = always_async;
     self->root_pos = root_pos;
@@ -234,9 +229,14 @@ out:
     return known;
 }
 
-/* One call: ``args`` and ``kwargs`` (NULL for none) as the user passed them; the user's frame
- * is ``depth`` frames above the current Python frame. */
-static PyObject *run(Collective *self, PyObject *args, PyObject *kwargs, int depth) {
+/* fast(args, kwargs): the Python wrapper's (*args, **kwargs), as they came. */
+static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyTuple_Check(argv[0]) ||
+        !PyDict_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "Collective(args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
     PyObject *c = PyDict_GetItemWithError(self->globals, s_active); /* borrowed */
     if (c == NULL || c == Py_None) {
         if (PyErr_Occurred()) return NULL;
@@ -285,7 +285,7 @@ static PyObject *run(Collective *self, PyObject *args, PyObject *kwargs, int dep
 
     frame = (PyObject *)PyEval_GetFrame();
     Py_XINCREF(frame);
-    for (int i = 0; i < depth && frame; i++)
+    for (int i = 0; i < self->depth && frame; i++)
         Py_SETREF(frame, (PyObject *)PyFrame_GetBack((PyFrameObject *)frame));
     if (frame == NULL) goto slow;
     known = known_call(self, c, d, frame, head, group, async_, root);
@@ -374,52 +374,6 @@ done:
     return result;
 }
 
-/* fast(args, kwargs): the Python wrapper's (*args, **kwargs), as they came. */
-static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
-    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL || !PyTuple_Check(argv[0]) ||
-        !PyDict_Check(argv[1])) {
-        PyErr_SetString(PyExc_TypeError, "Collective(args: tuple, kwargs: dict)");
-        return NULL;
-    }
-    return run(self, argv[0], PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL, self->depth);
-}
-
-/* fast.call(*args, **kwargs): torch's function itself, with no Python frame of ours. What the
- * Python wrapper asks ``torch.compiler.is_compiling()`` this reads from its flag; dynamo never
- * runs it: it inlines the stand-in fastpath.native() registers for it. */
-static PyObject *Collective_call(Collective *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
-    if (self->compiler == NULL) {
-        PyErr_SetString(PyExc_TypeError, "Collective.call needs compiler= (torch.compiler's dict)");
-        return NULL;
-    }
-    PyObject *flag = PyDict_GetItemWithError(self->compiler, s_is_compiling_flag);
-    if (flag == NULL && PyErr_Occurred()) return NULL;
-    if (flag != NULL && flag != Py_False)
-        return PyObject_Vectorcall(self->orig, argv, nargs, kwnames);
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    PyObject *args = PyTuple_New(nargs), *kwargs = nkw ? PyDict_New() : NULL, *result = NULL;
-    if (args == NULL || (nkw && kwargs == NULL)) goto done;
-    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(args, i, Py_NewRef(argv[i]));
-    for (Py_ssize_t i = 0; i < nkw; i++)
-        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[nargs + i]) < 0) goto done;
-    result = run(self, args, kwargs, 0);
-done:
-    Py_XDECREF(args);
-    Py_XDECREF(kwargs);
-    return result;
-}
-
-static PyMethodDef Collective_methods[] = {
-    {"call", (PyCFunction)(void (*)(void))Collective_call, METH_FASTCALL | METH_KEYWORDS,
-     "The collective, recorded: what torch.distributed's name points at once dynamo can be told."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMemberDef Collective_members[] = {
-    {"__ddpdoctor_original__", T_OBJECT, offsetof(Collective, orig), READONLY, "torch's function (patching.py)"},
-    {NULL, 0, 0, 0, NULL},
-};
-
 PyTypeObject CollectiveType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ddpdoctor.probes._fast.Collective",
@@ -431,7 +385,5 @@ PyTypeObject CollectiveType = {
     .tp_init = (initproc)Collective_init,
     .tp_dealloc = (destructor)Collective_dealloc,
     .tp_call = PyVectorcall_Call,
-    .tp_methods = Collective_methods,
-    .tp_members = Collective_members,
 };
 

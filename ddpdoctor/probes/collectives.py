@@ -93,15 +93,6 @@ def install() -> None:
             _mirror(dist, c10d, op)
 
 
-def direct_calls() -> None:
-    """Each collective's C call in torch's place, once torch._dynamo is imported (fastpath);
-    the C++ timer loaded where it is built: its sequence number reader serves the C probes."""
-    from ddpdoctor.probes import native
-
-    fastpath.direct_calls(COLLECTIVE_OPS)
-    native.module()
-
-
 def _mirror(dist: Any, c10d: Any, name: str) -> None:
     """``torch.distributed`` re-exports c10d's functions: point its name at our wrapper too."""
     from ddpdoctor.probes.patching import original
@@ -116,7 +107,9 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
         import torch.distributed as dist
 
         if _c.activate(dist) is not None:
-            direct_calls()  # where torch._dynamo is imported already
+            from ddpdoctor.probes import native
+
+            native.module()  # the C++ timer, where built: the C probes read sequence numbers with it
             try:
                 from ddpdoctor.probes import lightning
 
@@ -267,7 +260,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
     fast_module = fastpath.module()
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        ours: Any = None  # fastpath's wrapper's code: a frame between the user's and this one
+        depth = 1  # the user's frame; 2 when this runs under fastpath's wrapper
 
         def collective(*args: Any, **kwargs: Any) -> Any:
             c = _c.ACTIVE
@@ -285,9 +278,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if group is None and len(args) > 1:
                     group = next((a for a in args if _is_group(a)), None)
                 root = _root(op, args, kwargs) if has_root else -1
-                frame = getframe(1)
-                if frame.f_code is ours:
-                    frame = frame.f_back
+                frame = getframe(depth)
                 head = args[0] if args else None
                 # What a record shares with every call from this instruction on a tensor of
                 # this dtype and size: all but the times and the sequence number.
@@ -341,7 +332,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
         except Exception as exc:  # a record layout the C path does not know: Python's alone
             guard.passthrough(exc)
             return collective
-        ours = wrapper.__code__
+        depth = 2
         return wrapper
 
     return make

@@ -12,7 +12,7 @@ from ddpdoctor.probes import callsite, commhook, fastpath, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
-from ddpdoctor.probes.collectives import direct_calls, group_info
+from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
 from ddpdoctor.probes.ddp_model import STATE, ModelState, state_of
 from ddpdoctor.probes.patching import patch
@@ -58,7 +58,6 @@ def _wrap_init(init: Callable[..., Any]) -> Callable[..., Any]:
             raise
         c.leave(prev, None)
         t1 = _now()
-        direct_calls()  # the constructor imported torch._dynamo: collectives become C calls
         try:
             state = ModelState(self)
             state.index, c.ddp_models = c.ddp_models, c.ddp_models + 1

@@ -75,10 +75,8 @@ def collective(
     compiling: Callable[[], bool],
 ) -> Callable[..., Any]:
     """The wrapper that runs ``_fast.Collective`` (a call site seen before, in C) and ``slow``,
-    the Python path, for everything else. It is a Python function so that torch.compile inlines
-    it and sees ``is_compiling()``, as it does the Python path, until ``direct_calls()`` can hand
-    dynamo a stand-in and put the C call itself in its place."""
-    import torch
+    the Python path, for everything else. It stays a Python function so that torch.compile
+    inlines it and sees ``is_compiling()``, as it does the Python path."""
     from torch import Tensor
 
     from ddpdoctor.probes import callsite
@@ -104,66 +102,11 @@ def collective(
         root_names=names,
         root_default=default,
         depth=1,  # the user's frame is this wrapper's caller
-        compiler=vars(torch.compiler),
     )
 
     def collective(*args: Any, **kwargs: Any) -> Any:
         if compiling():
             return orig(*args, **kwargs)
         return fast(args, kwargs)
-
-    collective.__ddpdoctor_probe__ = fast  # type: ignore[attr-defined]
-    return collective
-
-
-_wrappers: dict[str, Any] = {}  # op -> the Python wrapper a C call stands in for
-_native: dict[str, Any] = {}  # op -> the C call in torch's place: dynamo keys its stand-in by id
-
-
-def direct_calls(ops: tuple[str, ...]) -> None:
-    """Put each collective's C call (``Collective.call``) where torch.distributed's name points
-    at the Python wrapper: no Python frame, tuple of arguments or ``is_compiling()`` call per
-    collective. Dynamo cannot inline a C function, so it is first given a Python stand-in that
-    calls the wrapper (``torch.compiler.substitute_in_graph``). That needs ``torch._dynamo``,
-    which is not imported for it (its import reads the user's settings): this runs once it is
-    (DDP's constructor imports it). Names imported before keep the Python wrapper, which
-    records the same."""
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if getattr(dynamo, "substitute_in_graph", None) is None:
-        return
-    try:
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        if not hasattr(torch.compiler, "_is_compiling_flag"):
-            return  # is_compiling() reads another flag in this torch: the wrapper asks it
-        for op in ops:
-            wrapper = getattr(c10d, op, None)
-            fast = getattr(wrapper, "__ddpdoctor_probe__", None)
-            if op in _native or fast is None:
-                continue
-            call = fast.call
-            _wrappers[op] = wrapper
-            torch.compiler.substitute_in_graph(call, skip_signature_check=True)(_stand_in(op))
-            _native[op] = call
-            setattr(c10d, op, call)
-            if getattr(dist, op, None) is wrapper:
-                setattr(dist, op, call)
-    except Exception as exc:  # a dynamo that refuses it: the wrappers stay
-        guard.passthrough(exc)
-
-
-def _stand_in(op: str) -> Callable[..., Any]:
-    """What dynamo inlines for a collective's C call: the Python wrapper, which it rewrites to
-    its traceable collective (``torch.distributed._functional_collectives`` keys its remaps by
-    the function c10d's name held when it was imported: the wrapper if that was after us) or
-    inlines, calling torch's function. Read from this module's ``_wrappers``: dynamo builds
-    the stand-in with no source, and rewrites only a value read from somewhere it can name."""
-
-    def collective(*args: Any, **kwargs: Any) -> Any:
-        return _wrappers[op](*args, **kwargs)
 
     return collective

@@ -1,4 +1,4 @@
-"""Monkeypatching that keeps every original.
+"""Monkeypatching that keeps every original and can be undone.
 
 Methods are patched on the existing classes (never replaced classes), so ``isinstance`` and
 names imported before us keep working.
@@ -11,31 +11,30 @@ from collections.abc import Callable
 from typing import Any
 
 _ORIGINAL = "__ddpdoctor_original__"
+_applied: list[tuple[Any, str, Any]] = []
 
 
 def patch(owner: Any, name: str, make_wrapper: Callable[[Any], Callable[..., Any]]) -> bool:
     """Replace ``owner.name`` by ``make_wrapper(original)``; False if missing or already ours."""
     original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if original is None or _own(original) is not None:
+    if original is None or hasattr(original, _ORIGINAL):
         return False
     wrapper = make_wrapper(original)
     if callable(original) and not isinstance(original, (staticmethod, classmethod)):
         functools.update_wrapper(wrapper, original)
     setattr(wrapper, _ORIGINAL, original)
     setattr(owner, name, wrapper)
+    _applied.append((owner, name, original))
     return True
-
-
-def _own(func: Any) -> Any:
-    """What ``func`` wraps if it is ours, else None. A C probe's bound ``call`` carries it on
-    the probe (``__self__``): a builtin method takes no attributes."""
-    found = getattr(func, _ORIGINAL, None)
-    if found is None and type(func).__name__ == "builtin_function_or_method":
-        found = getattr(getattr(func, "__self__", None), _ORIGINAL, None)
-    return found
 
 
 def original(func: Any) -> Any:
     """The function under our wrapper (or ``func`` itself if it is not ours)."""
-    found = _own(func)
-    return func if found is None else found
+    return getattr(func, _ORIGINAL, func)
+
+
+def undo_all() -> None:
+    """Restore every original, newest first."""
+    while _applied:
+        owner, name, orig = _applied.pop()
+        setattr(owner, name, orig)
