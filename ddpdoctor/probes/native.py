@@ -9,6 +9,10 @@ version and the interpreter's. A rank only loads a build that exists; it never c
 job never waits for a compiler. ``DDPDOCTOR_PURE_PYTHON=1`` keeps it out, as it does the C
 probes.
 
+Where it is loaded it also reads a group's collective sequence number for the C probes
+(``seq_reader``), without torch's binding, which releases the GIL and takes it back: it is
+loaded when the process group is made, so that every collective uses it.
+
 It times DDP's own reduction of CPU gradients. Models on a GPU keep the Python hook, whose
 bucket spans are also recorded on the device's clock (``cuda_timing.py``), and so do models with
 complex parameters (their buckets are reduced as real views).
