@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import ddpdoctor
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail, leave  # noqa: F401
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_HANG_KILLED, fail, fresh_out, leave  # noqa: F401
 from ddpdoctor.cli_common import load_run_dirs as _load
 from ddpdoctor.rundir import RunDir
 
@@ -59,7 +59,7 @@ def _nvml_options(func: Callable[..., Any]) -> Callable[..., Any]:
     "-o",
     type=click.Path(file_okay=False),
     default=None,
-    help="Run directory (default: ./ddpdoctor-runs/<timestamp>).",
+    help="Run directory, new or without an earlier run (default: ./ddpdoctor-runs/<timestamp>).",
 )
 @click.option(
     "--hang-timeout",
@@ -150,6 +150,7 @@ def _run_and_summarise(
         command = command[1:]
     if not command:
         raise click.UsageError("no command to run: ddpdoctor run -- COMMAND ...")
+    fresh_out(out)
     if shutil.which(command[0]) is None and not os.path.exists(command[0]):  # before an empty run dir
         click.echo(f"ddpdoctor: cannot start {command[0]!r}: command not found", err=True)
         return EXIT_NOT_FOUND
@@ -346,7 +347,7 @@ def export(run_dirs: tuple[str, ...], fmt: str, output: str | None, as_json: boo
     "-o",
     type=click.Path(file_okay=False),
     default=None,
-    help="Run directory (default: ./ddpdoctor-runs/<timestamp>).",
+    help="Run directory, new or without an earlier run (default: ./ddpdoctor-runs/<timestamp>).",
 )
 @click.option("--nproc", default=2, show_default=True, help="Ranks to start.")
 @click.option("--epochs", default=2, show_default=True, help="Epochs to train.")

@@ -58,6 +58,14 @@ def load_run_dirs(run_dirs: tuple[str, ...], as_json: bool = False, schema: str 
         fail(str(exc), as_json, schema, run_dirs=list(run_dirs))
 
 
+def fresh_out(out: str | None) -> None:
+    """Refuse an ``--out`` that holds an earlier run (exit 2), before anything is started."""
+    if out is not None and RunDir(out).holds_run():
+        raise click.BadParameter(
+            f"{out} holds an earlier run: give a new directory, or remove that one", param_hint="--out"
+        )
+
+
 def leave(code: int) -> NoReturn:
     """Exit with ``code`` once the output is written, without the interpreter's teardown: it
     would free every object of the run one at a time (0.4 s at 1,024 ranks x 10,000 steps),

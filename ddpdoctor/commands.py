@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, fail, is_run_dir, load_run_dirs
+from ddpdoctor.cli_common import EXIT_BAD_INPUT, EXIT_FINDINGS, fail, fresh_out, is_run_dir, load_run_dirs
 
 
 @click.command()
@@ -86,6 +86,7 @@ def bench(
         raise click.BadParameter(
             f"{batch_size} does not split evenly over {nproc} DDP processes", param_hint="--batch-size"
         )
+    fresh_out(None if out is None else str(Path(out) / "ddp"))  # DDP's run, under the doctor
     try:
         run_dir = new_run_dir(out)
     except OSError as exc:
@@ -168,7 +169,8 @@ def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -
     "-o",
     type=click.Path(file_okay=False),
     default=None,
-    help="Run directory for the stacks and report (default: ./ddpdoctor-runs/<timestamp>).",
+    help="Run directory for the stacks and report, new or without an earlier run "
+    "(default: ./ddpdoctor-runs/<timestamp>).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ddpdoctor.attach/1).")
 def attach(pid: str, watch_s: float, out: str | None, as_json: bool) -> None:
@@ -188,6 +190,7 @@ def attach(pid: str, watch_s: float, out: str | None, as_json: bool) -> None:
 
     if watch_s < 0:
         raise click.BadParameter("must be 0 or more", param_hint="--watch")
+    fresh_out(out)
     schema = "ddpdoctor.attach/1"
     if not pid.isdigit():
         hint = " (a run directory is read by `ddpdoctor diagnose`)" if Path(pid).exists() else ""

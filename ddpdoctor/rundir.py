@@ -107,6 +107,11 @@ class RunDir:
             return self.path / f"stderr-rank{rank}.open"
         return self.path / f"{kind}-rank{rank}.txt"
 
+    def holds_run(self) -> bool:
+        """Has a run already written here? Another run's files would mix with its own, and a
+        diagnosis would read both: a succeeding job reported with the last one's error."""
+        return (self.path / self.RUN_META).exists() or bool(self.all_traces()) or bool(self.procs())
+
     def all_traces(self) -> list[Path]:
         """Every attempt's trace file that is a regular file."""
         return sorted(p for p in self.path.glob("trace-rank*") if self._TRACE.match(p.name) and p.is_file())

@@ -324,6 +324,32 @@ def test_a_command_that_cannot_start_leaves_no_run_dir(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_a_second_run_into_a_used_out_is_refused_and_the_first_kept(tmp_path: Path, write_script) -> None:
+    """A run's files in --out would mix with the next run's: a job that succeeded was reported
+    with the last one's error. The second run is refused before it starts (exit 2)."""
+    failing = write_script("failing.py", """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        raise ValueError("boom")
+        """)  # fmt: skip
+    marker = tmp_path / "started"
+    healthy = write_script("healthy.py", f"open({str(marker)!r}, 'w').close()\n")
+
+    def run(script: Path) -> subprocess.CompletedProcess:
+        args = ["run", "--out", str(tmp_path / "run"), "--", *torchrun(2, script)]
+        command = [sys.executable, "-m", "ddpdoctor", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=job_env(), timeout=180)
+
+    first = run(failing)
+    assert first.returncode == 1 and "ValueError" in first.stderr, first.stderr[-3000:]
+    second = run(healthy)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "holds an earlier run: give a new directory, or remove that one" in second.stderr
+    assert not marker.exists()  # nothing was started
+    kept = diagnose_json(tmp_path / "run")  # the first run's diagnosis, unchanged
+    assert any("ValueError" in json.dumps(f) for f in kept["findings"]), kept
+
+
 def test_a_quoted_error_is_cut_at_a_word() -> None:
     from ddpdoctor.analysis.findings import clip
 
