@@ -109,8 +109,12 @@ class RunDir:
 
     def holds_run(self) -> bool:
         """Has a run already written here? Another run's files would mix with its own, and a
-        diagnosis would read both: a succeeding job reported with the last one's error."""
-        return (self.path / self.RUN_META).exists() or bool(self.all_traces()) or bool(self.procs())
+        diagnosis would read both: a succeeding job reported with the last one's error. A
+        directory we cannot read is not known to hold one: making the run there says why."""
+        try:
+            return os.path.exists(self.path / self.RUN_META) or bool(self.all_traces() or self.procs())
+        except OSError:
+            return False
 
     def all_traces(self) -> list[Path]:
         """Every attempt's trace file that is a regular file."""
