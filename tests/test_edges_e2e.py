@@ -348,6 +348,14 @@ def test_a_second_run_into_a_used_out_is_refused_and_the_first_kept(tmp_path: Pa
     assert not marker.exists()  # nothing was started
     kept = diagnose_json(tmp_path / "run")  # the first run's diagnosis, unchanged
     assert any("ValueError" in json.dumps(f) for f in kept["findings"]), kept
+    # attach, and bench for its DDP run's directory, refuse it too, before doing anything
+    (tmp_path / "bench").mkdir()
+    shutil.copytree(tmp_path / "run", tmp_path / "bench" / "ddp")
+    for args in (["attach", "1", "--out", "run"], ["bench", "--out", "bench"]):
+        command = [sys.executable, "-m", "ddpdoctor", *args]
+        refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=job_env())
+        assert refused.returncode == 2 and "holds an earlier run" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "bench" / "bench.json").exists()
 
 
 def test_a_quoted_error_is_cut_at_a_word() -> None:
