@@ -257,6 +257,28 @@ def test_an_event_packed_into_a_ring_unmapped_by_close_is_lost_quietly(tmp_path:
     assert ring.lost == 1
 
 
+def test_the_c_modules_seqs_let_go_of_the_mapping_when_the_ring_closes(tmp_path: Path) -> None:
+    """The C module holds the ring's mapping (``_fast.RingSeqs``) to write records without a
+    Python object. ``close`` must still unmap it (mmap refuses while a buffer is held), and a
+    record the C packer is given afterwards is counted lost, not written to unmapped memory."""
+    from ddpdoctor.probes import fastpath
+
+    assert fastpath.module() is not None, "the probes' C module is not built"
+    path = tmp_path / "trace-rank0.bin"
+    w = TraceWriter(
+        str(path), header(), flush_interval=60, ring=True, packer=fastpath.packer, seqs=fastpath.seqs
+    )
+    ring, kind = w.ring, w.kind(schema.DATA_WAIT)
+    assert type(ring.seqs).__name__ == "RingSeqs"
+    assert kind.fast(ring, 3, 5_000_000_000, 5_000_010_000, (4,)) is None  # packed in C
+    assert ring.seqs.head == 1 and ring.next() == 2  # one counter, C's and Python's
+    w.close()
+    assert ring.mm.closed and not os.path.exists(ring.path)
+    assert kind.fast(ring, 3, 5_000_020_000, 5_000_030_000, (5,)) is None
+    assert ring.lost == 1
+    assert _rows(read_trace(path).kind(schema.DATA_WAIT)) == [(0, 10, 3, 4)]
+
+
 def test_a_torn_last_block_is_skipped_and_a_later_version_says_what_it_needs(tmp_path: Path) -> None:
     path = tmp_path / "trace-rank0.bin"
     write_events(path, 5).close()

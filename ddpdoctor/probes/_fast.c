@@ -23,10 +23,11 @@
  * caught mid-write by a death keeps its old seq.
  */
 #include "_fast.h"
+#include <structmember.h>
 
 /* Names looked up on each call, interned once. */
 PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
-    *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
+    *s_writer, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op,
     *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
 
 int64_t now_ns(void) {
@@ -126,43 +127,25 @@ Value as_value(PyObject *v, char code, int *bad) {
 }
 
 void ring_clear(RingRef *r) {
-    Py_CLEAR(r->ring); Py_CLEAR(r->mm); Py_CLEAR(r->next);
+    Py_CLEAR(r->ring);
+    Py_CLEAR(r->seqs);
 }
 
-/* Point ``r`` at ``ring`` (looked up again only when the ring changes); -1 when it is not one. */
+/* Point ``r`` at ``ring`` (looked up again only when the ring changes); -1 when it is not one
+ * whose seqs are held here (the Python path's ring, where this module was not loaded). */
 int ring_set(RingRef *r, PyObject *ring) {
     if (ring == r->ring) return 0;
-    int bad = 0;
-    PyObject *mask = PyObject_GetAttr(ring, s_mask);
-    PyObject *mm = mask ? PyObject_GetAttr(ring, s_mm) : NULL;
-    PyObject *next = mm ? PyObject_GetAttr(ring, s_next) : NULL;
-    long long m = mask ? as_i64(mask, &bad) : 0;
-    Py_XDECREF(mask);
-    if (next == NULL || bad) {
-        Py_XDECREF(mm); Py_XDECREF(next);
+    PyObject *seqs = PyObject_GetAttr(ring, s_seqs);
+    if (seqs == NULL || !PyObject_TypeCheck(seqs, &RingSeqsType)) {
+        Py_XDECREF(seqs);
         PyErr_Clear();
         return -1;
     }
     ring_clear(r);
     Py_INCREF(ring);
-    r->ring = ring; r->mm = mm; r->next = next; r->mask = m;
+    r->ring = ring;
+    r->seqs = (RingSeqs *)seqs;
     return 0;
-}
-
-/* Take the ring's next slot: its seq (a new reference), or NULL when none was taken (then
- * nothing is owed to the writer). Once a slot is taken it must be written, or the writer
- * thread would wait for it: ``write_slot`` does. */
-PyObject *take_slot(RingRef *r, Py_ssize_t *at) {
-    PyObject *n_obj = PyObject_CallNoArgs(r->next);
-    int bad = 0;
-    long long n = n_obj ? as_i64(n_obj, &bad) : 0;
-    if (n_obj == NULL || bad) {
-        Py_XDECREF(n_obj);
-        PyErr_Clear();
-        return NULL;
-    }
-    *at = RING_HEADER + (Py_ssize_t)(n & r->mask) * RING_SLOT;
-    return n_obj;
 }
 
 /* ring.lost += 1: a record lost to a value out of its type's range (rare: Python is fine). */
@@ -173,32 +156,24 @@ static void count_lost(RingRef *r) {
     Py_XDECREF(more); Py_XDECREF(lost);
 }
 
-/* Write ``values`` (all but the seq) and then the seq into the slot at ``at``; ``bad``, or a
- * value out of its type's range, leaves the slot void (its seq must be written all the same,
- * or the writer would wait for it) and counts the record in the ring's ``lost``, as does a
- * ring unmapped by close under a late event. */
-void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(r->mm, &view, PyBUF_WRITABLE) < 0) {
-        PyErr_Clear();
-        count_lost(r);
-        return;
-    }
-    if (at + layout->size <= view.len) {
-        char *base = (char *)view.buf + at;
+void put_record(RingRef *r, const Layout *layout, const Value *values, int bad) {
+    RingSeqs *q = r->seqs;
+    uint64_t seq = ++q->n;
+    Py_ssize_t at = RING_HEADER + (Py_ssize_t)(seq & (uint64_t)q->mask) * RING_SLOT;
+    if (q->held && at + layout->size <= q->view.len) {
+        char *base = (char *)q->view.buf + at;
         for (int i = 0; i < layout->ncodes - 1 && !bad; i++)
             if (!store(base, layout->codes[i], layout->offsets[i], values[i])) bad = 1;
         if (bad) {
             uint16_t void_kind = RING_VOID;
             memcpy(base, &void_kind, 2);
         }
-        uint64_t seq = (uint64_t)PyLong_AsUnsignedLongLong(n_obj);
         __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the record first, then its seq */
         memcpy(base + layout->offsets[layout->ncodes - 1], &seq, 8);
     } else {
         bad = 1;
     }
-    PyBuffer_Release(&view);
+    q->head = seq;
     if (bad) count_lost(r);
 }
 
@@ -208,23 +183,76 @@ void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, 
 void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site) {
     int bad = 0;
     int64_t s = as_i64(seq, &bad), i = as_i64(sid, &bad), w = as_i64(site, &bad);
-    Py_buffer view;
-    if (bad || i < INT32_MIN || i > INT32_MAX || w < INT32_MIN || w > INT32_MAX ||
-        PyObject_GetBuffer(r->mm, &view, PyBUF_WRITABLE) < 0) {
+    RingSeqs *q = r->seqs;
+    if (bad || i < INT32_MIN || i > INT32_MAX || w < INT32_MIN || w > INT32_MAX) {
         PyErr_Clear();
         return;
     }
-    if (view.len >= RING_CALL_AT + 16) {
+    if (q->held && q->view.len >= RING_CALL_AT + 16) {
         int32_t ids[2] = {(int32_t)i, (int32_t)w};
-        memcpy((char *)view.buf + RING_CALL_AT, &s, 8);
-        memcpy((char *)view.buf + RING_CALL_AT + 8, ids, 8);
+        memcpy((char *)q->view.buf + RING_CALL_AT, &s, 8);
+        memcpy((char *)q->view.buf + RING_CALL_AT + 8, ids, 8);
     }
-    PyBuffer_Release(&view);
 }
 
-void head_to(RingRef *r, PyObject *n_obj) {
-    if (PyObject_SetAttr(r->ring, s_head, n_obj) < 0) PyErr_Clear();
+/* ------------------------------------------------------------------ RingSeqs */
+
+static int RingSeqs_init(RingSeqs *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"mm", "mask", NULL};
+    PyObject *mm;
+    long long mask;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL", names, &mm, &mask)) return -1;
+    if (self->held) {
+        PyErr_SetString(PyExc_RuntimeError, "RingSeqs: already holds a mapping");
+        return -1;
+    }
+    if (mask < 0 || PyObject_GetBuffer(mm, &self->view, PyBUF_WRITABLE) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "RingSeqs: a negative mask");
+        return -1;
+    }
+    self->held = 1;
+    self->mask = mask;
+    return 0;
 }
+
+static PyObject *RingSeqs_release(RingSeqs *self, PyObject *unused) {
+    if (self->held) {
+        self->held = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *RingSeqs_next(RingSeqs *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(++self->n); }
+
+static void RingSeqs_dealloc(RingSeqs *self) {
+    if (self->held) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef RingSeqs_methods[] = {
+    {"next", (PyCFunction)RingSeqs_next, METH_NOARGS, "Claim the next seq (from 1)."},
+    {"release", (PyCFunction)RingSeqs_release, METH_NOARGS, "Let go of the mapping, before it is closed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef RingSeqs_members[] = {
+    {"head", T_ULONGLONG, offsetof(RingSeqs, head), 0, "The last seq written (by any thread)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyTypeObject RingSeqsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ddpdoctor.probes._fast.RingSeqs",
+    .tp_basicsize = sizeof(RingSeqs),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A ring's event numbers and its mapping, written by the C probes with no Python object.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)RingSeqs_init,
+    .tp_dealloc = (destructor)RingSeqs_dealloc,
+    .tp_methods = RingSeqs_methods,
+    .tp_members = RingSeqs_members,
+};
 
 /* ------------------------------------------------------------------ site() */
 
@@ -379,8 +407,36 @@ PyObject *seq_now(PyObject *group, PyObject *seq_of) {
     return seq_of ? PyObject_CallNoArgs(seq_of) : PyObject_CallMethodNoArgs(group, s_seq_method);
 }
 
+/* The C++ timer's tensor reader (_hook.cpp's tensor_meta), once set_tensor_reader is given it. */
+static int (*tensor_reader)(PyObject *tensor, PyObject **dtype, int64_t *nbytes) = NULL;
+
+static PyObject *set_tensor_reader(PyObject *mod, PyObject *capsule) {
+    void *f = PyCapsule_GetPointer(capsule, "ddpdoctor.tensor_meta");
+    if (f == NULL) return NULL;
+    tensor_reader = (int (*)(PyObject *, PyObject **, int64_t *))f;
+    Py_RETURN_NONE;
+}
+
+int tensor_now(PyObject *tensor, PyObject **dtype, int64_t *nbytes) {
+    if (tensor_reader != NULL && tensor_reader(tensor, dtype, nbytes) == 0) {
+        Py_INCREF(*dtype);
+        return 0;
+    }
+    *dtype = PyObject_GetAttr(tensor, s_dtype);
+    PyObject *n = *dtype ? PyObject_GetAttr(tensor, s_nbytes) : NULL;
+    int bad = 0;
+    *nbytes = n ? as_i64(n, &bad) : 0;
+    Py_XDECREF(n);
+    if (n == NULL || bad) {
+        Py_CLEAR(*dtype);
+        return -1;
+    }
+    return 0;
+}
+
 static PyMethodDef functions[] = {
     {"set_seq_reader", set_seq_reader, METH_O, "Read sequence numbers with the C++ timer's reader (a capsule)."},
+    {"set_tensor_reader", set_tensor_reader, METH_O, "Read tensors' dtype and bytes with the C++ timer's reader (a capsule)."},
     {"site", (PyCFunction)(void (*)(void))site, METH_FASTCALL, "The call site callsite.py has learnt, or None."},
     {"exit_code", exit_code, METH_O, "Record the status this process exits with to a file (glibc's on_exit)."},
     {"exit_note", exit_note, METH_O, "What the last sys.exit() call said, written with the status."},
@@ -396,14 +452,14 @@ PyMODINIT_FUNC PyInit__fast(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_active, "ACTIVE"); INTERN(s_in_bucket_hook, "in_bucket_hook"); INTERN(s_disabled, "disabled");
     INTERN(s_progress, "progress"); INTERN(s_calls, "calls"); INTERN(s_step, "step");
-    INTERN(s_events, "events"); INTERN(s_writer, "writer"); INTERN(s_ring, "ring"); INTERN(s_mm, "mm");
-    INTERN(s_mask, "mask"); INTERN(s_next, "next"); INTERN(s_head, "head"); INTERN(s_dtype, "dtype");
+    INTERN(s_events, "events"); INTERN(s_writer, "writer"); INTERN(s_ring, "ring"); INTERN(s_seqs, "seqs");
+    INTERN(s_dtype, "dtype");
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
     INTERN(s_collective_kind, "collective_kind"); INTERN(s_seq_method, "_get_sequence_number_for_group");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || step_init() < 0 || ddp_init() < 0 ||
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 || step_init() < 0 || ddp_init() < 0 ||
         opt_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -411,6 +467,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     if (PyModule_AddFunctions(m, step_functions) < 0 ||
         PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
+        PyModule_AddObjectRef(m, "RingSeqs", (PyObject *)&RingSeqsType) < 0 ||
         PyModule_AddObjectRef(m, "DdpProbe", (PyObject *)&DdpProbeType) < 0 ||
         PyModule_AddObjectRef(m, "OptimizerProbe", (PyObject *)&OptProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||

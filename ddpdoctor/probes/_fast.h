@@ -31,10 +31,23 @@ typedef struct {
     int offsets[MAX_FIELDS];
 } Layout;
 
-/* The ring last written, as the writer holds it for its life: its mapping, seq counter, mask. */
+/* A ring's event numbers and its mapping (trace/ring.py's ``seqs``), held in C so that a record
+ * is written with no Python object: ``n`` the last seq claimed, ``head`` the last written. The
+ * mapping's buffer is held from creation until ``release()``, which the ring calls before it
+ * unmaps; a record after that is counted lost. Everything here runs under the GIL: claiming a
+ * seq is as atomic as itertools.count was. */
 typedef struct {
-    PyObject *ring, *mm, *next;
+    PyObject_HEAD
+    unsigned long long n, head;
     long long mask;
+    Py_buffer view;
+    int held;
+} RingSeqs;
+
+/* The ring last written, as the writer holds it for its life, and its seqs. */
+typedef struct {
+    PyObject *ring;
+    RingSeqs *seqs;
 } RingRef;
 
 typedef union {
@@ -44,7 +57,7 @@ typedef union {
 
 /* Names looked up on each call, interned once. */
 extern PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
-    *s_writer, *s_ring, *s_mm, *s_mask, *s_next, *s_head, *s_dtype, *s_nbytes, *s_group, *s_async_op,
+    *s_writer, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op,
     *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
 
 
@@ -54,17 +67,25 @@ int parse_format(Layout *self, const char *fmt);
 int64_t as_i64(PyObject *v, int *bad);
 void ring_clear(RingRef *r);
 int ring_set(RingRef *r, PyObject *ring);
-PyObject *take_slot(RingRef *r, Py_ssize_t *at);
-void write_slot(RingRef *r, const Layout *layout, const Value *values, int bad, PyObject *n_obj, Py_ssize_t at);
+/* Claim the ring's next seq and write the record into its slot (void and counted lost when a
+ * value does not fit, or the mapping is gone), the seq last; then head = seq. */
+void put_record(RingRef *r, const Layout *layout, const Value *values, int bad);
 Value as_value(PyObject *v, char code, int *bad);
-void head_to(RingRef *r, PyObject *n_obj);
 void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site);
+extern PyTypeObject RingSeqsType;
 
 int store(char *base, char code, int offset, Value value);
 PyObject *seq_now(PyObject *group, PyObject *seq_of);
+/* ``tensor``'s dtype (a new reference) and bytes: read in C++ where the timer's reader is set
+ * and the tensor a plain torch.Tensor, else its attributes. -1 with no dtype on error (the
+ * error set, or cleared where .nbytes was not an int that fits). */
+int tensor_now(PyObject *tensor, PyObject **dtype, int64_t *nbytes);
 
 /* The packer (_fast_packer.c). */
 extern PyTypeObject PackerType;
+/* packer(ring, step, t0, t1, fields) with the times as C integers: 1 once the slot is written,
+ * 0 when ``packer`` is not a C packer or no slot was taken (the writer's Python path's). */
+int packer_put(PyObject *packer, PyObject *ring, PyObject *step, int64_t t0, int64_t t1, PyObject *fields);
 
 /* The collective probe (_fast_collective.c). */
 extern PyTypeObject CollectiveType;

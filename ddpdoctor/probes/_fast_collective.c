@@ -22,6 +22,11 @@ typedef struct {
     PyObject *last_c, *last_known, *last_code, *last_group, *last_dtype;
     int last_lasti, last_async;
     long long last_root, last_nbytes;
+    /* values_of's fields as the record holds them (op, bytes, group, size, site, signature:
+     * values[4..7], [10], [11]), converted once; known_bad: one does not fit its type */
+    PyObject *values_of;
+    Value known_v[12];
+    int known_bad;
     RingRef ring;
     PyObject *kid_c; /* the collector whose collective kind id this is */
     long long kid;
@@ -35,7 +40,7 @@ static void Collective_dealloc(Collective *self) {
     Py_XDECREF(self->of_frame); Py_XDECREF(self->globals); Py_XDECREF(self->tensor);
     Py_XDECREF(self->phase); Py_XDECREF(self->op); Py_XDECREF(self->kind); Py_XDECREF(self->root_names);
     Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
-    Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype);
+    Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype); Py_XDECREF(self->values_of);
     ring_clear(&self->ring);
     Py_XDECREF(self->kid_c);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -136,32 +141,39 @@ static int ring_now(Collective *self, PyObject *c, PyObject *d) {
     return 0;
 }
 
+/* known_v: what the Python path described a call site as, converted to the record's values
+ * once (the fields of schema.COLLECTIVE that are the call site's: op, bytes, group, group size,
+ * site, signature). */
+static void known_values(const Layout *layout, PyObject *known, Value *values, int *bad) {
+    static const int at[6] = {4, 5, 6, 7, 10, 11}, from[6] = {5, 3, 6, 2, 8, 9};
+    for (int i = 0; i < 6; i++)
+        values[at[i]] = as_value(PyTuple_GET_ITEM(known, from[i]), layout->codes[at[i]], bad);
+}
+
 /* The record of a call that returned, into the ring's next slot (the Python path's inlined
- * pack). */
-static void record(Collective *self, PyObject *c, PyObject *d, PyObject *known, PyObject *seq_obj,
-                   PyObject *site_obj, int async_, int64_t t0, int64_t t1) {
+ * pack): the ring found before the call (one closed since counts the record lost). */
+static void record(Collective *self, PyObject *d, PyObject *known, PyObject *seq_obj, PyObject *site_obj,
+                   int async_, int64_t t0, int64_t t1) {
     PyObject *step = PyDict_GetItemWithError(d, s_step);
-    if (step == NULL || ring_now(self, c, d) < 0) return;
-    int bad = 0;
+    if (step == NULL) return;
     /* kind id, step, t0, t1, then the fields in schema.COLLECTIVE's order: op, bytes, group,
      * group size, seq, async, site, signature */
-    PyObject *given[12] = {NULL, step, NULL, NULL, PyTuple_GET_ITEM(known, 5), PyTuple_GET_ITEM(known, 3),
-                           PyTuple_GET_ITEM(known, 6), PyTuple_GET_ITEM(known, 2), seq_obj, NULL, site_obj,
-                           PyTuple_GET_ITEM(known, 9)};
     Value values[12];
-    for (int i = 0; i < 12; i++)
-        if (given[i] != NULL) values[i] = as_value(given[i], self->layout.codes[i], &bad);
+    int bad = 0;
+    if (known == self->values_of) {
+        memcpy(values, self->known_v, sizeof values);
+        bad = self->known_bad;
+    } else { /* another thread's call site was cached while this call ran */
+        known_values(&self->layout, known, values, &bad);
+    }
     values[0].i = self->kid;
+    values[1] = as_value(step, self->layout.codes[1], &bad);
     values[2].i = t0;
     values[3].i = t1;
+    values[8] = as_value(seq_obj, self->layout.codes[8], &bad);
     values[9].i = async_;
-    Py_ssize_t at;
-    PyObject *n_obj = take_slot(&self->ring, &at);
-    if (n_obj != NULL) {
-        write_slot(&self->ring, &self->layout, values, bad, n_obj, at);
-        head_to(&self->ring, n_obj);
-        Py_DECREF(n_obj);
-    }
+    if (site_obj != PyTuple_GET_ITEM(known, 8)) values[10] = as_value(site_obj, self->layout.codes[10], &bad);
+    put_record(&self->ring, &self->layout, values, bad);
 }
 
 static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs) {
@@ -189,12 +201,9 @@ static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject
                             PyObject *group, int async_, long long root) {
     PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
     int lasti = PyFrame_GetLasti((PyFrameObject *)frame);
-    PyObject *dtype = PyObject_GetAttr(head, s_dtype);
-    PyObject *nbytes = dtype ? PyObject_GetAttr(head, s_nbytes) : NULL;
-    PyObject *known = NULL, *key = NULL;
-    int bad = 0;
-    long long nb = nbytes ? as_i64(nbytes, &bad) : 0;
-    if (nbytes == NULL || bad) goto out;
+    PyObject *dtype = NULL, *known = NULL, *key = NULL;
+    int64_t nb;
+    if (tensor_now(head, &dtype, &nb) < 0) goto out;
     if (self->last_known && c == self->last_c && (PyObject *)code == self->last_code &&
         lasti == self->last_lasti && group == self->last_group && async_ == self->last_async &&
         root == self->last_root && dtype == self->last_dtype && nb == self->last_nbytes) {
@@ -203,7 +212,7 @@ static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject
         goto out;
     }
     /* the Python path's key: (id(code), f_lasti, group, async, root, dtype, nbytes) */
-    key = Py_BuildValue("(NiOiLOO)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype, nbytes);
+    key = Py_BuildValue("(NiOiLOL)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype, (long long)nb);
     PyObject *calls = key ? PyDict_GetItemWithError(d, s_calls) : NULL;
     if (calls == NULL || !PyDict_Check(calls)) goto out;
     known = PyDict_GetItemWithError(calls, key);
@@ -221,10 +230,16 @@ static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject
     self->last_async = async_;
     self->last_root = root;
     self->last_nbytes = nb;
+    PyObject *was = self->values_of; /* NULL while known_v is written: a thread that runs in
+                                       * the meantime (Python in as_value) converts its own */
+    self->values_of = NULL;
+    self->known_bad = 0;
+    known_values(&self->layout, known, self->known_v, &self->known_bad);
+    self->values_of = Py_NewRef(known);
+    Py_XDECREF(was);
 out:
     Py_DECREF(code);
     Py_XDECREF(dtype);
-    Py_XDECREF(nbytes);
     Py_XDECREF(key);
     return known;
 }
@@ -315,7 +330,8 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
                       : NULL;
     Py_XDECREF(t0_obj);
     if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
-    if (ring_now(self, c, d) == 0) /* the call it died in, if it dies in it (trace/ring.py) */
+    int ringed = ring_now(self, c, d) == 0;
+    if (ringed) /* the call it died in, if it dies in it (trace/ring.py) */
         enter_call(&self->ring, seq_obj, PyTuple_GET_ITEM(known, 9), site_obj);
     PyErr_Clear(); /* best effort: the record after the call says what it can */
     result = PyObject_Call(self->orig, args, kwargs);
@@ -341,7 +357,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         PyObject *events = PyDict_GetItemWithError(d, s_events);
         PyObject *more = events ? PyNumber_Add(events, one) : NULL;
         if (more != NULL && PyDict_SetItem(d, s_events, more) == 0)
-            record(self, c, d, known, seq_obj, site_obj, async_, t0, t1);
+            if (ringed) record(self, d, known, seq_obj, site_obj, async_, t0, t1);
         Py_XDECREF(more);
     }
     /* the call returned: a record we could not make is lost, never the result; but what a

@@ -34,35 +34,43 @@ static void Packer_dealloc(Packer *self) {
 
 /* packer(ring, step, t0, t1, fields): None once the slot is written (the record, or void and
  * counted in ring.lost when a value does not fit its type even coerced); False when no slot
- * was taken (not a ring: the writer's Python path). */
+ * was taken (a ring whose seqs are not held in C: the writer's Python path). */
+static int put(Packer *self, PyObject *ring, PyObject *step, Value t0, Value t1, int bad, PyObject *fields) {
+    const Layout *layout = &self->layout;
+    Py_ssize_t nfields = PyTuple_GET_SIZE(fields);
+    if (nfields != layout->ncodes - 5 || ring_set(&self->ring, ring) < 0) return 0;
+    Value values[MAX_FIELDS];
+    values[0].i = self->kid;
+    values[1] = as_value(step, 'q', &bad);
+    values[2] = t0;
+    values[3] = t1;
+    for (Py_ssize_t i = 0; i < nfields; i++) values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
+    put_record(&self->ring, layout, values, bad);
+    return 1;
+}
+
 static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 5 || kwnames != NULL || !PyTuple_Check(argv[4])) {
         PyErr_SetString(PyExc_TypeError, "Packer(ring, step, t0, t1, fields: tuple)");
         return NULL;
     }
-    PyObject *fields = argv[4];
-    const Layout *layout = &self->layout;
-    Py_ssize_t nfields = PyTuple_GET_SIZE(fields);
-    if (nfields != layout->ncodes - 5 || ring_set(&self->ring, argv[0]) < 0) Py_RETURN_FALSE;
-    Value values[MAX_FIELDS];
     int bad = 0;
-    values[0].i = self->kid;
-    for (int i = 1; i < 4; i++) values[i] = as_value(argv[i], 'q', &bad);
-    for (Py_ssize_t i = 0; i < nfields; i++) values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
-    Py_ssize_t at;
-    PyObject *n_obj = take_slot(&self->ring, &at);
-    if (n_obj == NULL) Py_RETURN_FALSE;
-    write_slot(&self->ring, layout, values, bad, n_obj, at);
-    head_to(&self->ring, n_obj);
-    Py_DECREF(n_obj);
+    Value t0 = as_value(argv[2], 'q', &bad), t1 = as_value(argv[3], 'q', &bad);
+    if (!put(self, argv[0], argv[1], t0, t1, bad, argv[4])) Py_RETURN_FALSE;
     Py_RETURN_NONE;
+}
+
+int packer_put(PyObject *packer, PyObject *ring, PyObject *step, int64_t t0, int64_t t1, PyObject *fields) {
+    if (Py_TYPE(packer) != &PackerType || !PyTuple_Check(fields)) return 0;
+    Value v0 = {.i = t0}, v1 = {.i = t1};
+    return put((Packer *)packer, ring, step, v0, v1, 0, fields);
 }
 
 
 /* packer.many(ring, notes: bytes): pack records given as int64 rows (step, t0, t1, fields...),
  * the C++ bucket timer's notes. None once all are packed (a row with a value its field cannot
- * hold leaves its slot void, counted in ring.lost); else the index of the first row no slot
- * could be taken for (the writer packs those). */
+ * hold leaves its slot void, counted in ring.lost); else 0: no slot could be taken (a ring
+ * whose seqs are not held in C: the writer packs the rows). */
 static PyObject *Packer_many(Packer *self, PyObject *const *argv, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(argv[1])) {
         PyErr_SetString(PyExc_TypeError, "many(ring, notes: bytes)");
@@ -83,12 +91,7 @@ static PyObject *Packer_many(Packer *self, PyObject *const *argv, Py_ssize_t nar
             memcpy(&values[1 + i].i, data + (row * width + i) * 8, 8);
             if (layout->codes[1 + i] == 'd') values[1 + i].d = (double)values[1 + i].i;
         }
-        Py_ssize_t at;
-        PyObject *n_obj = take_slot(&self->ring, &at);
-        if (n_obj == NULL) return PyLong_FromSsize_t(row); /* rows before this one are packed */
-        write_slot(&self->ring, layout, values, 0, n_obj, at);
-        head_to(&self->ring, n_obj);
-        Py_DECREF(n_obj);
+        put_record(&self->ring, layout, values, 0);
     }
     Py_RETURN_NONE;
 }

@@ -100,17 +100,14 @@ void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObje
     if (kind == NULL || step == NULL || writer == NULL) goto out;
     PyObject *ring = PyObject_GetAttr(writer, s_ring);
     PyObject *fast = ring && ring != Py_None ? PyObject_GetAttr(kind, s_fast) : NULL;
-    PyObject *t0_obj = fast ? PyLong_FromLongLong(t0) : NULL, *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
-    PyObject *r = NULL;
-    if (t1_obj != NULL && fast != Py_None) {
-        PyObject *a[5] = {ring, step, t0_obj, t1_obj, fields};
-        if ((r = PyObject_Vectorcall(fast, a, 5, NULL)) == NULL) PyErr_Clear();
+    if (fast != NULL && !packer_put(fast, ring, step, t0, t1, fields)) {
+        /* no C packer, or no slot taken: the writer's own path */
+        PyObject *t0_obj = PyLong_FromLongLong(t0), *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
+        PyObject *again = t1_obj ? PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL)
+                                 : NULL;
+        Py_XDECREF(again); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj);
     }
-    if (t1_obj != NULL && r != Py_None) { /* no C packer, or no slot taken: the writer's own path */
-        PyObject *again = PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL);
-        Py_XDECREF(again);
-    }
-    Py_XDECREF(r); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(fast); Py_XDECREF(ring);
+    Py_XDECREF(fast); Py_XDECREF(ring);
 out:
     clear_own_error();
 }

@@ -322,7 +322,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
                     guard.passthrough(exc)
                     fields = (op_id, nbytes, gid, gsize, seq, async_, site, sid)
                     c.writer.pack_odd(c.collective_kind, ring, at, (c.step, t0, t1), fields, n)
-                ring.head = n
+                ring.seqs.head = n
             return result
 
         if fast_module is None:

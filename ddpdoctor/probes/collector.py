@@ -81,6 +81,7 @@ class Collector:
             on_error=self._writer_failed,
             ring=os.environ.get(_RING_ENV) != "0",
             packer=fastpath.packer,
+            seqs=fastpath.seqs,
         )
         if self.writer.ring_error is not None:
             why = self.writer.ring_error

@@ -49,6 +49,17 @@ def _load() -> Any:
         return None
 
 
+def seqs(mm: Any, mask: int) -> Any:
+    """A ring's event numbers: held in C where the C module is, so that the C packers write
+    through them (``trace/ring.py``'s ``Seqs``)."""
+    fast = module()
+    if fast is not None:
+        return fast.RingSeqs(mm, mask)
+    from ddpdoctor.trace.ring import Seqs
+
+    return Seqs(mm, mask)
+
+
 def packer(fmt: str, kid: int) -> Callable[..., Any] | None:
     """The C packer of one kind's events (``struct`` format ``fmt``), or None (Python's)."""
     fast = module()

@@ -9,9 +9,10 @@ version and the interpreter's. A rank only loads a build that exists; it never c
 job never waits for a compiler. ``DDPDOCTOR_PURE_PYTHON=1`` keeps it out, as it does the C
 probes.
 
-Where it is loaded it also reads a group's collective sequence number for the C probes
-(``seq_reader``), without torch's binding, which releases the GIL and takes it back: it is
-loaded when the process group is made, so that every collective uses it.
+Where it is loaded it also reads, for the C probes, a group's collective sequence number
+(``seq_reader``), without torch's binding, which releases the GIL and takes it back, and a plain
+tensor's dtype and bytes (``tensor_reader``), without the generic attribute lookup: it is loaded
+when the process group is made, so that every collective uses them.
 
 It times DDP's own reduction of CPU gradients. Models on a GPU keep the Python hook, whose
 bucket spans are also recorded on the device's clock (``cuda_timing.py``), and so do models with
@@ -90,21 +91,24 @@ def _load() -> Any:
             return None
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        _share_seq_reader(mod)
+        _share_readers(mod)
         return mod
     except Exception as exc:
         guard.passthrough(exc)
         return None
 
 
-def _share_seq_reader(mod: Any) -> None:
-    """The C probes read a group's sequence number through the timer's reader, built against
-    torch's headers, rather than torch's binding (which releases the GIL and takes it back)."""
+def _share_readers(mod: Any) -> None:
+    """The C probes read a group's sequence number and a tensor's dtype and bytes through the
+    timer's readers, built against torch's headers, rather than torch's binding (which releases
+    the GIL and takes it back) and the generic attribute lookup."""
     from ddpdoctor.probes import fastpath
 
     fast = fastpath.module()
     if fast is not None and hasattr(mod, "seq_reader"):
         fast.set_seq_reader(mod.seq_reader())
+    if fast is not None and hasattr(mod, "tensor_reader"):
+        fast.set_tensor_reader(mod.tensor_reader())
 
 
 def eligible(ddp: Any) -> bool:

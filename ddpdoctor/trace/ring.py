@@ -33,6 +33,7 @@ import itertools
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,10 +68,33 @@ def slot_struct(spec: str) -> struct.Struct:
     return struct.Struct(f"<H2xiqq{codes}{SEQ_AT - BODY_AT - body}xQ")
 
 
-class Ring:
-    """The slots, mapped from ``path`` (crash-safe) or anonymous memory (``path`` None)."""
+class Seqs:
+    """A ring's event numbers: ``next()`` claims the next seq (from 1), ``head`` is the last
+    written (by any thread). The probes' C module holds the same in C (``_fast.RingSeqs``, with
+    the mapping), so that its records touch no Python object; this is the Python path's."""
 
-    def __init__(self, path: str | None, mono_anchor_ns: int, slots: int | None = None) -> None:
+    __slots__ = ("next", "head")
+
+    def __init__(self, mm: mmap.mmap, mask: int) -> None:
+        self.next = itertools.count(1).__next__  # atomic under the GIL
+        self.head = 0
+
+    def release(self) -> None:
+        """Nothing is held of the mapping here (``_fast.RingSeqs`` lets go of it)."""
+
+
+class Ring:
+    """The slots, mapped from ``path`` (crash-safe) or anonymous memory (``path`` None).
+    ``seqs``: makes the ring's :class:`Seqs` from its mapping and mask (the C module's, where
+    built: ``probes/fastpath.py``)."""
+
+    def __init__(
+        self,
+        path: str | None,
+        mono_anchor_ns: int,
+        slots: int | None = None,
+        seqs: Callable[[mmap.mmap, int], Any] = Seqs,
+    ) -> None:
         slots = int(slots or _env.BUFFER_EVENTS_N)
         self.path = path
         self.slots = 1 << max(2, slots.bit_length() - 1)  # a power of two: a mask, not a modulo
@@ -93,8 +117,8 @@ class Ring:
         _HEAD.pack_into(self.mm, 0, MAGIC, SLOT, self.slots, mono_anchor_ns, self.pid)
         self.mm[CALL_AT - 4 : CALL_AT] = CALL_TAG
         CALL.pack_into(self.mm, CALL_AT, -1, -1, -1)
-        self.next = itertools.count(1).__next__  # event numbers; atomic under the GIL
-        self.head = 0  # the last seq written (by any thread)
+        self.seqs = seqs(self.mm, self.mask)
+        self.next = self.seqs.next  # claims an event number
         self.taken = 0  # the last seq taken by the writer: slots above it are not free
         self.lost = 0  # events whose values did not fit their types even coerced: slots void
 
@@ -102,7 +126,7 @@ class Ring:
         """(slots, seq_lo, seq_hi, lapped): a copy of the slots written since the last take, in
         seq order, numbered ``[seq_lo, seq_hi)``; a slot still being written by another thread
         waits for the next take; ``lapped``: events overwritten before they were taken."""
-        lo, hi = self.taken + 1, self.head
+        lo, hi = self.taken + 1, self.seqs.head
         if hi < lo:
             return np.zeros((0, SLOT), np.uint8), lo, lo, 0
         lapped = max(0, hi - lo + 1 - self.slots)  # overwritten before this take
@@ -128,6 +152,7 @@ class Ring:
         """Unmap; remove the file, and the C++ timer's notes beside it, when the trace was
         completed by the writer itself."""
         with contextlib.suppress(Exception):
+            self.seqs.release()
             self.mm.close()
         if unlink and self.path is not None and os.getpid() == self.pid:
             for path in (self.path, notes.notes_path(self.path)):

@@ -30,6 +30,7 @@ from ddpdoctor.trace.ring import (
     VOID,
     VOID_SLOT,
     Ring,
+    Seqs,
     group,
     ring_path,
     sizes_of,
@@ -70,11 +71,13 @@ class TraceWriter:
         ring: bool = False,
         capacity: int | None = None,
         packer: Packer | None = None,
+        seqs: Callable[[Any, int], Any] = Seqs,
     ) -> None:
         """``capacity``: events that can wait to be written (the ring's slots, a power of two);
         more are dropped and counted. ``ring``: map the slots from a file beside the trace, so
         that a crash loses nothing (else from memory). ``packer``: makes each kind's packer in C
-        (``probes/fastpath.py``), else ``struct`` packs in Python."""
+        (``probes/fastpath.py``), else ``struct`` packs in Python; ``seqs``: the ring's event
+        numbers, the C module's where it packs (``trace/ring.py``'s ``Seqs``)."""
         self.path = path
         self.mono_anchor_ns: int = header["mono_ns"]
         self.dropped = 0
@@ -109,11 +112,11 @@ class TraceWriter:
         if not self._failed:
             if ring:
                 try:
-                    self.ring = Ring(ring_path(path), self.mono_anchor_ns, capacity)
+                    self.ring = Ring(ring_path(path), self.mono_anchor_ns, capacity, seqs)
                 except Exception as exc:  # no room or no mmap: memory alone, lost on a crash
                     self.ring_error = exc
             if self.ring is None:
-                self.ring = Ring(None, self.mono_anchor_ns, capacity)
+                self.ring = Ring(None, self.mono_anchor_ns, capacity, seqs)
         self._thread = threading.Thread(
             target=self._run, args=(flush_interval,), name="ddpdoctor-writer", daemon=True
         )
@@ -156,7 +159,7 @@ class TraceWriter:
             k.pack_into(ring.mm, off, k.kid, step, t0, t1, *fields, seq)
         except Exception:  # a value that does not fit its declared type
             self.pack_odd(k, ring, off, (step, t0, t1), fields, seq)
-        ring.head = seq
+        ring.seqs.head = seq
 
     def _prepare(self, k: _Kind, fields: tuple) -> tuple:
         values = list(fields[: k.n]) + list(k.defaults[len(fields) :])
