@@ -309,9 +309,10 @@ int64_t seq_of(PyObject* group) {
 
 // A tensor's dtype (borrowed) and bytes for the C probes (_fast.c's set_tensor_reader), read from
 // the tensor itself: the generic attribute lookup of .dtype and .nbytes costs about 860
-// instructions a collective, this a few dozen. Only for a plain torch.Tensor, and with no
-// __torch_function__ involved either way: a subclass, which may define its own, gets -1 and the
-// probe asks Python. Called with the GIL held.
+// instructions a collective, this a few dozen. Only for a plain torch.Tensor: a subclass, which
+// may define its own, gets -1 and the probe asks Python. Read as the tensor holds them, so a
+// __torch_function__ mode the program has entered is not run by the probe. Called with the GIL
+// held.
 int tensor_meta(PyObject* obj, PyObject** dtype, int64_t* nbytes) {
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return -1;
   try {
