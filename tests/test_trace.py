@@ -271,7 +271,7 @@ def test_the_c_modules_seqs_let_go_of_the_mapping_when_the_ring_closes(tmp_path:
     ring, kind = w.ring, w.kind(schema.DATA_WAIT)
     assert type(ring.seqs).__name__ == "RingSeqs"
     assert kind.fast(ring, 3, 5_000_000_000, 5_000_010_000, (4,)) is None  # packed in C
-    assert ring.seqs.head == 1 and ring.next() == 2  # one counter, C's and Python's
+    assert ring.seqs.head == 1 and ring.seqs.next() == 2  # one counter, C's and Python's
     w.close()
     assert ring.mm.closed and not os.path.exists(ring.path)
     assert kind.fast(ring, 3, 5_000_020_000, 5_000_030_000, (5,)) is None

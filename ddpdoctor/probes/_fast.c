@@ -6,6 +6,8 @@
  *   replaced torch.distributed's function (it stays Python so that torch.compile still inlines
  *   it and sees torch.compiler.is_compiling()); every other case goes to that path,
  *   ``slow(*args, **kwargs)``: a new call site, a non-tensor first argument.
+ * - RingSeqs: a ring's event numbers and its mapping (trace/ring.py's Seqs, in C), through
+ *   which every record made in C is written without a Python object.
  * - Packer: the trace writer's pack (trace/writer.py) of one event of one kind into the ring,
  *   or of many at once (_fast_packer.c).
  * - site(): the call-site lookup of probes/callsite.py for a call made from an instruction
@@ -459,8 +461,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_collective_kind, "collective_kind"); INTERN(s_seq_method, "_get_sequence_number_for_group");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 || step_init() < 0 || ddp_init() < 0 ||
-        opt_init() < 0)
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 ||
+        step_init() < 0 || ddp_init() < 0 || opt_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

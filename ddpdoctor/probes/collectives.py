@@ -311,7 +311,7 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             c.events += 1
             ring = c.writer.ring
             if ring is not None:
-                n = ring.next()
+                n = ring.seqs.next()
                 at = _SLOTS_AT + (n & ring.mask) * _SLOT
                 pack, kid = c.collective_pack
                 try:

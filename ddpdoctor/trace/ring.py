@@ -117,8 +117,7 @@ class Ring:
         _HEAD.pack_into(self.mm, 0, MAGIC, SLOT, self.slots, mono_anchor_ns, self.pid)
         self.mm[CALL_AT - 4 : CALL_AT] = CALL_TAG
         CALL.pack_into(self.mm, CALL_AT, -1, -1, -1)
-        self.seqs = seqs(self.mm, self.mask)
-        self.next = self.seqs.next  # claims an event number
+        self.seqs = seqs(self.mm, self.mask)  # the event numbers: claimed, last written
         self.taken = 0  # the last seq taken by the writer: slots above it are not free
         self.lost = 0  # events whose values did not fit their types even coerced: slots void
 

@@ -153,7 +153,7 @@ class TraceWriter:
             return
         if k.fast is not None and k.fast(ring, step, t0, t1, fields) is None:  # packed in C
             return
-        seq = ring.next()
+        seq = ring.seqs.next()
         off = HEADER_BYTES + (seq & ring.mask) * SLOT
         try:
             k.pack_into(ring.mm, off, k.kid, step, t0, t1, *fields, seq)
