@@ -90,6 +90,13 @@ print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
 from ddpdoctor.probes import native
 print("C++ timer:", native.module() is not None)  # its reader gives the C probes sequence numbers
+active, collector.ACTIVE = collector.ACTIVE, None  # no collector (as in a forked child): calls pass through
+before = sys.getrefcount(None)
+with torch.no_grad():
+    for _ in range(5000):
+        model(torch.ones(1, 2))
+print("None's count moved by:", sys.getrefcount(None) - before)
+collector.ACTIVE = active
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -158,6 +165,10 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
     assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
     assert f"C++ timer: {pure_python != '1'}" in proc.stdout, proc.stdout
+    # a forward with no collector holds and lets go of what it borrowed, never more (the C
+    # probe once let go of None each time: a crash once None's count reached zero)
+    moved = int(proc.stdout.split("None's count moved by: ")[1].split()[0])
+    assert abs(moved) < 100, proc.stdout
     forward, backward = _line(JOB, "RAISES_FORWARD"), _line(JOB, "RAISES_BACKWARD")
     assert f"raised: forward Expected to have finished reduction in the prior i {forward}" in proc.stdout
     assert f"raised: backward element 0 of tensors does not require grad and doe {backward}" in proc.stdout

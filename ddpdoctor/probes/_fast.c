@@ -13,6 +13,9 @@
  * - site(): the call-site lookup of probes/callsite.py for a call made from an instruction
  *   whose site is known; None sends the caller to the Python walk, which learns it.
  * - DdpProbe: the DDP forward and backward probes' steady state (_fast_ddp.c).
+ * - State: the collector's per-event fields, its base class, which every probe here reads and
+ *   writes directly (_fast_state.c).
+ * - set_native(capsule): the C++ timer's readers and step writer (probes/native.py).
  * - run_queue_us(), none_grads(params): the backward probe's per-step reads (_fast_step.c).
  * - exit_code(path): the status a rank exits with through exit() (the script's end, sys.exit,
  *   SystemExit), which Python tells no handler of its own (probes/lastwords.py).
@@ -28,9 +31,8 @@
 #include <structmember.h>
 
 /* Names looked up on each call, interned once. */
-PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
-    *s_writer, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
+PyObject *s_active, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op, *s_collectives, *s_raised,
+    *s_lost, *s_seq_method, *one;
 
 int64_t now_ns(void) {
     struct timespec ts;
@@ -389,14 +391,35 @@ static PyObject *exit_note(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* The C++ timer's sequence number reader (_hook.cpp's seq_of), once set_seq_reader is given it. */
+/* The C++ timer's readers and step writer (_hook.cpp's capsules), once set_native is given them:
+ * a group's sequence number, a tensor's dtype and bytes, whether a parameter has no gradient,
+ * and the step its notes carry. NULL until then: the probes ask Python. */
 static int64_t (*seq_reader)(PyObject *group) = NULL;
+static int (*tensor_reader)(PyObject *tensor, PyObject **dtype, int64_t *nbytes) = NULL;
+int (*grad_reader)(PyObject *param) = NULL;
+void (*step_writer)(int64_t step) = NULL;
 
-static PyObject *set_seq_reader(PyObject *mod, PyObject *capsule) {
-    void *f = PyCapsule_GetPointer(capsule, "ddpdoctor.seq_of");
-    if (f == NULL) return NULL;
-    seq_reader = (int64_t (*)(PyObject *))f;
-    Py_RETURN_NONE;
+static PyObject *set_native(PyObject *mod, PyObject *capsule) {
+    static const struct {
+        const char *name;
+        void **slot;
+    } natives[] = {
+        {"ddpdoctor.seq_of", (void **)&seq_reader},
+        {"ddpdoctor.tensor_meta", (void **)&tensor_reader},
+        {"ddpdoctor.grad_missing", (void **)&grad_reader},
+        {"ddpdoctor.step_now", (void **)&step_writer},
+    };
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL && PyErr_Occurred()) return NULL;
+    for (size_t i = 0; name != NULL && i < sizeof natives / sizeof natives[0]; i++) {
+        if (strcmp(name, natives[i].name) != 0) continue;
+        void *f = PyCapsule_GetPointer(capsule, name);
+        if (f == NULL) return NULL;
+        *natives[i].slot = f;
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "set_native: no use for a capsule named %s", name ? name : "(none)");
+    return NULL;
 }
 
 /* ``group``'s collective sequence number now, a new int: read in C++ where the timer's reader
@@ -407,16 +430,6 @@ PyObject *seq_now(PyObject *group, PyObject *seq_of) {
         if (seq != -2) return PyLong_FromLongLong(seq);
     }
     return seq_of ? PyObject_CallNoArgs(seq_of) : PyObject_CallMethodNoArgs(group, s_seq_method);
-}
-
-/* The C++ timer's tensor reader (_hook.cpp's tensor_meta), once set_tensor_reader is given it. */
-static int (*tensor_reader)(PyObject *tensor, PyObject **dtype, int64_t *nbytes) = NULL;
-
-static PyObject *set_tensor_reader(PyObject *mod, PyObject *capsule) {
-    void *f = PyCapsule_GetPointer(capsule, "ddpdoctor.tensor_meta");
-    if (f == NULL) return NULL;
-    tensor_reader = (int (*)(PyObject *, PyObject **, int64_t *))f;
-    Py_RETURN_NONE;
 }
 
 int tensor_now(PyObject *tensor, PyObject **dtype, int64_t *nbytes) {
@@ -437,8 +450,7 @@ int tensor_now(PyObject *tensor, PyObject **dtype, int64_t *nbytes) {
 }
 
 static PyMethodDef functions[] = {
-    {"set_seq_reader", set_seq_reader, METH_O, "Read sequence numbers with the C++ timer's reader (a capsule)."},
-    {"set_tensor_reader", set_tensor_reader, METH_O, "Read tensors' dtype and bytes with the C++ timer's reader (a capsule)."},
+    {"set_native", set_native, METH_O, "Use one of the C++ timer's readers or its step writer (a capsule)."},
     {"site", (PyCFunction)(void (*)(void))site, METH_FASTCALL, "The call site callsite.py has learnt, or None."},
     {"exit_code", exit_code, METH_O, "Record the status this process exits with to a file (glibc's on_exit)."},
     {"exit_note", exit_note, METH_O, "What the last sys.exit() call said, written with the status."},
@@ -452,16 +464,14 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fast(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-    INTERN(s_active, "ACTIVE"); INTERN(s_in_bucket_hook, "in_bucket_hook"); INTERN(s_disabled, "disabled");
-    INTERN(s_progress, "progress"); INTERN(s_calls, "calls"); INTERN(s_step, "step");
-    INTERN(s_events, "events"); INTERN(s_writer, "writer"); INTERN(s_ring, "ring"); INTERN(s_seqs, "seqs");
+    INTERN(s_active, "ACTIVE"); INTERN(s_ring, "ring"); INTERN(s_seqs, "seqs");
     INTERN(s_dtype, "dtype");
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
-    INTERN(s_collective_kind, "collective_kind"); INTERN(s_seq_method, "_get_sequence_number_for_group");
+    INTERN(s_seq_method, "_get_sequence_number_for_group");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 ||
+    if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 || PyType_Ready(&StateType) < 0 ||
         step_init() < 0 || ddp_init() < 0 || opt_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -470,6 +480,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
         PyModule_AddObjectRef(m, "Collective", (PyObject *)&CollectiveType) < 0 ||
         PyModule_AddObjectRef(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddObjectRef(m, "RingSeqs", (PyObject *)&RingSeqsType) < 0 ||
+        PyModule_AddObjectRef(m, "State", (PyObject *)&StateType) < 0 ||
         PyModule_AddObjectRef(m, "DdpProbe", (PyObject *)&DdpProbeType) < 0 ||
         PyModule_AddObjectRef(m, "OptimizerProbe", (PyObject *)&OptProbeType) < 0 ||
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||

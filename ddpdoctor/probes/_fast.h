@@ -1,7 +1,7 @@
 /* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
  * site()), _fast_packer.c (the packer), _fast_collective.c (the collective probe), _fast_step.c
- * (the backward probe's per-step work), _fast_ddp.c (the DDP forward and backward probes) and
- * _fast_opt.c (the optimizer's step hooks). */
+ * (the backward probe's per-step work), _fast_ddp.c (the DDP forward and backward probes),
+ * _fast_opt.c (the optimizer's step hooks) and _fast_state.c (the collector's per-event state). */
 #ifndef DDPDOCTOR_FAST_H
 #define DDPDOCTOR_FAST_H
 
@@ -55,10 +55,23 @@ typedef union {
     double d;
 } Value;
 
+/* The collector's per-event state (_fast_state.c): the collector's base class. */
+typedef struct {
+    PyObject_HEAD
+    long long step, events, last_step_ns, max_step_ns, optimizer_t0;
+    PyObject *progress, *disabled, *writer, *in_bucket_hook, *awaiting_backward, *accumulating, *step_model,
+        *pace_model, *native_step, *native_settling, *default_pg, *optimizer_outer, *calls, *collective_kind,
+        *forward_kind, *backward_kind, *optimizer_kind;
+} State;
+extern PyTypeObject StateType;
+/* ``c`` as a State, or NULL (not one: the Python path's). */
+State *probe_state(PyObject *c);
+/* Set a state's object field to a new reference to ``v``. */
+static inline void set_field(PyObject **field, PyObject *v) { Py_XSETREF(*field, Py_XNewRef(v)); }
+
 /* Names looked up on each call, interned once. */
-extern PyObject *s_active, *s_in_bucket_hook, *s_disabled, *s_progress, *s_calls, *s_step, *s_events,
-    *s_writer, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op,
-    *s_collectives, *s_raised, *s_lost, *s_collective_kind, *s_seq_method, *one;
+extern PyObject *s_active, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op, *s_collectives,
+    *s_raised, *s_lost, *s_seq_method, *one;
 
 
 /* Shared by the module's parts (_fast.c). */
@@ -76,6 +89,10 @@ extern PyTypeObject RingSeqsType;
 
 int store(char *base, char code, int offset, Value value);
 PyObject *seq_now(PyObject *group, PyObject *seq_of);
+/* The C++ timer's (_fast.c's set_native), NULL until it is loaded: 1 when ``param`` has no
+ * gradient, 0 when it has, -1 when Python must say; the step its bucket notes carry. */
+extern int (*grad_reader)(PyObject *param);
+extern void (*step_writer)(int64_t step);
 /* ``tensor``'s dtype (a new reference) and bytes: read in C++ where the timer's reader is set
  * and the tensor a plain torch.Tensor, else its attributes. -1 with no dtype on error (the
  * error set, or cleared where .nbytes was not an int that fits). */
@@ -85,7 +102,7 @@ int tensor_now(PyObject *tensor, PyObject **dtype, int64_t *nbytes);
 extern PyTypeObject PackerType;
 /* packer(ring, step, t0, t1, fields) with the times as C integers: 1 once the slot is written,
  * 0 when ``packer`` is not a C packer or no slot was taken (the writer's Python path's). */
-int packer_put(PyObject *packer, PyObject *ring, PyObject *step, int64_t t0, int64_t t1, PyObject *fields);
+int packer_put(PyObject *packer, PyObject *ring, int64_t step, int64_t t0, int64_t t1, PyObject *fields);
 
 /* The collective probe (_fast_collective.c). */
 extern PyTypeObject CollectiveType;
@@ -102,10 +119,10 @@ typedef struct {
 Raised fetch(void);
 /* After a call into Python: clear a probe's own error (0), keep a signal handler's (-1). */
 int clear_own_error(void);
-/* c.pack(kind, t0, t1, step, fields), ``d`` the collector's dict, ``kind_attr`` its kind's name */
-void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields);
+/* c.pack(kind, t0, t1, c.step, fields), with one more event counted */
+void pack_event(State *s, PyObject *kind, int64_t t0, int64_t t1, PyObject *fields);
 /* After a recorded backward: drain, run-queue read, its record, the unused check. */
-void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObject *helpers, PyObject *kind_attr);
+void after_backward(State *s, PyObject *prev, int64_t t0, PyObject *helpers);
 
 /* The DDP forward and backward probes (_fast_ddp.c). */
 extern PyTypeObject DdpProbeType;

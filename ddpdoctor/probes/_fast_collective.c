@@ -121,18 +121,18 @@ static long long root_of(Collective *self, PyObject *args, PyObject *kwargs) {
 
 /* Point self->ring at the ring the writer holds now, and know the collective's kind id (looked
  * up again only when the collector changes). -1 when there is nothing to write to. */
-static int ring_now(Collective *self, PyObject *c, PyObject *d) {
-    PyObject *writer = PyDict_GetItemWithError(d, s_writer);
+static int ring_now(Collective *self, State *s) {
+    PyObject *c = (PyObject *)s, *writer = s->writer;
     PyObject *ring = writer ? PyObject_GetAttr(writer, s_ring) : NULL;
     int ok = ring != NULL && ring != Py_None && ring_set(&self->ring, ring) == 0;
     Py_XDECREF(ring);
     if (!ok) return -1;
     if (c != self->kid_c) {
         int bad = 0;
-        PyObject *kind = PyObject_GetAttr(c, s_collective_kind);
+        PyObject *kind = s->collective_kind;
         PyObject *kid = kind ? PyObject_GetAttrString(kind, "kid") : NULL;
         long long k = kid ? as_i64(kid, &bad) : 0;
-        Py_XDECREF(kind); Py_XDECREF(kid);
+        Py_XDECREF(kid);
         if (kid == NULL || bad) return -1;
         Py_INCREF(c);
         Py_XSETREF(self->kid_c, c);
@@ -152,10 +152,8 @@ static void known_values(const Layout *layout, PyObject *known, Value *values, i
 
 /* The record of a call that returned, into the ring's next slot (the Python path's inlined
  * pack): the ring found before the call (one closed since counts the record lost). */
-static void record(Collective *self, PyObject *d, PyObject *known, PyObject *seq_obj, PyObject *site_obj,
+static void record(Collective *self, State *s, PyObject *known, PyObject *seq_obj, PyObject *site_obj,
                    int async_, int64_t t0, int64_t t1) {
-    PyObject *step = PyDict_GetItemWithError(d, s_step);
-    if (step == NULL) return;
     /* kind id, step, t0, t1, then the fields in schema.COLLECTIVE's order: op, bytes, group,
      * group size, seq, async, site, signature */
     Value values[12];
@@ -167,7 +165,7 @@ static void record(Collective *self, PyObject *d, PyObject *known, PyObject *seq
         known_values(&self->layout, known, values, &bad);
     }
     values[0].i = self->kid;
-    values[1] = as_value(step, self->layout.codes[1], &bad);
+    values[1].i = s->step;
     values[2].i = t0;
     values[3].i = t1;
     values[8] = as_value(seq_obj, self->layout.codes[8], &bad);
@@ -197,7 +195,7 @@ static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *
 
 /* What the Python path described this call as (a new reference), or NULL: a new call site
  * (no error set), or an error. The last call site is compared by value first. */
-static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject *frame, PyObject *head,
+static PyObject *known_call(Collective *self, PyObject *c, PyObject *calls, PyObject *frame, PyObject *head,
                             PyObject *group, int async_, long long root) {
     PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
     int lasti = PyFrame_GetLasti((PyFrameObject *)frame);
@@ -213,8 +211,7 @@ static PyObject *known_call(Collective *self, PyObject *c, PyObject *d, PyObject
     }
     /* the Python path's key: (id(code), f_lasti, group, async, root, dtype, nbytes) */
     key = Py_BuildValue("(NiOiLOL)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype, (long long)nb);
-    PyObject *calls = key ? PyDict_GetItemWithError(d, s_calls) : NULL;
-    if (calls == NULL || !PyDict_Check(calls)) goto out;
+    if (key == NULL || calls == NULL || !PyDict_Check(calls)) goto out;
     known = PyDict_GetItemWithError(calls, key);
     if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 13) {
         known = NULL;
@@ -258,20 +255,17 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         return passthrough(self, args, kwargs);
     }
     Py_INCREF(c);
-    PyObject *d = NULL, *frame = NULL, *prev = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
+    PyObject *frame = NULL, *prev = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
     PyObject *progress = NULL, *result = NULL, *group = Py_None;
     int async_ = self->always_async;
     long long root = -1;
 
-    d = PyObject_GenericGetDict(c, NULL);
-    if (d == NULL) goto broken;
-    PyObject *in_hook = PyDict_GetItemWithError(d, s_in_bucket_hook);
-    PyObject *disabled = in_hook ? PyDict_GetItemWithError(d, s_disabled) : NULL;
-    if (disabled == NULL || !PySet_Check(disabled)) goto slow;
-    if (PyObject_IsTrue(in_hook) != 0 || PySet_Contains(disabled, s_collectives) != 0) goto plain;
-    prev = PyDict_GetItemWithError(d, s_progress);
-    if (prev == NULL) goto slow;
-    Py_INCREF(prev);
+    State *s = probe_state(c);
+    if (s == NULL || s->in_bucket_hook == NULL || s->disabled == NULL || !PySet_Check(s->disabled) ||
+        s->progress == NULL)
+        goto slow;
+    if (PyObject_IsTrue(s->in_bucket_hook) != 0 || PySet_Contains(s->disabled, s_collectives) != 0) goto plain;
+    prev = Py_NewRef(s->progress);
     if (PyTuple_Check(prev) && PyTuple_GET_SIZE(prev) > 0 && PyTuple_GET_ITEM(prev, 0) == self->phase)
         goto plain; /* inside a recorded collective: part of it */
 
@@ -303,7 +297,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     for (int i = 0; i < self->depth && frame; i++)
         Py_SETREF(frame, (PyObject *)PyFrame_GetBack((PyFrameObject *)frame));
     if (frame == NULL) goto slow;
-    known = known_call(self, c, d, frame, head, group, async_, root);
+    known = known_call(self, c, s->calls, frame, head, group, async_, root);
     if (known == NULL) goto broken_or_slow; /* a new call site: the Python path describes it */
     /* (pg, gname, gsize, nbytes, sig, op_id, gid, async, site, sid, seq_of, walk, code) */
     site_obj = PyTuple_GET_ITEM(known, 8);
@@ -329,8 +323,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
                                      PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 4))
                       : NULL;
     Py_XDECREF(t0_obj);
-    if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
-    int ringed = ring_now(self, c, d) == 0;
+    if (progress == NULL) goto broken;
+    set_field(&s->progress, progress);
+    int ringed = ring_now(self, s) == 0;
     if (ringed) /* the call it died in, if it dies in it (trace/ring.py) */
         enter_call(&self->ring, seq_obj, PyTuple_GET_ITEM(known, 9), site_obj);
     PyErr_Clear(); /* best effort: the record after the call says what it can */
@@ -346,20 +341,16 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         Py_XDECREF(async_obj);
         if (r == NULL) { /* the patient's exception is the one that goes on */
             PyErr_Clear();
-            if (PyDict_SetItem(d, s_progress, prev) < 0) PyErr_Clear();
+            set_field(&s->progress, prev);
         }
         Py_XDECREF(r);
         PyErr_Restore(type, value, tb);
         goto done;
     }
     int64_t t1 = now_ns();
-    if (PyDict_SetItem(d, s_progress, prev) == 0) {
-        PyObject *events = PyDict_GetItemWithError(d, s_events);
-        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
-        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0)
-            if (ringed) record(self, d, known, seq_obj, site_obj, async_, t0, t1);
-        Py_XDECREF(more);
-    }
+    set_field(&s->progress, prev);
+    s->events++;
+    if (ringed) record(self, s, known, seq_obj, site_obj, async_, t0, t1);
     /* the call returned: a record we could not make is lost, never the result; but what a
      * signal handler raised while we recorded is the program's */
     if (clear_own_error() < 0) Py_CLEAR(result);
@@ -385,7 +376,6 @@ done:
     Py_XDECREF(known);
     Py_XDECREF(frame);
     Py_XDECREF(prev);
-    Py_XDECREF(d);
     Py_DECREF(c);
     return result;
 }

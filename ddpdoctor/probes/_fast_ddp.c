@@ -23,20 +23,19 @@ typedef struct {
     PyObject *helpers;  /* forward: (); backward: (drain_settling, check_unused, note_unused) */
     PyObject *globals, *cuda_globals, *site_globals; /* collector, cuda_timing, callsite dicts */
     PyObject *grad_enabled; /* torch.is_grad_enabled */
-    PyObject *phase, *op, *op_eval, *kind_attr, *state_attr;
-    int depth;
+    PyObject *phase, *op, *op_eval, *state_attr;
+    int depth, backward;
     long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
 } DdpProbe;
 
-static PyObject *s_pace_model, *s_accumulating, *s_native_step, *s_awaiting, *s_step_model, *s_last_step,
-    *s_max_step, *s_default_pg, *s_sync_flag, *s_training, *s_group_named,
-    *s_seq_of, *s_registered, *s_untimed, *s_owner, *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
+static PyObject *s_sync_flag, *s_training, *s_group_named, *s_seq_of, *s_registered, *s_untimed, *s_owner,
+    *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
 
 static void DdpProbe_dealloc(DdpProbe *self) {
     Py_XDECREF(self->orig); Py_XDECREF(self->slow); Py_XDECREF(self->failed); Py_XDECREF(self->raised);
     Py_XDECREF(self->helpers); Py_XDECREF(self->globals); Py_XDECREF(self->cuda_globals);
     Py_XDECREF(self->site_globals); Py_XDECREF(self->grad_enabled); Py_XDECREF(self->phase);
-    Py_XDECREF(self->op); Py_XDECREF(self->op_eval); Py_XDECREF(self->kind_attr); Py_XDECREF(self->state_attr);
+    Py_XDECREF(self->op); Py_XDECREF(self->op_eval); Py_XDECREF(self->state_attr);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -46,21 +45,22 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
 static int DdpProbe_init(DdpProbe *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"backward", "orig", "slow", "failed", "raised", "helpers", "globals",
                             "cuda_globals", "site_globals", "grad_enabled", "phase", "op", "op_eval",
-                            "kind_attr", "state_attr", "depth", NULL};
+                            "state_attr", "depth", NULL};
     int backward, depth;
-    PyObject *o[14];
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOOOO!O!O!O!OOUOUUi", names, &backward, &o[0], &o[1], &o[2],
+    PyObject *o[13];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOOOO!O!O!O!OOUOUi", names, &backward, &o[0], &o[1], &o[2],
                                      &o[3], &PyTuple_Type, &o[4], &PyDict_Type, &o[5], &PyDict_Type, &o[6], &PyDict_Type,
-                                     &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &depth))
+                                     &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &depth))
         return -1;
     PyObject **fields[] = {&self->orig, &self->slow, &self->failed, &self->raised, &self->helpers,
                            &self->globals, &self->cuda_globals, &self->site_globals, &self->grad_enabled,
-                           &self->phase, &self->op, &self->op_eval, &self->kind_attr, &self->state_attr};
-    for (int i = 0; i < 14; i++) {
+                           &self->phase, &self->op, &self->op_eval, &self->state_attr};
+    for (int i = 0; i < 13; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*fields[i], o[i]);
     }
     self->depth = depth;
+    self->backward = backward;
     self->vectorcall = (vectorcallfunc)(backward ? backward_call : forward_call);
     return 0;
 }
@@ -101,17 +101,17 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     for (Py_ssize_t i = 0; i < n_in; i++) call_args[i + 1] = PyTuple_GET_ITEM(inputs, i);
 
     PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
-    PyObject *d = NULL, *md = NULL, *sd = NULL, *state = NULL, *grad_obj = NULL, *site = NULL, *seq = NULL;
+    PyObject *md = NULL, *sd = NULL, *state = NULL, *grad_obj = NULL, *site = NULL, *seq = NULL;
     PyObject *prev = NULL, *progress = NULL, *fields = NULL, *t0_obj = NULL;
     if (c == NULL || c == Py_None) {
+        c = NULL; /* borrowed: not ours to let go at the end */
         if (PyErr_Occurred()) goto fail;
         goto plain;
     }
     Py_INCREF(c);
-    if ((d = PyObject_GenericGetDict(c, NULL)) == NULL) goto broken;
-    PyObject *disabled = PyDict_GetItemWithError(d, s_disabled);
-    if (disabled == NULL || !PySet_Check(disabled)) goto slow_or_broken;
-    int off = PySet_Contains(disabled, s_ddp);
+    State *s = probe_state(c);
+    if (s == NULL || s->disabled == NULL || !PySet_Check(s->disabled) || s->progress == NULL) goto slow;
+    int off = PySet_Contains(s->disabled, s_ddp);
     if (off) goto plain_or_broken;
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
     if (timer != Py_None) goto slow_or_broken; /* device spans: the Python path's */
@@ -125,11 +125,11 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     if ((sd = PyObject_GenericGetDict(state, NULL)) == NULL) goto broken;
     PyObject *named = PyDict_GetItemWithError(sd, s_group_named);
     if (named == NULL || !PyTuple_Check(named) || PyTuple_GET_SIZE(named) != 3) goto slow_or_broken;
-    PyObject *pace = PyDict_GetItemWithError(d, s_pace_model);
+    PyObject *pace = s->pace_model;
     if (grad) {
         PyObject *registered = PyDict_GetItemWithError(sd, s_registered);
         PyObject *untimed = registered ? PyDict_GetItemWithError(sd, s_untimed) : NULL;
-        if (pace == NULL || pace == Py_None || untimed == NULL) goto slow_or_broken;
+        if (pace == NULL || pace == Py_None || untimed == NULL || s->accumulating == NULL) goto slow_or_broken;
         if (!PyObject_IsTrue(registered) && !PyObject_IsTrue(untimed)) goto slow; /* the timer goes in now */
     }
     /* the call site, learnt before (callsite.py), from the wrapper's caller on */
@@ -157,23 +157,21 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     /* Nothing unusual: the step's bookkeeping, as the Python path does it. */
     int new_step = 0;
     if (grad) {
-        PyObject *acc = PyDict_GetItemWithError(d, s_accumulating);
-        int accumulating = acc ? PyObject_IsTrue(acc) : -1;
+        int accumulating = PyObject_IsTrue(s->accumulating);
         if (accumulating < 0) goto broken;
         new_step = state == pace && !accumulating;
         if (new_step) {
-            PyObject *step = PyDict_GetItemWithError(d, s_step);
-            PyObject *next = step ? PyNumber_Add(step, one) : NULL;
-            int ok = next && PyDict_SetItem(d, s_step, next) == 0;
-            PyObject *stamp = ok ? PyDict_GetItemWithError(d, s_native_step) : NULL; /* the C++ timer's */
-            if (ok && stamp == NULL && PyErr_Occurred()) ok = 0;
-            if (ok && stamp != NULL && stamp != Py_None) {
-                PyObject *r = PyObject_CallOneArg(stamp, next);
-                ok = r != NULL;
-                Py_XDECREF(r);
+            s->step++;
+            PyObject *stamp = s->native_step; /* the C++ timer's: its writer where it was handed over */
+            if (stamp != NULL && stamp != Py_None && step_writer != NULL) {
+                step_writer(s->step);
+            } else if (stamp != NULL && stamp != Py_None) {
+                PyObject *next = PyLong_FromLongLong(s->step);
+                PyObject *r = next ? PyObject_CallOneArg(stamp, next) : NULL;
+                Py_XDECREF(next);
+                if (r == NULL) goto broken;
+                Py_DECREF(r);
             }
-            Py_XDECREF(next);
-            if (!ok) goto broken;
         }
         if (state == pace) { /* micro-batches under no_sync() share one optimizer step */
             PyObject *sync = PyObject_GetAttr(module, s_sync_flag);
@@ -183,32 +181,24 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
             }
             int syncs = sync ? PyObject_IsTrue(sync) : -1;
             Py_XDECREF(sync);
-            if (syncs < 0 || PyDict_SetItem(d, s_accumulating, syncs ? Py_False : Py_True) < 0) goto broken;
+            if (syncs < 0) goto broken;
+            set_field(&s->accumulating, syncs ? Py_False : Py_True);
         }
-        if (PyDict_SetItem(d, s_awaiting, Py_True) < 0 || PyDict_SetItem(d, s_step_model, state) < 0) goto broken;
+        set_field(&s->awaiting_backward, Py_True);
+        set_field(&s->step_model, state);
     }
     int64_t t0 = now_ns();
     if ((t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
     if (new_step) {
-        PyObject *last = PyDict_GetItemWithError(d, s_last_step), *most = PyDict_GetItemWithError(d, s_max_step);
-        int bad = 0;
-        int64_t last_ns = last ? as_i64(last, &bad) : 0, max_ns = most ? as_i64(most, &bad) : 0;
-        if (last == NULL || most == NULL || bad) goto broken;
-        if (last_ns && t0 - last_ns > max_ns) {
-            PyObject *v = PyLong_FromLongLong(t0 - last_ns);
-            int ok = v && PyDict_SetItem(d, s_max_step, v) == 0;
-            Py_XDECREF(v);
-            if (!ok) goto broken;
-        }
-        if (PyDict_SetItem(d, s_last_step, t0_obj) < 0) goto broken;
+        if (s->last_step_ns && t0 - s->last_step_ns > s->max_step_ns) s->max_step_ns = t0 - s->last_step_ns;
+        s->last_step_ns = t0;
     }
-    prev = PyDict_GetItemWithError(d, s_progress);
-    if (prev == NULL) goto broken;
-    Py_INCREF(prev);
+    prev = Py_NewRef(s->progress);
     progress = PyTuple_Pack(8, self->phase, grad ? self->op : self->op_eval, seq, t0_obj, PyTuple_GET_ITEM(named, 1),
                             PyTuple_GET_ITEM(named, 2), minus_one, PyTuple_GET_ITEM(named, 0));
     fields = progress ? Py_BuildValue("(iiOO)", grad, train, seq, site) : NULL;
-    if (fields == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+    if (fields == NULL) goto broken;
+    set_field(&s->progress, progress);
 
     result = PyObject_VectorcallDict(self->orig, call_args, n_in + 1, kwargs);
     if (result == NULL) {
@@ -216,12 +206,8 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
         goto done;
     }
     int64_t t1 = now_ns();
-    if (PyDict_SetItem(d, s_progress, prev) == 0) {
-        PyObject *events = PyDict_GetItemWithError(d, s_events);
-        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
-        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0) pack_event(d, self->kind_attr, t0, t1, fields);
-        Py_XDECREF(more);
-    }
+    set_field(&s->progress, prev);
+    pack_event(s, s->forward_kind, t0, t1, fields);
     if (clear_own_error() < 0) Py_CLEAR(result); /* a signal handler's exception: the program's */
     self->recorded++;
     goto done;
@@ -244,7 +230,7 @@ fail:
 done:
     Py_XDECREF(t0_obj); Py_XDECREF(fields); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq);
     Py_XDECREF(site); Py_XDECREF(sd); Py_XDECREF(state); Py_XDECREF(md); Py_XDECREF(grad_obj);
-    Py_XDECREF(d); Py_XDECREF(c);
+    Py_XDECREF(c);
     if (call_args != stack_args) PyMem_Free(call_args);
     return result;
 }
@@ -257,32 +243,31 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     }
     PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
     PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
-    PyObject *d = NULL, *seq = NULL, *prev = NULL, *progress = NULL, *t0_obj = NULL;
+    PyObject *seq = NULL, *prev = NULL, *progress = NULL, *t0_obj = NULL;
     if (c == NULL || c == Py_None) {
         if (PyErr_Occurred()) return NULL;
         return PyObject_Call(self->orig, args, kwargs);
     }
     Py_INCREF(c);
-    if ((d = PyObject_GenericGetDict(c, NULL)) == NULL) goto broken;
-    PyObject *awaiting = PyDict_GetItemWithError(d, s_awaiting);
-    PyObject *disabled = awaiting ? PyDict_GetItemWithError(d, s_disabled) : NULL;
-    if (disabled == NULL || !PySet_Check(disabled)) goto slow_or_broken;
-    int waits = PyObject_IsTrue(awaiting);
-    if (waits <= 0 || PySet_Contains(disabled, s_ddp)) goto plain_or_broken;
+    State *s = probe_state(c);
+    if (s == NULL || s->awaiting_backward == NULL || s->disabled == NULL || !PySet_Check(s->disabled) ||
+        s->progress == NULL)
+        goto slow;
+    int waits = PyObject_IsTrue(s->awaiting_backward);
+    if (waits <= 0 || PySet_Contains(s->disabled, s_ddp)) goto plain_or_broken;
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
     if (timer != Py_None) goto slow_or_broken;
-    PyObject *pg = PyDict_GetItemWithError(d, s_default_pg);
-    if (pg == NULL || (seq = seq_now(pg, NULL)) == NULL) {
+    if (s->default_pg == NULL || (seq = seq_now(s->default_pg, NULL)) == NULL) {
         if (clear_own_error() < 0) goto done; /* else the Python path reads it as -1 */
         goto slow;
     }
-    if (PyDict_SetItem(d, s_awaiting, Py_False) < 0) goto broken;
+    set_field(&s->awaiting_backward, Py_False);
     int64_t t0 = now_ns();
-    prev = PyDict_GetItemWithError(d, s_progress);
-    if (prev == NULL || (t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
-    Py_INCREF(prev);
+    if ((t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
+    prev = Py_NewRef(s->progress);
     progress = PyTuple_Pack(4, self->phase, self->op, seq, t0_obj);
-    if (progress == NULL || PyDict_SetItem(d, s_progress, progress) < 0) goto broken;
+    if (progress == NULL) goto broken;
+    set_field(&s->progress, progress);
 
     result = PyObject_Call(self->orig, args, kwargs);
     if (result == NULL) {
@@ -290,7 +275,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
         goto done;
     }
     self->recorded++;
-    after_backward(c, d, prev, t0, self->helpers, self->kind_attr);
+    after_backward(s, prev, t0, self->helpers);
     if (PyErr_Occurred()) Py_CLEAR(result); /* a signal handler's exception: the program's */
     goto done;
 
@@ -307,7 +292,7 @@ broken:
 slow:
     result = PyObject_Call(self->slow, args, kwargs);
 done:
-    Py_XDECREF(t0_obj); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq); Py_XDECREF(d); Py_DECREF(c);
+    Py_XDECREF(t0_obj); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq); Py_DECREF(c);
     return result;
 }
 
@@ -332,10 +317,6 @@ PyTypeObject DdpProbeType = {
 
 int ddp_init(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_pace_model, "pace_model"); INTERN(s_accumulating, "accumulating"); INTERN(s_native_step, "native_step");
-    INTERN(s_awaiting, "awaiting_backward"); INTERN(s_step_model, "step_model");
-    INTERN(s_last_step, "last_step_ns"); INTERN(s_max_step, "max_step_ns");
-    INTERN(s_default_pg, "default_pg");
     INTERN(s_sync_flag, "require_backward_grad_sync"); INTERN(s_training, "training");
     INTERN(s_group_named, "group_named"); INTERN(s_seq_of, "seq_of"); INTERN(s_registered, "timer_registered");
     INTERN(s_untimed, "untimed"); INTERN(s_owner, "_owner");

@@ -20,8 +20,8 @@ typedef struct {
     long long recorded;   /* steps recorded here, not by the Python hook (tests, benchmarks) */
 } OptProbe;
 
-static PyObject *s_t0, *s_outer, *s_kind, *s_intern, *s_name, *s_probe, *s_fp_probe, *s_c, *s_next_due,
-    *s_checked, *s_pending, *s_stepped, *s_after_step, *zero;
+static PyObject *s_intern, *s_name, *s_probe, *s_fp_probe, *s_c, *s_next_due,
+    *s_checked, *s_pending, *s_stepped, *s_after_step;
 
 static void OptProbe_dealloc(OptProbe *self) {
     Py_XDECREF(self->slow); Py_XDECREF(self->globals); Py_XDECREF(self->cuda_globals);
@@ -50,15 +50,19 @@ static int OptProbe_init(OptProbe *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* The collector's dict when there is one to record into (a new reference), NULL with *plain set
- * when there is none (the hook does nothing), NULL without it on an error. */
-static PyObject *collector_dict(OptProbe *self, PyObject **c, int *plain) {
-    *c = PyDict_GetItemWithError(self->globals, s_active);
-    if (*c == NULL || *c == Py_None) {
-        *plain = *c == Py_None;
+/* The collector when there is one to record into (a new reference), NULL with *plain set when
+ * there is none (the hook does nothing), NULL without it when it is not a State (the Python
+ * hook's) or on an error. */
+static State *collector_state(OptProbe *self, int *plain) {
+    PyObject *c = PyDict_GetItemWithError(self->globals, s_active);
+    if (c == NULL || c == Py_None) {
+        *plain = c == Py_None;
         return NULL;
     }
-    return PyObject_GenericGetDict(*c, NULL);
+    State *s = probe_state(c);
+    if (s == NULL || s->disabled == NULL || !PySet_Check(s->disabled) || s->optimizer_outer == NULL) return NULL;
+    Py_INCREF(c);
+    return s;
 }
 
 /* optimizer_outer() is not optimizer: 1, 0, or -1 on an error. */
@@ -78,29 +82,25 @@ static PyObject *slow_call(OptProbe *self, PyObject *const *argv) {
 /* pre(optimizer, args, kwargs): the step's start, unless another optimizer's step is under way. */
 static PyObject *pre_call(OptProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) return PyObject_Vectorcall(self->slow, argv, nargsf, kwnames);
-    PyObject *c;
     int plain = 0;
-    PyObject *d = collector_dict(self, &c, &plain);
-    if (d == NULL) return plain ? Py_NewRef(Py_None) : slow_call(self, argv);
-    PyObject *t0 = PyDict_GetItemWithError(d, s_t0), *outer = t0 ? PyDict_GetItemWithError(d, s_outer) : NULL;
+    State *s = collector_state(self, &plain);
+    if (s == NULL) return plain ? Py_NewRef(Py_None) : slow_call(self, argv);
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
-    int started = outer ? PyObject_IsTrue(t0) : -1;
-    if (started < 0 || timer != Py_None) goto slow;
-    if (started) {
-        int other = other_step(outer, argv[0]);
+    if (timer != Py_None) goto slow;
+    if (s->optimizer_t0) {
+        int other = other_step(s->optimizer_outer, argv[0]);
         if (other < 0) goto slow;
         if (other) goto none; /* inside another optimizer's step: not a step of its own */
     }
     PyObject *ref = PyWeakref_NewRef(argv[0], NULL);
-    PyObject *now = ref ? PyLong_FromLongLong(now_ns()) : NULL;
-    int ok = now && PyDict_SetItem(d, s_outer, ref) == 0 && PyDict_SetItem(d, s_t0, now) == 0;
-    Py_XDECREF(ref); Py_XDECREF(now);
-    if (!ok) goto slow;
+    if (ref == NULL) goto slow;
+    Py_XSETREF(s->optimizer_outer, ref);
+    s->optimizer_t0 = now_ns();
 none:
-    Py_DECREF(d);
+    Py_DECREF(s);
     return Py_NewRef(Py_None);
 slow:
-    Py_DECREF(d);
+    Py_DECREF(s);
     return slow_call(self, argv);
 }
 
@@ -122,25 +122,27 @@ static PyObject *name_fields(OptProbe *self, PyObject *optimizer, PyObject *writ
 /* After the record: the fingerprint's after_step when a check is due or pending, else only its
  * note of the step (fingerprint.py's Fingerprints.after_step, its cheap path); 0, or -1 when a
  * signal handler's exception must go on. */
-static int fingerprint(OptProbe *self, PyObject *c, PyObject *d, PyObject *disabled, PyObject *optimizer) {
+static int fingerprint(OptProbe *self, State *s, PyObject *disabled, PyObject *optimizer) {
     PyObject *fp = PyDict_GetItemWithError(self->fp_globals, s_active);
     PyObject *fd = fp && fp != Py_None ? PyObject_GenericGetDict(fp, NULL) : NULL;
     if (fd == NULL) goto out;
     PyObject *owner = PyDict_GetItemWithError(fd, s_c);
-    if (owner != c || PySet_Contains(disabled, s_fp_probe)) goto out;
-    PyObject *step = PyDict_GetItemWithError(d, s_step), *due_at = PyDict_GetItemWithError(fd, s_next_due);
+    if (owner != (PyObject *)s || PySet_Contains(disabled, s_fp_probe)) goto out;
+    PyObject *due_at = PyDict_GetItemWithError(fd, s_next_due);
     PyObject *checked = PyDict_GetItemWithError(fd, s_checked), *pending = PyDict_GetItemWithError(fd, s_pending);
-    int bad = step == NULL || due_at == NULL || checked == NULL || pending == NULL;
-    int64_t now_step = bad ? 0 : as_i64(step, &bad);
+    int bad = due_at == NULL || checked == NULL || pending == NULL;
+    int64_t now_step = s->step;
     int due = !bad && (now_step >= as_i64(due_at, &bad) || now_step == as_i64(checked, &bad));
     int waiting = bad ? -1 : PyObject_IsTrue(pending);
     if (bad || waiting < 0 || due || waiting) { /* the module's after_step: it guards and logs */
         PyErr_Clear();
         PyObject *after = PyDict_GetItemWithError(self->fp_globals, s_after_step);
-        PyObject *r = after ? PyObject_CallFunctionObjArgs(after, c, optimizer, NULL) : NULL;
+        PyObject *r = after ? PyObject_CallFunctionObjArgs(after, (PyObject *)s, optimizer, NULL) : NULL;
         Py_XDECREF(r);
     } else {
-        PyDict_SetItem(fd, s_stepped, step);
+        PyObject *step = PyLong_FromLongLong(now_step);
+        if (step != NULL) PyDict_SetItem(fd, s_stepped, step);
+        Py_XDECREF(step);
     }
 out:
     Py_XDECREF(fd);
@@ -150,46 +152,39 @@ out:
 /* post(optimizer, args, kwargs): the step's record, once per outer step, then the fingerprint. */
 static PyObject *post_call(OptProbe *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) return PyObject_Vectorcall(self->slow, argv, nargsf, kwnames);
-    PyObject *c, *optimizer = argv[0];
+    PyObject *optimizer = argv[0];
     int plain = 0;
-    PyObject *d = collector_dict(self, &c, &plain);
-    if (d == NULL) return plain ? Py_NewRef(Py_None) : slow_call(self, argv);
-    Py_INCREF(c);
-    PyObject *fields = NULL, *held = NULL, *result = Py_None, *disabled = PyDict_GetItemWithError(d, s_disabled);
-    PyObject *t0_obj = disabled ? PyDict_GetItemWithError(d, s_t0) : NULL;
-    PyObject *outer = t0_obj ? PyDict_GetItemWithError(d, s_outer) : NULL;
-    if (outer == NULL || !PySet_Check(disabled)) goto slow;
-    held = Py_NewRef(disabled); /* across the writer's intern: Python code */
-    int off = PySet_Contains(disabled, s_probe), bad = 0;
-    int64_t t0 = off ? 0 : as_i64(t0_obj, &bad);
-    if (off < 0 || bad) goto slow;
+    State *s = collector_state(self, &plain);
+    if (s == NULL) return plain ? Py_NewRef(Py_None) : slow_call(self, argv);
+    PyObject *fields = NULL, *result = Py_None;
+    PyObject *held = Py_NewRef(s->disabled); /* across the writer's intern: Python code */
+    int off = PySet_Contains(held, s_probe);
+    int64_t t0 = s->optimizer_t0;
+    if (off < 0) goto slow;
     if (off || t0 == 0) goto done;
-    int other = other_step(outer, optimizer);
+    int other = other_step(s->optimizer_outer, optimizer);
     if (other < 0) goto slow;
     if (other) goto done; /* an inner optimizer's step: the outer one's post hook records it */
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
-    PyObject *writer = timer == Py_None ? PyDict_GetItemWithError(d, s_writer) : NULL;
+    PyObject *writer = timer == Py_None ? s->writer : NULL;
     if (writer == NULL || (fields = name_fields(self, optimizer, writer)) == NULL) goto slow;
 
     /* Nothing unusual: the record, as the Python hook makes it. */
-    PyObject *events = PyDict_GetItemWithError(d, s_events);
-    PyObject *more = events ? PyNumber_Add(events, one) : NULL;
-    int ok = more && PyDict_SetItem(d, s_t0, zero) == 0 && PyDict_SetItem(d, s_outer, Py_None) == 0 &&
-             PyDict_SetItem(d, s_events, more) == 0;
-    Py_XDECREF(more);
-    if (ok) pack_event(d, s_kind, t0, now_ns(), fields);
+    s->optimizer_t0 = 0;
+    set_field(&s->optimizer_outer, Py_None);
+    pack_event(s, s->optimizer_kind, t0, now_ns(), fields);
     self->recorded++;
     if (clear_own_error() < 0) {
         result = NULL;
         goto done;
     }
-    if (fingerprint(self, c, d, disabled, optimizer) < 0) result = NULL; /* a signal handler's */
+    if (fingerprint(self, s, held, optimizer) < 0) result = NULL; /* a signal handler's */
     goto done;
 slow:
-    Py_XDECREF(fields); Py_XDECREF(held); Py_DECREF(d); Py_DECREF(c);
+    Py_XDECREF(fields); Py_DECREF(held); Py_DECREF(s);
     return slow_call(self, argv);
 done:
-    Py_XDECREF(fields); Py_XDECREF(held); Py_DECREF(d); Py_DECREF(c);
+    Py_XDECREF(fields); Py_DECREF(held); Py_DECREF(s);
     return Py_XNewRef(result);
 }
 
@@ -214,11 +209,9 @@ PyTypeObject OptProbeType = {
 
 int opt_init(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_t0, "optimizer_t0"); INTERN(s_outer, "optimizer_outer"); INTERN(s_kind, "optimizer_kind");
     INTERN(s_intern, "intern"); INTERN(s_name, "__name__"); INTERN(s_probe, "optimizer");
     INTERN(s_fp_probe, "fingerprint"); INTERN(s_c, "c"); INTERN(s_next_due, "next_due"); INTERN(s_checked, "checked");
     INTERN(s_pending, "pending"); INTERN(s_stepped, "stepped"); INTERN(s_after_step, "after_step");
 #undef INTERN
-    if ((zero = PyLong_FromLong(0)) == NULL) return -1;
     return PyType_Ready(&OptProbeType);
 }

@@ -35,13 +35,13 @@ static void Packer_dealloc(Packer *self) {
 /* packer(ring, step, t0, t1, fields): None once the slot is written (the record, or void and
  * counted in ring.lost when a value does not fit its type even coerced); False when no slot
  * was taken (a ring whose seqs are not held in C: the writer's Python path). */
-static int put(Packer *self, PyObject *ring, PyObject *step, Value t0, Value t1, int bad, PyObject *fields) {
+static int put(Packer *self, PyObject *ring, Value step, Value t0, Value t1, int bad, PyObject *fields) {
     const Layout *layout = &self->layout;
     Py_ssize_t nfields = PyTuple_GET_SIZE(fields);
     if (nfields != layout->ncodes - 5 || ring_set(&self->ring, ring) < 0) return 0;
     Value values[MAX_FIELDS];
     values[0].i = self->kid;
-    values[1] = as_value(step, 'q', &bad);
+    values[1] = step;
     values[2] = t0;
     values[3] = t1;
     for (Py_ssize_t i = 0; i < nfields; i++) values[4 + i] = as_value(PyTuple_GET_ITEM(fields, i), layout->codes[4 + i], &bad);
@@ -55,15 +55,15 @@ static PyObject *Packer_vectorcall(Packer *self, PyObject *const *argv, size_t n
         return NULL;
     }
     int bad = 0;
-    Value t0 = as_value(argv[2], 'q', &bad), t1 = as_value(argv[3], 'q', &bad);
-    if (!put(self, argv[0], argv[1], t0, t1, bad, argv[4])) Py_RETURN_FALSE;
+    Value step = as_value(argv[1], 'q', &bad), t0 = as_value(argv[2], 'q', &bad), t1 = as_value(argv[3], 'q', &bad);
+    if (!put(self, argv[0], step, t0, t1, bad, argv[4])) Py_RETURN_FALSE;
     Py_RETURN_NONE;
 }
 
-int packer_put(PyObject *packer, PyObject *ring, PyObject *step, int64_t t0, int64_t t1, PyObject *fields) {
+int packer_put(PyObject *packer, PyObject *ring, int64_t step, int64_t t0, int64_t t1, PyObject *fields) {
     if (Py_TYPE(packer) != &PackerType || !PyTuple_Check(fields)) return 0;
-    Value v0 = {.i = t0}, v1 = {.i = t1};
-    return put((Packer *)packer, ring, step, v0, v1, 0, fields);
+    Value vs = {.i = step}, v0 = {.i = t0}, v1 = {.i = t1};
+    return put((Packer *)packer, ring, vs, v0, v1, 0, fields);
 }
 
 

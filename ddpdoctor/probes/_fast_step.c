@@ -11,8 +11,7 @@
  */
 #include "_fast.h"
 
-static PyObject *s_grad, *s_fast, *s_pack, *s_settling, *s_native_name, *s_step_model, *s_find_unused,
-    *s_params, *s_unused_name;
+static PyObject *s_grad, *s_fast, *s_pack, *s_native_name, *s_find_unused, *s_params, *s_unused_name;
 
 #ifdef __linux__
 #include <fcntl.h>
@@ -73,17 +72,21 @@ PyObject *none_grads_of(PyObject *params) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *grad = PyObject_GetAttr(items[i], s_grad);
-        if (grad == NULL) {
-            Py_CLEAR(out);
-            break;
+        int missing = grad_reader ? grad_reader(items[i]) : -1;
+        if (missing < 0) {
+            PyObject *grad = PyObject_GetAttr(items[i], s_grad);
+            if (grad == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            missing = grad == Py_None;
+            Py_DECREF(grad);
         }
-        if (grad == Py_None) {
+        if (missing) {
             PyObject *index = PyLong_FromSsize_t(i);
             if (index == NULL || PyList_Append(out, index) < 0) Py_CLEAR(out);
             Py_XDECREF(index);
         }
-        Py_DECREF(grad);
     }
     Py_DECREF(seq);
     return out;
@@ -91,24 +94,25 @@ PyObject *none_grads_of(PyObject *params) {
 
 static PyObject *none_grads(PyObject *module, PyObject *params) { return none_grads_of(params); }
 
-/* c.pack(kind, t0, t1, step, fields) as trace/writer.py's pack does it, with the kind's C
- * packer called from here. A record we cannot make is lost; what a signal handler raised in the
- * writer's Python path is left set (clear_own_error). */
-void pack_event(PyObject *d, PyObject *kind_attr, int64_t t0, int64_t t1, PyObject *fields) {
-    PyObject *kind = PyDict_GetItemWithError(d, kind_attr), *step = PyDict_GetItemWithError(d, s_step);
-    PyObject *writer = PyDict_GetItemWithError(d, s_writer);
-    if (kind == NULL || step == NULL || writer == NULL) goto out;
+/* c.pack(kind, t0, t1, c.step, fields) as trace/writer.py's pack does it, with the kind's C
+ * packer called from here, and the event counted. A record we cannot make is lost; what a
+ * signal handler raised in the writer's Python path is left set (clear_own_error). */
+void pack_event(State *s, PyObject *kind, int64_t t0, int64_t t1, PyObject *fields) {
+    s->events++;
+    PyObject *writer = s->writer;
+    if (kind == NULL || writer == NULL) return;
+    Py_INCREF(writer);
     PyObject *ring = PyObject_GetAttr(writer, s_ring);
     PyObject *fast = ring && ring != Py_None ? PyObject_GetAttr(kind, s_fast) : NULL;
-    if (fast != NULL && !packer_put(fast, ring, step, t0, t1, fields)) {
+    if (fast != NULL && !packer_put(fast, ring, s->step, t0, t1, fields)) {
         /* no C packer, or no slot taken: the writer's own path */
-        PyObject *t0_obj = PyLong_FromLongLong(t0), *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
+        PyObject *step = PyLong_FromLongLong(s->step), *t0_obj = step ? PyLong_FromLongLong(t0) : NULL;
+        PyObject *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
         PyObject *again = t1_obj ? PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL)
                                  : NULL;
-        Py_XDECREF(again); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj);
+        Py_XDECREF(again); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(step);
     }
-    Py_XDECREF(fast); Py_XDECREF(ring);
-out:
+    Py_XDECREF(fast); Py_XDECREF(ring); Py_DECREF(writer);
     clear_own_error();
 }
 
@@ -167,35 +171,29 @@ static int call_helper(PyObject *helpers, PyObject *c, PyObject *what, int i, Py
 /* After a recorded backward returned: the C++ timer's drain while DDP may still lay out its
  * buckets (commhook.drain_settling), the run-queue read, the record, then the unused-parameter
  * check (probes/ddp.py's order). */
-void after_backward(PyObject *c, PyObject *d, PyObject *prev, int64_t t0, PyObject *helpers, PyObject *kind_attr) {
-    PyObject *settling = PyDict_GetItemWithError(d, s_settling);
-    int drain = settling ? PyObject_IsTrue(settling) : 0;
+void after_backward(State *s, PyObject *prev, int64_t t0, PyObject *helpers) {
+    PyObject *c = (PyObject *)s;
+    int drain = s->native_settling ? PyObject_IsTrue(s->native_settling) : 0;
     PyErr_Clear();
     if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) {
         Raised e = fetch(); /* the program's: the rank is no longer in its backward */
-        if (PyDict_SetItem(d, s_progress, prev) < 0) PyErr_Clear();
+        set_field(&s->progress, prev);
         PyErr_Restore(e.type, e.value, e.tb);
         return;
     }
     PyObject *runq = run_queue_now();
     PyObject *fields = runq ? PyTuple_Pack(1, runq) : NULL;
     Py_XDECREF(runq);
-    if (fields != NULL && PyDict_SetItem(d, s_progress, prev) == 0) {
-        PyObject *events = PyDict_GetItemWithError(d, s_events);
-        PyObject *more = events ? PyNumber_Add(events, one) : NULL;
-        if (more != NULL && PyDict_SetItem(d, s_events, more) == 0)
-            pack_event(d, kind_attr, t0, now_ns(), fields);
-        Py_XDECREF(more);
+    if (fields != NULL) {
+        set_field(&s->progress, prev);
+        pack_event(s, s->backward_kind, t0, now_ns(), fields);
     }
     Py_XDECREF(fields);
     if (clear_own_error() < 0) return;
     /* which parameters got no gradient: DDP's used map with find_unused_parameters (Python),
      * else the parameters whose .grad is still None, noted in Python when there are any */
-    PyObject *state = PyDict_GetItemWithError(d, s_step_model);
-    if (state == NULL || state == Py_None) {
-        PyErr_Clear();
-        return;
-    }
+    PyObject *state = s->step_model;
+    if (state == NULL || state == Py_None) return;
     Py_INCREF(state);
     PyObject *sd = PyObject_GenericGetDict(state, NULL);
     PyObject *find = sd ? PyDict_GetItemWithError(sd, s_find_unused) : NULL;
@@ -226,8 +224,7 @@ PyMethodDef step_functions[] = {
 
 int step_init(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_grad, "grad"); INTERN(s_fast, "fast"); INTERN(s_pack, "pack"); INTERN(s_settling, "native_settling");
-    INTERN(s_native_name, "comm_hook_native"); INTERN(s_step_model, "step_model");
+    INTERN(s_grad, "grad"); INTERN(s_fast, "fast"); INTERN(s_pack, "pack"); INTERN(s_native_name, "comm_hook_native");
     INTERN(s_find_unused, "find_unused"); INTERN(s_params, "params"); INTERN(s_unused_name, "unused");
 #undef INTERN
     return 0;

@@ -285,7 +285,7 @@ Handle register_timer(const py::object& reducer, const py::object& process_group
   return Handle(shared);
 }
 
-// A group's collective sequence number for the C probes (_fast.c's set_seq_reader), read with
+// A group's collective sequence number for the C probes (_fast.c's set_native), read with
 // no pybind call: torch's binding releases the GIL and takes it back, about 1,800 instructions
 // where this takes about 100 (the cast is made once per group). Called with the GIL held. -2
 // where it cannot say (not a torch process group, or a backend with no numbers): the probe then
@@ -307,7 +307,7 @@ int64_t seq_of(PyObject* group) {
   }
 }
 
-// A tensor's dtype (borrowed) and bytes for the C probes (_fast.c's set_tensor_reader), read from
+// A tensor's dtype (borrowed) and bytes for the C probes (_fast.c's set_native), read from
 // the tensor itself: the generic attribute lookup of .dtype and .nbytes costs about 860
 // instructions a collective, this a few dozen. Only for a plain torch.Tensor: a subclass, which
 // may define its own, gets -1 and the probe asks Python. Read as the tensor holds them, so a
@@ -325,6 +325,33 @@ int tensor_meta(PyObject* obj, PyObject** dtype, int64_t* nbytes) {
   }
 }
 
+// Whether a parameter has no gradient (1) or has one (0), for the C backward probe's unused
+// check: ``p.grad is None`` without the property's generic lookup (about 400 instructions a
+// parameter, this a few). Only for a plain torch.Tensor or nn.Parameter: anything else gets -1
+// and the probe asks Python. Called with the GIL held.
+int grad_missing(PyObject* obj) {
+  static PyObject* parameter = nullptr;
+  if (parameter == nullptr) {
+    PyObject* nn = PyImport_ImportModule("torch.nn.parameter");
+    parameter = nn ? PyObject_GetAttrString(nn, "Parameter") : nullptr;  // held for the process
+    Py_XDECREF(nn);
+    if (parameter == nullptr) {
+      PyErr_Clear();
+      return -1;
+    }
+  }
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+  if (type != THPVariableClass && type != parameter) return -1;
+  try {
+    return THPVariable_Unpack(obj).grad().defined() ? 0 : 1;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// The step the notes carry, set by the C forward probe at each new step (no pybind call).
+void step_now(int64_t step) { g_step.store(step, std::memory_order_relaxed); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -335,9 +362,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_timer", &register_timer, "put the timer in a Reducer's comm hook slot, its notes in a file");
   m.def("drain_notes", &drain_notes, "(the notes since the last call as bytes, the last one's number, lost)");
   m.def("commit_notes", &commit_notes, "the notes up to this number are in the trace's ring");
-  m.def("set_step", [](int64_t step) { g_step.store(step, std::memory_order_relaxed); });
-  m.def("tensor_reader", [] { return py::capsule(reinterpret_cast<void*>(&tensor_meta), "ddpdoctor.tensor_meta"); },
-        "a tensor's dtype and bytes, read in C++ (for the C probes)");
-  m.def("seq_reader", [] { return py::capsule(reinterpret_cast<void*>(&seq_of), "ddpdoctor.seq_of"); },
-        "the C probes' sequence number reader, as a capsule");
+  m.def("set_step", &step_now);
+  m.def(
+      "capsules",
+      [] {
+        return py::make_tuple(py::capsule(reinterpret_cast<void*>(&seq_of), "ddpdoctor.seq_of"),
+                              py::capsule(reinterpret_cast<void*>(&tensor_meta), "ddpdoctor.tensor_meta"),
+                              py::capsule(reinterpret_cast<void*>(&grad_missing), "ddpdoctor.grad_missing"),
+                              py::capsule(reinterpret_cast<void*>(&step_now), "ddpdoctor.step_now"));
+      },
+      "the C probes' readers and the step's writer, as capsules (_fast.c's set_native)");
 }

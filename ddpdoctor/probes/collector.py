@@ -35,7 +35,13 @@ INITIALISED = False  # init_process_group succeeded in this process (recorded or
 _activation_lock = threading.Lock()
 
 
-class Collector:
+# The fields the probes read and write on every event (the step, the live progress, the event
+# count, the writer, the record kinds...): members of a C object where the C module is built
+# (``_fast_state.c``), which its probes reach without a dict lookup; set below as attributes.
+_State: Any = getattr(fastpath.module(), "State", object)
+
+
+class Collector(_State):
     """Holds one rank's writer and the little state the probes share (step, open phases)."""
 
     def __init__(self, run_dir: str, header: dict[str, Any], default_pg: Any) -> None:

@@ -235,7 +235,6 @@ def _in_c(
             phase=phase,
             op=op,
             op_eval=op_eval,
-            kind_attr="backward_kind" if backward else "forward_kind",
             state_attr=STATE,
             depth=1,  # the user's frame is the Python wrapper's caller
         )

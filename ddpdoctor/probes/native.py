@@ -9,9 +9,10 @@ version and the interpreter's. A rank only loads a build that exists; it never c
 job never waits for a compiler. ``DDPDOCTOR_PURE_PYTHON=1`` keeps it out, as it does the C
 probes.
 
-Where it is loaded it also reads, for the C probes, a group's collective sequence number
-(``seq_reader``), without torch's binding, which releases the GIL and takes it back, and a plain
-tensor's dtype and bytes (``tensor_reader``), without the generic attribute lookup: it is loaded
+Where it is loaded it also hands the C probes, as capsules (``capsules``), readers of a group's
+collective sequence number, without torch's binding, which releases the GIL and takes it back,
+of a plain tensor's dtype and bytes, and of whether a parameter has a gradient, without the
+generic attribute lookups; and the step its notes carry, set with no pybind call. It is loaded
 when the process group is made, so that every collective uses them.
 
 It times DDP's own reduction of CPU gradients. Models on a GPU keep the Python hook, whose
@@ -99,16 +100,16 @@ def _load() -> Any:
 
 
 def _share_readers(mod: Any) -> None:
-    """The C probes read a group's sequence number and a tensor's dtype and bytes through the
-    timer's readers, built against torch's headers, rather than torch's binding (which releases
-    the GIL and takes it back) and the generic attribute lookup."""
+    """The C probes read a group's sequence number, a tensor's dtype and bytes and whether a
+    parameter has a gradient through the timer's readers, built against torch's headers, rather
+    than torch's binding (which releases the GIL and takes it back) and the generic attribute
+    lookups, and set the step its notes carry through its writer."""
     from ddpdoctor.probes import fastpath
 
     fast = fastpath.module()
-    if fast is not None and hasattr(mod, "seq_reader"):
-        fast.set_seq_reader(mod.seq_reader())
-    if fast is not None and hasattr(mod, "tensor_reader"):
-        fast.set_tensor_reader(mod.tensor_reader())
+    if fast is not None:
+        for capsule in mod.capsules():
+            fast.set_native(capsule)
 
 
 def eligible(ddp: Any) -> bool:
