@@ -64,6 +64,11 @@ model = DDP(torch.nn.Linear(2, 2))
 with torch.no_grad():
     for _ in range(3):
         model(torch.ones(1, 2))  # FORWARD_LINE: called through nn.Module's frames; found in C once learnt
+    for i in range(4):  # two lines in turn: each call's own site, never the one before's
+        if i % 2:
+            model(torch.ones(1, 2))  # ODD_FORWARD
+        else:
+            model(torch.ones(1, 2))  # EVEN_FORWARD
 class TwoHeads(torch.nn.Module):  # the second head is used at even steps only
     def __init__(self):
         super().__init__()
@@ -158,8 +163,9 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     assert f"c path: {pure_python != '1'}" in proc.stdout, proc.stdout
     # The DDP probes in C took the steady state: each model's first forward and first training
     # forward go to Python (its group is named, its bucket timing decided), calls that raised
-    # are not counted: 2 of the 3 no-grad forwards, heads' second forward; both backwards.
-    in_c = "{'backward': 2, 'forward': 3}" if pure_python != "1" else "{}"
+    # are not counted: 2 of the 3 no-grad forwards on one line, 1 of 2 on each of two lines in
+    # turn, heads' second forward; both backwards.
+    in_c = "{'backward': 2, 'forward': 5}" if pure_python != "1" else "{}"
     assert f"recorded in C: {in_c}" in proc.stdout, proc.stdout
     # both optimizer steps were recorded by the C post hook (the pre hook records nothing)
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
@@ -218,9 +224,11 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     forwards = [r for r in records if r[0] == "forward"]  # fields: grad, training, seq, site
     train_line, no_grad_line = _line(JOB, "TRAIN_LINE"), _line(JOB, "FORWARD_LINE")
     backward_raises = _line(JOB, "RAISES_BACKWARD")  # its forward returned, its backward raised
-    assert [sites[r[7]] for r in forwards] == [no_grad_line] * 3 + [train_line] * 2 + [backward_raises]
+    in_turn = [_line(JOB, "EVEN_FORWARD"), _line(JOB, "ODD_FORWARD")] * 2
+    expected = [no_grad_line] * 3 + in_turn + [train_line] * 2 + [backward_raises]
+    assert [sites[r[7]] for r in forwards] == expected
     assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
-    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][3:-1]
+    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][7:-1]
     step = ["forward", "backward", "optimizer"]
     assert [r[0] for r in train] == [*step, *step[:2], "unused", step[2]]
     assert all(r[4] >= 0 for r in train if r[0] == "backward")  # the run-queue delay, read

@@ -260,14 +260,20 @@ PyTypeObject RingSeqsType = {
 
 /* ------------------------------------------------------------------ site() */
 
-PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
+/* site_from, and the frames it walked when it found a site: their code objects (borrowed; at
+ * most SITE_CHAIN) in ``codes``, their number in *n (0 when it found none or walked more), the
+ * user frame's instruction in *lasti. */
+static PyObject *site_walk(PyFrameObject *frame, PyObject *calls, PyObject *is_user, PyObject **codes, int *n,
+                           int *lasti) {
     PyObject *found = Py_None;
+    *n = 0;
     Py_XINCREF(frame);
     for (int hop = 0; frame && hop < 64; hop++) {
         /* is_user[id(code)] = (is it the user's, code); calls[(id(code), instruction)] = site,
          * for user frames only */
         PyCodeObject *code = PyFrame_GetCode(frame);
         PyObject *code_id = PyLong_FromVoidPtr(code);
+        if (hop < SITE_CHAIN) codes[hop] = (PyObject *)code; /* a live frame's: alive while it runs */
         Py_DECREF(code);
         PyObject *mine = code_id ? PyDict_GetItemWithError(is_user, code_id) : NULL;
         int user = mine && PyTuple_Check(mine) && PyTuple_GET_SIZE(mine) >= 1 ? PyObject_IsTrue(PyTuple_GET_ITEM(mine, 0)) : -1;
@@ -277,10 +283,15 @@ PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
             continue;
         }
         if (user == 1) { /* the user's frame: its site, if this instruction's is known */
-            PyObject *key = Py_BuildValue("(Oi)", code_id, PyFrame_GetLasti(frame));
+            int at = PyFrame_GetLasti(frame);
+            PyObject *key = Py_BuildValue("(Oi)", code_id, at);
             PyObject *sid = key ? PyDict_GetItemWithError(calls, key) : NULL;
             Py_XDECREF(key);
-            if (sid != NULL) found = sid;
+            if (sid != NULL) {
+                found = sid;
+                *n = hop < SITE_CHAIN ? hop + 1 : 0;
+                *lasti = at;
+            }
         }
         Py_XDECREF(code_id);
         break; /* a frame not seen yet, or an instruction not learnt yet: the Python walk's */
@@ -288,6 +299,50 @@ PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
     Py_XDECREF(frame);
     if (PyErr_Occurred()) return NULL;
     return Py_NewRef(found);
+}
+
+PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
+    PyObject *codes[SITE_CHAIN];
+    int n, lasti;
+    return site_walk(frame, calls, is_user, codes, &n, &lasti);
+}
+
+void memo_clear(SiteMemo *m) {
+    Py_CLEAR(m->owner);
+    Py_CLEAR(m->site);
+    for (int i = 0; i < m->n; i++) Py_CLEAR(m->codes[i]);
+    m->n = 0;
+}
+
+PyObject *site_memo(SiteMemo *m, PyObject *owner, PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
+    if (m->n > 0 && m->owner == owner) {
+        int hit = 0;
+        PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
+        for (int i = 0; f != NULL && i < m->n; i++) {
+            PyCodeObject *code = PyFrame_GetCode(f);
+            Py_DECREF(code); /* compared by address only */
+            if ((PyObject *)code != m->codes[i]) break;
+            if (i == m->n - 1) {
+                hit = PyFrame_GetLasti(f) == m->lasti;
+                break;
+            }
+            Py_SETREF(f, PyFrame_GetBack(f));
+        }
+        Py_XDECREF(f);
+        if (hit) return Py_NewRef(m->site);
+    }
+    PyObject *codes[SITE_CHAIN];
+    int n, lasti;
+    PyObject *found = site_walk(frame, calls, is_user, codes, &n, &lasti);
+    if (found != NULL && found != Py_None && n > 0) {
+        memo_clear(m);
+        for (int i = 0; i < n; i++) m->codes[i] = Py_NewRef(codes[i]);
+        m->n = n;
+        m->lasti = lasti;
+        m->owner = Py_NewRef(owner);
+        m->site = Py_NewRef(found);
+    }
+    return found;
 }
 
 /* site(frame_depth, calls, is_user): the interned site of the first user frame at or above the

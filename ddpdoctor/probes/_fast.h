@@ -136,4 +136,18 @@ int opt_init(void);
  * None when not learnt yet, NULL on error (_fast.c). */
 PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user);
 
+/* A probe's last site found, with the frames it was found through: the code object of each
+ * frame from the first up to the user's (held), that frame's instruction, and the collector
+ * whose callsite tables said it (held: they are cleared only when another collector takes
+ * them). A call through the same frames to the same instruction has the same site: found by
+ * comparing pointers, not by a dict lookup per frame. */
+#define SITE_CHAIN 6
+typedef struct {
+    PyObject *owner, *site;
+    PyObject *codes[SITE_CHAIN];
+    int n, lasti;
+} SiteMemo;
+PyObject *site_memo(SiteMemo *m, PyObject *owner, PyFrameObject *frame, PyObject *calls, PyObject *is_user);
+void memo_clear(SiteMemo *m);
+
 #endif

@@ -25,9 +25,11 @@ typedef struct {
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *phase, *op, *op_eval, *state_attr;
     int depth, backward;
+    SiteMemo site; /* the forward's last call site */
     long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
 } DdpProbe;
 
+static PyObject *small_ints[2]; /* 0 and 1: the forward record's grad and training fields */
 static PyObject *s_sync_flag, *s_training, *s_group_named, *s_seq_of, *s_registered, *s_untimed, *s_owner,
     *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
 
@@ -36,6 +38,7 @@ static void DdpProbe_dealloc(DdpProbe *self) {
     Py_XDECREF(self->helpers); Py_XDECREF(self->globals); Py_XDECREF(self->cuda_globals);
     Py_XDECREF(self->site_globals); Py_XDECREF(self->grad_enabled); Py_XDECREF(self->phase);
     Py_XDECREF(self->op); Py_XDECREF(self->op_eval); Py_XDECREF(self->state_attr);
+    memo_clear(&self->site);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -63,6 +66,19 @@ static int DdpProbe_init(DdpProbe *self, PyObject *args, PyObject *kw) {
     self->backward = backward;
     self->vectorcall = (vectorcallfunc)(backward ? backward_call : forward_call);
     return 0;
+}
+
+/* module.<name> (a new reference, or NULL with AttributeError set) as the attribute lookup finds
+ * it, reading the module's dict (``md``) directly when its class defines nothing of that name:
+ * nn.Module's __getattr__ makes every generic lookup go through two type lookups and a
+ * call, about 750 instructions, where this is about 150. */
+static PyObject *module_attr(PyObject *module, PyObject *md, PyObject *name) {
+    if (_PyType_Lookup(Py_TYPE(module), name) == NULL) {
+        PyObject *v = PyDict_GetItemWithError(md, name);
+        if (v != NULL) return Py_NewRef(v);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyObject_GetAttr(module, name);
 }
 
 /* The probe broke before the call: failed(c, exc) logs it and switches the probe off (or
@@ -142,14 +158,14 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     PyFrameObject *frame = PyEval_GetFrame();
     Py_XINCREF(frame);
     for (int i = 0; i < self->depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
-    site = frame ? site_from(frame, calls, is_user) : NULL;
+    site = frame ? site_memo(&self->site, c, frame, calls, is_user) : NULL;
     Py_XDECREF(frame);
     if (site == NULL) goto broken;
     if (site == Py_None) goto slow; /* a site not learnt yet: the Python path walks and learns it */
     PyObject *seq_of = PyDict_GetItemWithError(sd, s_seq_of);
     PyObject *group = seq_of ? PyDict_GetItemWithError(sd, s_group) : NULL;
     if (group == NULL || (seq = seq_now(group, seq_of)) == NULL) goto slow_or_broken;
-    PyObject *training = PyObject_GetAttr(module, s_training);
+    PyObject *training = module_attr(module, md, s_training);
     int train = training ? PyObject_IsTrue(training) : -1;
     Py_XDECREF(training);
     if (train < 0) goto broken;
@@ -174,7 +190,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
             }
         }
         if (state == pace) { /* micro-batches under no_sync() share one optimizer step */
-            PyObject *sync = PyObject_GetAttr(module, s_sync_flag);
+            PyObject *sync = module_attr(module, md, s_sync_flag);
             if (sync == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
                 PyErr_Clear();
                 sync = Py_NewRef(Py_True);
@@ -196,7 +212,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     prev = Py_NewRef(s->progress);
     progress = PyTuple_Pack(8, self->phase, grad ? self->op : self->op_eval, seq, t0_obj, PyTuple_GET_ITEM(named, 1),
                             PyTuple_GET_ITEM(named, 2), minus_one, PyTuple_GET_ITEM(named, 0));
-    fields = progress ? Py_BuildValue("(iiOO)", grad, train, seq, site) : NULL;
+    fields = progress ? PyTuple_Pack(4, small_ints[grad], small_ints[train], seq, site) : NULL;
     if (fields == NULL) goto broken;
     set_field(&s->progress, progress);
 
@@ -322,6 +338,8 @@ int ddp_init(void) {
     INTERN(s_untimed, "untimed"); INTERN(s_owner, "_owner");
     INTERN(s_calls_dict, "_calls"); INTERN(s_is_user, "_is_user"); INTERN(s_ddp, "ddp");
 #undef INTERN
-    if ((minus_one = PyLong_FromLong(-1)) == NULL) return -1;
+    if ((minus_one = PyLong_FromLong(-1)) == NULL || (small_ints[0] = PyLong_FromLong(0)) == NULL ||
+        (small_ints[1] = PyLong_FromLong(1)) == NULL)
+        return -1;
     return PyType_Ready(&DdpProbeType);
 }
