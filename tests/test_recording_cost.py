@@ -349,3 +349,26 @@ def test_the_instruction_benchmark_counts_what_the_recorded_mode_adds(tmp_path: 
         assert any("sort" in row["function"] for row in r["top"][:3]), r["top"]
     # a cost per call: the same whichever number of calls was counted
     assert abs(few["added_instructions"] - many["added_instructions"]) < 0.05 * many["added_instructions"]
+
+
+def test_the_collector_sets_every_field_the_c_probes_read(tmp_path: Path) -> None:
+    """A field of ``_fast.State`` the collector never sets reads as NULL in C, and every C probe
+    then takes the Python path without a word: each must be set when the collector is made."""
+    import time
+
+    from ddpdoctor.probes import collector, fastpath
+    from ddpdoctor.trace import schema
+
+    fast = fastpath.module()
+    assert fast is not None, "the C module is built wherever the tests run (pyproject's ext-modules)"
+    header = {"rank": 0, "world_size": 1, "schema": schema.SCHEMA, "mono_ns": time.monotonic_ns()}
+    c = collector.Collector(str(tmp_path), header, None)
+    try:
+        assert isinstance(c, fast.State)
+        fields = [k for k, v in vars(fast.State).items() if type(v).__name__ == "member_descriptor"]
+        assert len(fields) == 22, fields
+        assert [k for k in fields if not hasattr(c, k)] == []
+        c.step += 1  # Python reads and writes them as attributes
+        assert (c.step, c.events, c.progress) == (0, 0, None)
+    finally:
+        c.close()

@@ -55,13 +55,38 @@ typedef union {
     double d;
 } Value;
 
-/* The collector's per-event state (_fast_state.c): the collector's base class. */
+/* The collector's per-event state (_fast_state.c): the collector's base class, its fields
+ * declared once here, (name, what it holds); the integers are C's, the rest any object. */
+#define STATE_INTS(X)                                                                  \
+    X(step, "the training step (-1 before the first)")                                 \
+    X(events, "events recorded so far: the counter liveness watches move")             \
+    X(last_step_ns, "entry of the last training forward")                              \
+    X(max_step_ns, "the slowest step seen")                                            \
+    X(optimizer_t0, "the running optimizer step's start, 0 when none")
+#define STATE_OBJECTS(X)                                                               \
+    X(progress, "the sync point the rank is inside, or None")                         \
+    X(disabled, "the probes switched off")                                             \
+    X(writer, "the trace writer")                                                      \
+    X(in_bucket_hook, "inside a gradient bucket's comm hook")                          \
+    X(awaiting_backward, "a grad-mode DDP forward has not had its backward yet")       \
+    X(accumulating, "the pace model's last forward ran under no_sync()")               \
+    X(step_model, "the DDP model state of the last grad-mode forward")                 \
+    X(pace_model, "the model whose grad-mode forwards count steps")                    \
+    X(native_step, "the C++ timer's set_step, or None")                                \
+    X(native_settling, "drain the C++ timer after each backward")                      \
+    X(default_pg, "the default process group")                                         \
+    X(optimizer_outer, "weakref to the optimizer whose step began, or None")           \
+    X(calls, "per call site and tensor shape, what a collective's records share")      \
+    X(collective_kind, "the collective's record kind")                                 \
+    X(forward_kind, "the DDP forward's record kind")                                   \
+    X(backward_kind, "the DDP backward's record kind")                                 \
+    X(optimizer_kind, "the optimizer step's record kind")
+#define STATE_INT_FIELD(name, doc) long long name;
+#define STATE_OBJECT_FIELD(name, doc) PyObject *name;
 typedef struct {
     PyObject_HEAD
-    long long step, events, last_step_ns, max_step_ns, optimizer_t0;
-    PyObject *progress, *disabled, *writer, *in_bucket_hook, *awaiting_backward, *accumulating, *step_model,
-        *pace_model, *native_step, *native_settling, *default_pg, *optimizer_outer, *calls, *collective_kind,
-        *forward_kind, *backward_kind, *optimizer_kind;
+    STATE_INTS(STATE_INT_FIELD)
+    STATE_OBJECTS(STATE_OBJECT_FIELD)
 } State;
 extern PyTypeObject StateType;
 /* ``c`` as a State, or NULL (not one: the Python path's). */

@@ -5,28 +5,23 @@
  * (about 120 instructions) and its write a dict store (about 200), some twenty of each per
  * tiny step. As members they are a load and a store, and Python reads and writes them as it
  * did, through member descriptors. The counters and times are C integers (Python sees ints);
- * everything else is any object, as before. A field never set reads as AttributeError.
+ * everything else is any object, as before. A field never set reads as AttributeError. The
+ * fields are declared once, in _fast.h's STATE_INTS and STATE_OBJECTS.
  */
 #include "_fast.h"
 #include <structmember.h>
 
 static int State_traverse(State *self, visitproc visit, void *arg) {
-    Py_VISIT(self->progress); Py_VISIT(self->disabled); Py_VISIT(self->writer); Py_VISIT(self->in_bucket_hook);
-    Py_VISIT(self->awaiting_backward); Py_VISIT(self->accumulating); Py_VISIT(self->step_model);
-    Py_VISIT(self->pace_model); Py_VISIT(self->native_step); Py_VISIT(self->native_settling);
-    Py_VISIT(self->default_pg); Py_VISIT(self->optimizer_outer); Py_VISIT(self->calls);
-    Py_VISIT(self->collective_kind); Py_VISIT(self->forward_kind); Py_VISIT(self->backward_kind);
-    Py_VISIT(self->optimizer_kind);
+#define VISIT(name, doc) Py_VISIT(self->name);
+    STATE_OBJECTS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int State_clear(State *self) {
-    Py_CLEAR(self->progress); Py_CLEAR(self->disabled); Py_CLEAR(self->writer); Py_CLEAR(self->in_bucket_hook);
-    Py_CLEAR(self->awaiting_backward); Py_CLEAR(self->accumulating); Py_CLEAR(self->step_model);
-    Py_CLEAR(self->pace_model); Py_CLEAR(self->native_step); Py_CLEAR(self->native_settling);
-    Py_CLEAR(self->default_pg); Py_CLEAR(self->optimizer_outer); Py_CLEAR(self->calls);
-    Py_CLEAR(self->collective_kind); Py_CLEAR(self->forward_kind); Py_CLEAR(self->backward_kind);
-    Py_CLEAR(self->optimizer_kind);
+#define CLEAR(name, doc) Py_CLEAR(self->name);
+    STATE_OBJECTS(CLEAR)
+#undef CLEAR
     return 0;
 }
 
@@ -36,35 +31,15 @@ static void State_dealloc(State *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-#define OBJ(name, doc) {#name, T_OBJECT_EX, offsetof(State, name), 0, doc}
-#define INT(name, doc) {#name, T_LONGLONG, offsetof(State, name), 0, doc}
+#define INT(name, doc) {#name, T_LONGLONG, offsetof(State, name), 0, doc},
+#define OBJ(name, doc) {#name, T_OBJECT_EX, offsetof(State, name), 0, doc},
 static PyMemberDef State_members[] = {
-    INT(step, "the training step (-1 before the first)"),
-    INT(events, "events recorded so far: the counter liveness watches move"),
-    INT(last_step_ns, "entry of the last training forward"),
-    INT(max_step_ns, "the slowest step seen"),
-    INT(optimizer_t0, "the running optimizer step's start, 0 when none"),
-    OBJ(progress, "the sync point the rank is inside, or None"),
-    OBJ(disabled, "the probes switched off"),
-    OBJ(writer, "the trace writer"),
-    OBJ(in_bucket_hook, "inside a gradient bucket's comm hook"),
-    OBJ(awaiting_backward, "a grad-mode DDP forward has not had its backward yet"),
-    OBJ(accumulating, "the pace model's last forward ran under no_sync()"),
-    OBJ(step_model, "the DDP model state of the last grad-mode forward"),
-    OBJ(pace_model, "the model whose grad-mode forwards count steps"),
-    OBJ(native_step, "the C++ timer's set_step, or None"),
-    OBJ(native_settling, "drain the C++ timer after each backward"),
-    OBJ(default_pg, "the default process group"),
-    OBJ(optimizer_outer, "weakref to the optimizer whose step began, or None"),
-    OBJ(calls, "per call site and tensor shape, what a collective's records share"),
-    OBJ(collective_kind, "the collective's record kind"),
-    OBJ(forward_kind, "the DDP forward's record kind"),
-    OBJ(backward_kind, "the DDP backward's record kind"),
-    OBJ(optimizer_kind, "the optimizer step's record kind"),
+    STATE_INTS(INT)
+    STATE_OBJECTS(OBJ)
     {NULL, 0, 0, 0, NULL},
 };
-#undef OBJ
 #undef INT
+#undef OBJ
 
 PyTypeObject StateType = {
     PyVarObject_HEAD_INIT(NULL, 0)
