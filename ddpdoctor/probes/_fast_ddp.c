@@ -24,7 +24,7 @@ typedef struct {
     PyObject *globals, *cuda_globals, *site_globals; /* collector, cuda_timing, callsite dicts */
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *phase, *op, *op_eval, *state_attr;
-    int depth, backward;
+    int depth;
     SiteMemo site; /* the forward's last call site */
     long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
 } DdpProbe;
@@ -63,7 +63,6 @@ static int DdpProbe_init(DdpProbe *self, PyObject *args, PyObject *kw) {
         Py_XSETREF(*fields[i], o[i]);
     }
     self->depth = depth;
-    self->backward = backward;
     self->vectorcall = (vectorcallfunc)(backward ? backward_call : forward_call);
     return 0;
 }

@@ -181,13 +181,11 @@ void after_backward(State *s, PyObject *prev, int64_t t0, PyObject *helpers) {
         PyErr_Restore(e.type, e.value, e.tb);
         return;
     }
+    set_field(&s->progress, prev);
     PyObject *runq = run_queue_now();
     PyObject *fields = runq ? PyTuple_Pack(1, runq) : NULL;
     Py_XDECREF(runq);
-    if (fields != NULL) {
-        set_field(&s->progress, prev);
-        pack_event(s, s->backward_kind, t0, now_ns(), fields);
-    }
+    if (fields != NULL) pack_event(s, s->backward_kind, t0, now_ns(), fields);
     Py_XDECREF(fields);
     if (clear_own_error() < 0) return;
     /* which parameters got no gradient: DDP's used map with find_unused_parameters (Python),
