@@ -1,4 +1,4 @@
-"""Monkeypatching that keeps every original and can be undone.
+"""Monkeypatching that keeps every original under the wrapper (``original``).
 
 Methods are patched on the existing classes (never replaced classes), so ``isinstance`` and
 names imported before us keep working.
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 _ORIGINAL = "__ddpdoctor_original__"
-_applied: list[tuple[Any, str, Any]] = []
 
 
 def patch(owner: Any, name: str, make_wrapper: Callable[[Any], Callable[..., Any]]) -> bool:
@@ -24,17 +23,9 @@ def patch(owner: Any, name: str, make_wrapper: Callable[[Any], Callable[..., Any
         functools.update_wrapper(wrapper, original)
     setattr(wrapper, _ORIGINAL, original)
     setattr(owner, name, wrapper)
-    _applied.append((owner, name, original))
     return True
 
 
 def original(func: Any) -> Any:
     """The function under our wrapper (or ``func`` itself if it is not ours)."""
     return getattr(func, _ORIGINAL, func)
-
-
-def undo_all() -> None:
-    """Restore every original, newest first."""
-    while _applied:
-        owner, name, orig = _applied.pop()
-        setattr(owner, name, orig)
