@@ -24,8 +24,14 @@ nanosecond). The figure says how much work the doctor adds and, with ``--top``, 
 (functions by instructions added, per call or step; negative: work the doctor saves, as the
 C++ bucket timer's reduction does against DDP's own).
 
+``--cache`` also simulates the caches (callgrind's ``--cache-sim``: this machine's L1 sizes, 32
+KiB each for code and data) and adds the first-level misses the recording adds per call or
+step. After a call that blocks (gloo hands the work to its own thread and waits), the training
+thread comes back to caches that other code has used, and what the doctor's code then costs
+follows from how many cache lines it touches more than from how many instructions it runs.
+
     python benchmarks/instructions.py [--case collective step] [--calls 5000] [--steps 1000]
-                                      [--warmup 3000] [--top 15] [--json]
+                                      [--warmup 3000] [--top 15] [--cache] [--json]
 """
 
 from __future__ import annotations
@@ -83,14 +89,15 @@ for _ in range(n):
 os._exit(0)  # the same exit in every run: no teardown counted
 """
 
-_LINE = re.compile(r"\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*)")
+EVENTS = ("Ir", "I1mr", "D1mr", "D1mw")  # instructions; first-level code, data-read, data-write misses
+_COUNT = re.compile(r"([\d,]+|\.)(?:\s+\(\s*[\d.]+%\))?\s+")
 
 
-def _callgrind(child: Path, out: Path, case: str, mode: str, warmup: int, n: int) -> Path:
+def _callgrind(child: Path, out: Path, case: str, mode: str, warmup: int, n: int, cache: bool) -> Path:
     """Run one case under callgrind; the training thread's profile (callgrind's thread 1)."""
     prefix = out / f"{case}.{mode}.{n}"
     cmd = [
-        "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        "valgrind", "--tool=callgrind", "--separate-threads=yes", f"--cache-sim={'yes' if cache else 'no'}",
         f"--callgrind-out-file={prefix}", sys.executable, str(child), case, mode, str(warmup), str(n),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same start-up in every run: a count that repeats
@@ -101,50 +108,70 @@ def _callgrind(child: Path, out: Path, case: str, mode: str, warmup: int, n: int
     return main
 
 
-def _functions(profile: Path) -> tuple[int, dict[str, int]]:
-    """The profile's total and each function's own instructions (callgrind_annotate's table)."""
+def _functions(profile: Path, cache: bool) -> tuple[list[int], dict[str, list[int]]]:
+    """The profile's totals and each function's own counts (callgrind_annotate's table), one per
+    event counted: instructions, and with ``cache`` the misses of ``EVENTS``."""
+    events = EVENTS if cache else EVENTS[:1]
     text = subprocess.run(
-        ["callgrind_annotate", "--auto=no", "--threshold=100", str(profile)],
+        ["callgrind_annotate", "--auto=no", "--threshold=100", f"--show={','.join(events)}", str(profile)],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    total, own = 0, {}
+    total, own = [0] * len(events), {}
     for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m:
+        line, counts, at = line.strip(), [], 0
+        while len(counts) < len(events) and (m := _COUNT.match(line, at)):
+            counts.append(0 if m.group(1) == "." else int(m.group(1).replace(",", "")))
+            at = m.end()
+        name = line[at:].strip()
+        if len(counts) < len(events) or not name:
             continue
-        count, name = int(m.group(1).replace(",", "")), m.group(2).strip()
         if "PROGRAM TOTALS" in name:
-            total = count
+            total = counts
             continue
         name = re.sub(r"\s*\[[^\]]*\]$", "", name)  # the library's path
         name = re.sub(r"^/tmp/python-build[^:]*/", "", name)  # CPython's build directory
-        own[name] = own.get(name, 0) + count
+        own[name] = [a + b for a, b in zip(own.get(name, [0] * len(events)), counts)]
     return total, own
 
 
-def measure(case: str, n: int, warmup: int, top: int, workdir: Path, child: Path) -> dict[str, Any]:
+def measure(
+    case: str, n: int, warmup: int, top: int, workdir: Path, child: Path, cache: bool
+) -> dict[str, Any]:
     runs = [(mode, k) for mode in ("recorded", "plain") for k in (0, n)]
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        counted = pool.map(lambda r: _callgrind(child, workdir, case, r[0], warmup, r[1]), runs)
+        counted = pool.map(lambda r: _callgrind(child, workdir, case, r[0], warmup, r[1], cache), runs)
         paths = dict(zip(runs, counted))
-    profiles = {r: _functions(p) for r, p in paths.items()}
+    profiles = {r: _functions(p, cache) for r, p in paths.items()}
+    width = len(EVENTS) if cache else 1
 
-    def per(mode: str) -> tuple[float, dict[str, float]]:
+    def per(mode: str) -> tuple[list[float], dict[str, list[float]]]:
         (t0, f0), (t1, f1) = profiles[mode, 0], profiles[mode, n]
-        return (t1 - t0) / n, {k: (f1.get(k, 0) - f0.get(k, 0)) / n for k in set(f0) | set(f1)}
+        zero = [0] * width
+        return [(b - a) / n for a, b in zip(t0, t1)], {
+            k: [(b - a) / n for a, b in zip(f0.get(k, zero), f1.get(k, zero))] for k in set(f0) | set(f1)
+        }
 
     (rec, rec_f), (plain, plain_f) = per("recorded"), per("plain")
-    added = {k: rec_f.get(k, 0.0) - plain_f.get(k, 0.0) for k in set(rec_f) | set(plain_f)}
-    ranked = sorted(added.items(), key=lambda kv: -abs(kv[1]))[:top]
-    return {
+    zero = [0.0] * width
+    added = {k: [a - b for a, b in zip(rec_f.get(k, zero), plain_f.get(k, zero))] for k in {*rec_f, *plain_f}}
+    ranked = sorted(added.items(), key=lambda kv: -abs(kv[1][0]))[:top]
+    result: dict[str, Any] = {
         "case": case,
         "count": n,
-        "plain_instructions": round(plain),
-        "recorded_instructions": round(rec),
-        "added_instructions": round(rec - plain),
-        "added_ratio": round(rec / plain, 4) if plain else None,
-        "top": [{"function": k, "added": round(v)} for k, v in ranked],
+        "plain_instructions": round(plain[0]),
+        "recorded_instructions": round(rec[0]),
+        "added_instructions": round(rec[0] - plain[0]),
+        "added_ratio": round(rec[0] / plain[0], 4) if plain[0] else None,
+        "top": [{"function": k, "added": round(v[0])} for k, v in ranked],
     }
+    if cache:
+        names = {"I1mr": "code_misses", "D1mr": "data_read_misses", "D1mw": "data_write_misses"}
+        for i, event in enumerate(EVENTS[1:], 1):
+            result[f"plain_{names[event]}"] = round(plain[i])
+            result[f"added_{names[event]}"] = round(rec[i] - plain[i])
+        for row, (_, v) in zip(result["top"], ranked):
+            row["added_code_misses"] = round(v[1])
+    return result
 
 
 def main() -> None:
@@ -154,6 +181,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="training steps counted (step case)")
     ap.add_argument("--warmup", type=int, default=3000, help="calls or steps before counting")
     ap.add_argument("--top", type=int, default=15, help="functions listed by instructions added")
+    ap.add_argument("--cache", action="store_true", help="also count the first-level cache misses added")
     ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
     args = ap.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
@@ -167,7 +195,7 @@ def main() -> None:
         child.write_text(CHILD.replace("__BENCHMARKS__", repr(str(Path(__file__).resolve().parent))))
         for case in args.case:
             n = args.calls if case == "collective" else args.steps
-            result[case] = measure(case, n, args.warmup, args.top, Path(tmp), child)
+            result[case] = measure(case, n, args.warmup, args.top, Path(tmp), child, args.cache)
     if args.json:
         print(json.dumps(result))
         return
@@ -178,8 +206,16 @@ def main() -> None:
             f"({r['plain_instructions']:,} plain, {r['recorded_instructions']:,} recorded: "
             f"{r['added_ratio']}x)"
         )
+        if "added_code_misses" in r:
+            print(
+                f"  first-level cache misses added per {unit}: {r['added_code_misses']:+,} code "
+                f"({r['plain_code_misses']:,} plain), {r['added_data_read_misses']:+,} data read "
+                f"({r['plain_data_read_misses']:,}), {r['added_data_write_misses']:+,} data write "
+                f"({r['plain_data_write_misses']:,})"
+            )
         for row in r["top"]:
-            print(f"  {row['added']:+9,}  {row['function'][:110]}")
+            misses = f"  ({row['added_code_misses']:+,} code misses)" if "added_code_misses" in row else ""
+            print(f"  {row['added']:+9,}  {row['function'][:100]}{misses}")
 
 
 if __name__ == "__main__":

@@ -322,8 +322,9 @@ def test_the_gap_benchmark_times_recorded_and_plain_calls_at_each_gap() -> None:
 COUNTED_CHILD = """
 import sys
 case, mode, warmup, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+data = bytes(256 * 1024)  # 4,096 cache lines of 64 bytes, eight times the first-level cache
 def extra():
-    return sorted(range(50, 0, -1))
+    return sorted(range(50, 0, -1)) if case == "sort" else data.count(1)
 def one():
     if mode == "recorded":
         extra()
@@ -342,13 +343,29 @@ def test_the_instruction_benchmark_counts_what_the_recorded_mode_adds(tmp_path: 
 
     child = tmp_path / "counted.py"
     child.write_text(COUNTED_CHILD)
-    few, many = (measure("x", n, 10, 5, tmp_path, child) for n in (50, 200))
+    few, many = (measure("sort", n, 10, 5, tmp_path, child, False) for n in (50, 200))
     for r in (few, many):
         assert r["plain_instructions"] < r["added_instructions"], r
         assert abs(r["recorded_instructions"] - r["plain_instructions"] - r["added_instructions"]) <= 1
         assert any("sort" in row["function"] for row in r["top"][:3]), r["top"]
     # a cost per call: the same whichever number of calls was counted
     assert abs(few["added_instructions"] - many["added_instructions"]) < 0.05 * many["added_instructions"]
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="benchmarks/instructions.py needs valgrind")
+def test_the_instruction_benchmark_counts_the_cache_misses_the_recorded_mode_adds(tmp_path: Path) -> None:
+    """With ``--cache``, a recorded mode that reads 256 KiB on every call adds a first-level
+    data miss per 64-byte line it reads (4,096), and almost no code misses: its loop is small.
+    The scan heads the functions that added instructions."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from instructions import measure
+
+    child = tmp_path / "counted.py"
+    child.write_text(COUNTED_CHILD)
+    r = measure("scan", 40, 10, 5, tmp_path, child, True)
+    assert 4096 * 0.95 < r["added_data_read_misses"] < 4096 * 1.1, r
+    assert abs(r["added_code_misses"]) < 50, r
+    assert "count" in r["top"][0]["function"], r["top"]  # bytes.count: the scan itself
 
 
 def test_the_collector_sets_every_field_the_c_probes_read(tmp_path: Path) -> None:
