@@ -125,7 +125,12 @@ def test_what_each_rank_read_decides_sharding_not_the_sampler(tmp_path: Path) ->
     _, found = findings(tmp_path / "a", "same_shard")
     (f,) = serious(found)
     assert f["kind"] == "missing_distributed_sampler" and f["details"]["same_batches"] is True
-    assert "identical batches" in f["summary"]
+    made = _line("misuse.py", "sampler = DistributedSampler(data, num_replicas=2, rank=0")
+    said = " ".join(f["summary"].split())
+    assert "identical batches" in said and f"created at misuse.py:{made}" in said, said
+    assert "was built with rank=0 on every rank (num_replicas=2)" in said, said
+    assert f["details"]["place"] == f"misuse.py:{made}" and "dist.get_rank()" in f["fix"], f
+    assert "Pass sampler=DistributedSampler" not in f["fix"]  # it has one: the advice is its rank
     # Each rank loads its own split with a plain shuffling loader: different data, no warning.
     _, found = findings(tmp_path / "b", "presplit")
     assert serious(found) == []

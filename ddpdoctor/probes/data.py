@@ -189,12 +189,17 @@ def describe_loader(loader: Any) -> dict[str, Any]:
 
 
 def _sampler_sites(sampler: Any) -> dict[str, Any]:
-    """Where a DistributedSampler was created, its set_epoch calls, and the last set_epoch on
-    another sampler when it had none."""
+    """Where a DistributedSampler was created, the shard it was built to deal (rank and
+    num_replicas), its set_epoch calls, and the last set_epoch on another sampler when it had
+    none."""
     if not hasattr(sampler, _SITE):
         return {}
     calls, site = getattr(sampler, _SET_EPOCH, (0, ""))
     out: dict[str, Any] = {"sampler_site": getattr(sampler, _SITE), "set_epoch_calls": calls}
+    for key, attr in (("sampler_rank", "rank"), ("sampler_replicas", "num_replicas")):  # its shard
+        value = getattr(sampler, attr, None)
+        if isinstance(value, int):
+            out[key] = value
     if site:
         out["set_epoch_site"] = site
     last = _LAST_SET_EPOCH[0]

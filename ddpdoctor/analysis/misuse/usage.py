@@ -87,6 +87,9 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
     identical = reads.same_data(first)
     if identical and not missing:  # sharded by count, yet every rank read the same batches
         missing = {rank: infos for rank, infos in _first_infos(run).items()}
+        if "DistributedSampler" in str(next(iter(missing.values())).get("sampler")):
+            yield _one_shard(missing)
+            return
     if missing:
         info = next(iter(missing.values()))
         differ = identical is False
@@ -158,6 +161,45 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 "set_epoch_elsewhere": elsewhere or None,
             },
         )
+
+
+def _one_shard(infos: dict[int, dict[str, Any]]) -> Finding:
+    """DistributedSamplers that shard by count and still gave every rank the same batches: what
+    each was built with says why (one rank given to all, a single replica), where it says."""
+    info = next(iter(infos.values()))
+    ranks = {i.get("sampler_rank") for i in infos.values()}
+    replicas = {i.get("sampler_replicas") for i in infos.values()}
+    created = f" created at {info['sampler_site']}" if info.get("sampler_site") else ""
+    if len(ranks) == 1 and None not in ranks and None not in replicas:
+        built = f" was built with rank={ranks.pop()} on every rank (num_replicas={min(replicas)})"
+    elif replicas == {1}:
+        built = " was built with num_replicas=1"
+    else:
+        built = ""
+    return Finding(
+        "missing_distributed_sampler",
+        "warning",
+        sorted(infos),
+        f"the training DataLoader's {info['sampler']}{created}{built}: every rank's passes begin "
+        f"with identical batches (ranks {rank_list(infos)}), so the ranks train on the same data",
+        fix="Give each rank its own shard: DistributedSampler(dataset) takes rank and num_replicas "
+        "from the process group; if you pass them, pass dist.get_rank() and "
+        "dist.get_world_size(). torchrun passes no --local_rank argument (a parser default of 0 "
+        "gives every rank rank 0's shard), and LOCAL_RANK is the rank within a node, not the "
+        "global rank the sampler needs.",
+        details={
+            "place": info.get("sampler_site") or info.get("site"),
+            "loop": info.get("site"),
+            "sampler": info["sampler"],
+            "sampler_ranks": {r: i.get("sampler_rank") for r, i in infos.items()},
+            "num_replicas": {r: i.get("sampler_replicas") for r, i in infos.items()},
+            "batches_per_rank": info.get("batches"),
+            "dataset_len": info.get("dataset_len"),
+            "batch_size": info.get("batch_size"),
+            "ranks": sorted(infos),
+            "same_batches": True,
+        },
+    )
 
 
 def _first_infos(run: Run) -> dict[int, dict[str, Any]]:
