@@ -118,6 +118,36 @@ def test_a_scheduler_stepped_with_a_metric_every_rank_shares_is_no_cause(tmp_pat
     assert noted[0] == noted[1] and len({str(g) for _, g in noted[0]}) >= 2  # at least one cut, alike
 
 
+def test_weights_a_forward_changes_in_place_by_its_own_batch_name_the_forward(tmp_path: Path) -> None:
+    """nn.Embedding(max_norm=...) renormalises, in place, the rows each rank's batch looked up
+    (held-out set 17): the copies part from step 0 with every gradient all-reduced. The cause is
+    the forward, from the version counters it moved, not weights loaded after wrapping."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "inplace_forward.py", "max_norm"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["details"]["parameters"] == ["table.weight"] and f["details"]["cause"] == "changed_in_forward", f
+    said = " ".join(f["summary"].split())
+    assert "the forward changes them in place, each rank by its own batch" in said, said
+    assert "table.weight in an Embedding(max_norm=1.0)" in said and "max_norm" in f["fix"], f
+    assert "load" not in f["fix"].lower(), f["fix"]  # nothing was loaded
+
+
+@pytest.mark.parametrize("mode", ["renorm_after", "clamp_in"])
+def test_in_place_changes_alike_on_every_rank_say_nothing(tmp_path: Path, mode: str) -> None:
+    """The twins: the whole table renormalised after each step on every rank, and a clamp in
+    the forward that is the same everywhere (its change is on record; the replicas agree)."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "inplace_forward.py", mode))
+    assert job.returncode == 0, job.stderr
+    found = diagnose_json(job.run_dir)["findings"]
+    assert [f["kind"] for f in found if f["severity"] != "info"] == [], found
+    edited = [ln[4] for ln in read_lines(RunDir(job.run_dir).trace(0)) if ln[0] == schema.INPLACE]
+    assert edited == (
+        [{"model": 0, "params": ["head.weight"], "modules": {"head.weight": "Linear"}}]
+        if mode == "clamp_in"
+        else []
+    )
+
+
 @pytest.mark.parametrize(
     "script",
     [

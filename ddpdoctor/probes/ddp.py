@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.probes import callsite, commhook, fastpath, guard
+from ddpdoctor.probes import callsite, commhook, ddp_model, fastpath, guard
 from ddpdoctor.probes import collector as _c
 from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
@@ -159,6 +159,10 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 pg, gname, gsize, seq = group_info(self.process_group, c)
             where = callsite.site(c)
+            before = None
+            if state is not None and not state.forward_seen:
+                state.forward_seen = True
+                before = ddp_model.versions(state)
         except Exception as exc:
             c.fail(PROBE, exc)
             return forward(self, *inputs, **kwargs)
@@ -184,6 +188,11 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         c.progress = prev
         c.events += 1
         c.pack(c.forward_kind, t0, t1, c.step, fields)
+        if before is not None:
+            try:
+                ddp_model.changed_in_forward(c, state, self, before)
+            except Exception as exc:
+                c.fail(PROBE, exc)
         return result
 
     probe = _in_c(False, forward, forward_, _forward_raised, (), LivePhase.FORWARD, _TRAIN, _EVAL)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.probes import guard
+from ddpdoctor.trace import schema
 
 STATE = "_ddpdoctor_state"  # attribute on each DDP instance
 
@@ -41,6 +42,7 @@ class ModelState:
         self.last_step_seen = -1
         self.layout: dict[int, int] = {}  # bucket index -> bytes, as last recorded
         self.index = 0  # this rank's n-th DistributedDataParallel: what ``unused`` records name
+        self.forward_seen = False  # its first forward is watched for in-place parameter changes
 
 
 def seq_reader(group: Any) -> Callable[[], int]:
@@ -65,3 +67,25 @@ def reducer_parameters(ddp: Any) -> tuple[list[str], list[Any]]:
             names.append(name)
             params.append(param)
     return names, params
+
+
+def versions(state: ModelState) -> list[int]:
+    """Each parameter's version counter, which every in-place change to it moves."""
+    return [p._version for p in state.params]
+
+
+def changed_in_forward(c: Any, state: ModelState, ddp: Any, before: list[int]) -> None:
+    """Record the parameters the model's first forward changed in place. A forward that edits a
+    weight by its own batch (``nn.Embedding(max_norm=...)`` renormalises the rows the batch
+    looked up) parts the replicas without an error; the divergence finding names it as the cause
+    only when the parameters that differ are among these."""
+    moved = [i for i, (p, v) in enumerate(zip(state.params, before)) if p._version != v]
+    if not moved:
+        return
+    names = [state.param_names[i] for i in moved]
+    owners = {}
+    for name in names:
+        owner = ddp.module.get_submodule(name.rpartition(".")[0])
+        max_norm = getattr(owner, "max_norm", None)
+        owners[name] = type(owner).__name__ + (f"(max_norm={max_norm})" if max_norm is not None else "")
+    c.meta(schema.INPLACE, {"model": state.index, "params": names, "modules": owners})

@@ -75,6 +75,11 @@ ddp_error       {error, params: [names], message}: DDP raised (e.g. unfinished r
 save            {path, module_prefix, ms}: ``torch.save`` to a file (module_prefix: the state
                 came from the DDP wrapper, keys start with "module.")
 load            {path, map_location}: ``torch.load`` from a file, and whether it was mapped
+inplace         {model, params: [names], modules: {name: owner}}: parameters a DDP model's first
+                forward changed in place (their version counters moved; ``owner`` the class of
+                the module that holds each, with its ``max_norm`` when it has one), once per
+                model and only when some did: a forward that edits weights by its own batch
+                parts the replicas without an error
 load_state      {target ("model" or "optimizer"), class, site, model}: ``load_state_dict`` on a
                 module or an optimizer; ``model``: the index of the DDP model the module is
                 (or is inside), null when it is in none (e.g. loaded before wrapping)
@@ -208,6 +213,7 @@ DDP_ERROR = "ddp_error"
 SAVE = "save"
 LOAD = "load"
 LOAD_STATE = "load_state"  # load_state_dict on a module or an optimizer
+INPLACE = "inplace"  # parameters a model's first forward changed in place
 FINGERPRINT = "fingerprint"  # per-tensor hashes of a DDP model: are the ranks' copies equal?
 OPT_SETTINGS = "opt_settings"  # an optimizer's settings (lr, momentum...) when they changed
 PROBE_ERROR = "probe_error"
@@ -342,7 +348,7 @@ META_KINDS = frozenset(
         END,
         CLOCK,
     )
-    + (RANK_ERROR, LOAD_STATE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE, ENTERED)
+    + (RANK_ERROR, LOAD_STATE, INPLACE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE, ENTERED)
 )
 
 

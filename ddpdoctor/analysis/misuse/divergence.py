@@ -49,6 +49,18 @@ def _loads(run: Run, model: int, target: str) -> dict[int, list[tuple[int, int, 
     return out
 
 
+def _changed_in_forward(run: Run, model: int) -> dict[str, str]:
+    """name -> the module holding it, for the parameters a first forward of ``model`` changed
+    in place on some rank (``probes/ddp_model.py``)."""
+    out: dict[str, str] = {}
+    for trace in run.ranks.values():
+        for _, _, info in trace.meta.get(schema.INPLACE, []):
+            if info.get("model") == model:
+                owners = info.get("modules") or {}
+                out.update({n: str(owners.get(n, "")) for n in info.get("params", [])})
+    return out
+
+
 def _sized(names: list[str], numels: dict[str, int], limit: int = 6) -> str:
     shown = [f"{n} ({numels[n]:,} elements)" if n in numels else n for n in names[:limit]]
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
@@ -64,6 +76,12 @@ _FIX_DRIFT = (
     "Make every rank apply the same update (no rank-dependent in-place changes to the weights, "
     "the same optimizer state everywhere); after changing weights on one rank, broadcast them: "
     "for t in model.module.state_dict().values(): dist.broadcast(t, src=0)."
+)
+_FIX_FORWARD = (
+    "Keep the forward from changing the weights in place: each rank changes them by its own "
+    "batch. Make the change after optimizer.step(), the same on every rank and to the whole "
+    "tensor (under torch.no_grad()), or not at all; nn.Embedding's max_norm renormalises only "
+    "the rows the batch looked up: drop it and renormalise the whole table after each step."
 )
 _FIX_OPTIMIZER = (
     "Load the optimizer state on every rank (each rank keeps its own copy), or broadcast it "
@@ -191,6 +209,11 @@ def _weights(
     elif at_init:
         cause, fix = "not_broadcast", _FIX_LOAD
         why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
+    elif (edited := _changed_in_forward(run, model)) and all(d.name in edited for d in found):
+        cause, fix = "changed_in_forward", _FIX_FORWARD
+        owners = sorted({f"{n} in an {edited[n]}" if edited[n] else n for n in (d.name for d in found)})
+        why = "the forward changes them in place, each rank by its own batch (the model's first "
+        why += f"forward moved the version counter of {', '.join(owners)})"
     elif not opt_odd and not skipped and (setting := settings.first_difference(run, head.first[0])):
         cause, fix, why = "optimizer_settings_differ", settings.FIX, setting.text()
         place = setting.place
