@@ -309,3 +309,26 @@ def test_an_extra_call_that_paired_silently_is_the_root_not_the_mismatch_it_led_
     r1 = _ledger(1, [(5, "all_reduce", "t.py:60", "fit"), (6, "all_reduce", "t.py:70", "run")])
     r0 = _ledger(0, [(5, "all_reduce", "t.py:60", "fit"), (6, "barrier", "t.py:97", "main")])
     assert extra_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {}) is None
+
+
+def test_an_all_reduce_whose_count_one_rank_changed_from_its_own_earlier_calls_names_that_rank() -> None:
+    """Per-domain sums all-reduced from one line every 10 steps (held-out set 17): rank 1 starts
+    to see a new domain and sends 8 values where it, like rank 0, had always sent 6. gloo does
+    not refuse it: rank 0 returns, rank 1 waits. The rank whose count changed is the root; when
+    both changed, or neither had called from that line before, no rank is named."""
+
+    def ledger(rank: int, counts: list[int]) -> Ledger:
+        points = [
+            Point(seq, "all_reduce", 4 * n, "WORLD", seq, "t.py:56", dtype="float32", numel=n, func="report")
+            for seq, n in enumerate(counts, start=10)
+        ]
+        points[-1].in_flight = rank == 1
+        return Ledger(rank, points=points)
+
+    found = first_divergence({0: ledger(0, [6, 6, 6]), 1: ledger(1, [6, 6, 8])})
+    assert found is not None and found.what == "mismatch" and found.root == 1 and found.others == [0]
+    assert found.evidence["changed"] == "rank 1's earlier calls from that line had 6 elements"
+    both = first_divergence({0: ledger(0, [6, 6, 4]), 1: ledger(1, [6, 6, 8])})
+    assert both is not None and both.what == "mismatch" and both.root is None
+    fresh = first_divergence({0: ledger(0, [6]), 1: ledger(1, [8])})
+    assert fresh is not None and fresh.what == "mismatch" and fresh.root is None

@@ -68,7 +68,11 @@ def first_divergence(ledgers: dict[int, Ledger]) -> Divergence | None:
                 continue
             differs = {"bytes": "size", "numel": "size"}.get(differ.field, differ.field)
             evidence = {"seq": seq, "differs": differs, "disagreement": differ.text, "field": differ.name}
-            return Divergence("mismatch", None, [], dict(at), evidence)
+            root, was = _changed(have, present, seq) if differs == "size" else (None, "")
+            if root is None:
+                return Divergence("mismatch", None, [], dict(at), evidence)
+            evidence["changed"] = was
+            return Divergence("mismatch", root, [r for r in have if r != root], dict(at), evidence)
         missing = [r for r in at if at[r] is None]
         if all(last[r] < seq for r in missing):
             gone = min(missing, key=lambda r: (present[r].last_step, r))
@@ -87,17 +91,27 @@ def _sizes_differ(have: dict[int, Point], ledgers: dict[int, Ledger], seq: int) 
     op = next(iter(have.values())).op
     parts = ", ".join(f"rank {r} {n:,} elements" for r, n in sorted(counts.items()))
     text = f"ranks disagree on the {op}'s element count at collective #{seq}: {parts}"
+    root, was = _changed(have, ledgers, seq)
+    evidence = {"seq": seq, "differs": "size", "disagreement": text, "field": "element count"}
+    if root is not None:
+        evidence["changed"] = was
+    return Divergence("mismatch", root, [r for r in have if r != root], dict(have), evidence)
+
+
+def _changed(have: dict[int, Point], ledgers: dict[int, Ledger], seq: int) -> tuple[int | None, str]:
+    """The one rank whose element count at ``seq`` departs from what its own earlier calls from
+    the same line had, and those counts in words; (None, "") unless exactly one rank changed."""
+    counts = {r: p.numel for r, p in have.items() if p.numel > 0}
     before = {
         r: {p.numel for p in ledgers[r].points if p.site == have[r].site and p.seq < seq and p.numel > 0}
         for r in counts
     }
     changed = [r for r, n in counts.items() if before[r] and n not in before[r]]
-    root = changed[0] if len(changed) == 1 else None
-    evidence = {"seq": seq, "differs": "size", "disagreement": text, "field": "element count"}
-    if root is not None:
-        was = " or ".join(f"{n:,}" for n in sorted(before[root]))
-        evidence["changed"] = f"rank {root}'s earlier calls from that line had {was} elements"
-    return Divergence("mismatch", root, [r for r in have if r != root], dict(have), evidence)
+    if len(changed) != 1:
+        return None, ""
+    root = changed[0]
+    was = " or ".join(f"{n:,}" for n in sorted(before[root]))
+    return root, f"rank {root}'s earlier calls from that line had {was} elements"
 
 
 # DDP's own sync points: issued once per step on every rank, so the step they carry is comparable.
