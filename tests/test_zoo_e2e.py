@@ -47,6 +47,7 @@ CI_SUBSET = (
     "divergence_plateau_house_prices_heldout14",  # a scheduler stepped on each rank's own loss: its line
     "order_load_max_segment_heldout16",  # meters synced in each rank's own order: the max() behind it
     "mismatch_domain_window_report_heldout17",  # an all_reduce gloo let through: the rank whose count changed
+    "hang_metrics_writer_join_heldout17",  # a queue.join() on a thread that died: the thread and its error
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)

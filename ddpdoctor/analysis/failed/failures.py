@@ -26,6 +26,7 @@ from ddpdoctor.trace.stacktext import is_doctor_frame
 
 @detector
 def hangs(run: Run) -> Iterable[Finding]:
+    from ddpdoctor.analysis.hung.threads import dead_thread
     from ddpdoctor.analysis.hung.waits import went_on  # the job outlived it: rank_only_work says what
 
     for summary in run.hangs:
@@ -33,7 +34,7 @@ def hangs(run: Run) -> Iterable[Finding]:
             continue
         finding = hang_finding(summary)
         if finding is not None:
-            yield finding
+            yield dead_thread(finding, run)
 
 
 def _signal_name(sig: int | None) -> str:
