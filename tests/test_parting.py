@@ -12,6 +12,7 @@ from ddpdoctor.analysis.failed.parting import first_divergence
 from ddpdoctor.analysis.failed.points import Ledger, Point
 from ddpdoctor.analysis.failed.rankonly import extra_call
 from ddpdoctor.analysis.failed.source import exits_after, no_sync_schedule
+from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.trace.reader import load_run
 from tests.test_ledger import _kinds, _skipping, _steps, _write
 
@@ -332,3 +333,33 @@ def test_an_all_reduce_whose_count_one_rank_changed_from_its_own_earlier_calls_n
     assert both is not None and both.what == "mismatch" and both.root is None
     fresh = first_divergence({0: ledger(0, [6]), 1: ledger(1, [8])})
     assert fresh is not None and fresh.what == "mismatch" and fresh.root is None
+
+
+def test_a_call_every_earlier_round_made_that_one_rank_went_past_names_that_rank() -> None:
+    """An evaluation helper returns early on rank 1 (held-out set 17): each round was the last
+    step's gradient all-reduce, the helper's all_reduce (:53), then a barrier (:95); this time
+    rank 1 goes from the gradient all-reduce straight to the barrier while rank 0 is in :53."""
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+    from ddpdoctor.analysis.failed.wentpast import went_past
+
+    def ledger(rank: int, last: list[tuple[str, str]]) -> Ledger:
+        calls = [(GRAD_ALLREDUCE, "t.py:86"), ("all_reduce", "t.py:53"), ("barrier", "t.py:95")] * 2
+        calls += [(GRAD_ALLREDUCE, "t.py:86")] + last
+        points = [Point(seq, op, 8, "WORLD", seq, site, func="f") for seq, (op, site) in enumerate(calls)]
+        points[-1].in_flight = True
+        return Ledger(rank, points=points)
+
+    def judge(r0: list[tuple[str, str]], r1: list[tuple[str, str]]) -> Finding | None:
+        ledgers = {0: ledger(0, r0), 1: ledger(1, r1)}
+        return went_past({r: lg.points[-1] for r, lg in ledgers.items()}, ledgers, {})
+
+    found = judge([("all_reduce", "t.py:53")], [("barrier", "t.py:95")])
+    assert found is not None and found.kind == "rank_only_collective" and found.ranks == [1], found
+    assert found.details["root_rank"] == 1 and found.details["place"] == "t.py:53"
+    said = " ".join(found.summary.split())
+    assert "rank 1 went past the all_reduce at t.py:53 in f() this time" in said, said
+    assert "in each of its 2 earlier round(s) it made that call after the gradient all-reduce" in said, said
+    assert "skipped the barrier" not in said and "t.py:53" in found.fix
+    # A call the rank never made before, with nothing on record between: not a call it went past.
+    assert judge([("all_reduce", "t.py:53")], [("broadcast", "t.py:70")]) is None
+    assert judge([("barrier", "t.py:95")], [("barrier", "t.py:95")]) is None  # no disagreement

@@ -29,6 +29,7 @@ from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.source import loop_left
 from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
+from ddpdoctor.analysis.failed.wentpast import went_past
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
@@ -257,6 +258,9 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         ordered = order_differs(points, ledgers, seq, details, backend) if isinstance(seq, int) else None
         if ordered is not None:
             return ordered
+        past = went_past(points, ledgers, details)
+        if past is not None:
+            return past
         differ = disagreement({r: p.signature() for r, p in points.items()}, lambda s: str(s["op"]))
         text = div.evidence.get("disagreement") or f"the ranks disagree at collective #{seq}"
         if div.evidence.get("changed"):
