@@ -231,6 +231,24 @@ def fit_two_ways(model, batches, a, b):
         if b:
             break
     dist.barrier()
+
+
+def fit_target(model, batches, target):
+    for epoch in range(6):
+        for x in batches:
+            loss = model(x).sum()
+            if loss < target:
+                return epoch
+    return -1
+
+
+def fit_two_returns(model, batches, a):
+    for x in batches:
+        loss = model(x).sum()
+        if loss < a:
+            return 1
+        if loss > 2 * a:
+            return 2
 """
 
 
@@ -249,6 +267,11 @@ def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
     assert loop_left(path, "fit", 8, None) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
     assert loop_left(path, "fit_plain", 23, None) is None
     assert loop_left(path, "fit_two_ways", 29, 34) is None
+    # a rank that left the function (held-out set 17) may have left by its loops' one `return`;
+    # a rank still in the function did not, and two ways out give no answer
+    assert loop_left(path, "fit_target", 40, None) == (42, "`return` under `if loss < target:`")
+    assert loop_left(path, "fit_target", 40, 43) is None
+    assert loop_left(path, "fit_two_returns", 48, None) is None
     assert loop_left(path, "train", 8, 11) is None  # the function there has another name: edited
     assert loop_left(str(tmp_path / "gone.py"), "fit", 8, 11) is None
 

@@ -126,7 +126,7 @@ def _left_by(root: Ledger, others: list[Ledger]) -> str:
     stacks = {lg.rank: lg.stack for lg in (root, *others)}
     parted = parted_at(stacks, [[root.rank], [o.rank for o in others]])
     if parted is None:
-        return ""
+        return _left_function(root, others)
     path, func, at_root, at_others = parted
     found = loop_left(path, func, at_others, at_root)
     if found is None:  # the others are one call deeper, in a loop of a function the root left
@@ -137,6 +137,22 @@ def _left_by(root: Ledger, others: list[Ledger]) -> str:
             path, line, func = deeper
             found = loop_left(path, func, line, None)
     return f"the {found[1]} ({os.path.basename(path)}:{found[0]})" if found else ""
+
+
+def _left_function(root: Ledger, others: list[Ledger]) -> str:
+    """A rank that exited cleanly, with no stack of its own, after a step it finished: the one
+    way out (a ``return`` or ``break``) of the loops the others' stacks are still in, from the
+    innermost frame that has one."""
+    if root.stack or root.ending.how != "clean_exit" or root.steps <= root.last_step:
+        return ""
+    theirs = others[0].stack
+    if not theirs or any(o.stack != theirs for o in others):
+        return ""
+    for path, line, func in reversed(theirs):
+        found = loop_left(path, func, line, None)
+        if found is not None:
+            return f"the {found[1]} ({os.path.basename(path)}:{found[0]})"
+    return ""
 
 
 def _left_loop(root: Ledger, left: str, then: str, others: str, details: dict[str, Any]) -> Finding:

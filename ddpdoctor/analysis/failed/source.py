@@ -156,8 +156,9 @@ def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, 
     """(the line, "`break` under `if <test>:`") of the way out of the loop that holds ``line``
     but not ``other``, both lines in one function (``other`` None: a rank that has left the
     function, and so its every loop): a rank at ``other`` left the loop the ranks at ``line``
-    still run. The one ``break`` of that loop's own iteration, or a ``while`` loop's condition;
-    None for a ``for`` loop without one (it ended when its items did), several breaks (which
+    still run. The one ``break`` of that loop's own iteration (or, for a rank that left the
+    function, the one ``return`` of its loops' iterations), or a ``while`` loop's condition;
+    None for a ``for`` loop without one (it ended when its items did), several ways out (which
     one, the trace cannot say), a missing or edited file."""
     mine = _chain(path, line)
     scope = _scope(path, mine)
@@ -173,11 +174,14 @@ def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, 
         return None
     loop = left[0]
     breaks = [n for n in _walk_here(loop) if isinstance(n, ast.Break)]
-    if len(breaks) == 1:
-        ifs = [n for n in _chain(path, breaks[0].lineno) if isinstance(n, ast.If) and n.lineno > loop.lineno]
+    # A rank that left the function may have left by a ``return`` from any of its loops.
+    returns = [n for lp in left for n in _walk_here(lp) if isinstance(n, ast.Return)] if other is None else []
+    if len(breaks) == 1 and not returns or len(returns) == 1 and not breaks:
+        out = (breaks or returns)[0]
+        ifs = [n for n in _chain(path, out.lineno) if isinstance(n, ast.If) and n.lineno > loop.lineno]
         under = f" under `if {ast.unparse(ifs[-1].test)}:`" if ifs else ""
-        return breaks[0].lineno, f"`break`{under}"
-    if not breaks and isinstance(loop, ast.While):
+        return out.lineno, f"`{'break' if breaks else 'return'}`{under}"
+    if not breaks and not returns and isinstance(loop, ast.While):
         return loop.lineno, f"`while {ast.unparse(loop.test)}:` ending"
     return None
 
