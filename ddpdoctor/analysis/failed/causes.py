@@ -140,10 +140,10 @@ def _left_by(root: Ledger, others: list[Ledger]) -> str:
 
 
 def _left_function(root: Ledger, others: list[Ledger]) -> str:
-    """A rank that exited cleanly, with no stack of its own, after a step it finished: the one
-    way out (a ``return`` or ``break``) of the loops the others' stacks are still in, from the
-    innermost frame that has one."""
-    if root.stack or root.ending.how != "clean_exit" or root.steps <= root.last_step:
+    """A rank that exited cleanly, with no stack of its own and nothing raised at its last sync
+    points: the one way out (a ``return`` or ``break``) of the loops the others' stacks are
+    still in, from the innermost frame that has one."""
+    if root.stack or root.ending.how != "clean_exit" or any(p.raised for p in root.points[-3:]):
         return ""
     theirs = others[0].stack
     if not theirs or any(o.stack != theirs for o in others):
