@@ -34,3 +34,17 @@ def test_the_first_row_that_applies_names_the_hang() -> None:
     states = {r: s for r, s in diag.ranks.items()}
     applies = [p.name for p in PATTERNS if p.blames(Look(states, None, False)) is not None]
     assert applies == ["rank_only_forward", "collective_order", "collective_mismatch", "backend_stuck"]
+
+
+def test_ranks_in_collectives_of_different_groups_are_not_ordered_by_their_numbers() -> None:
+    """Rank 0 in all_reduce #3 of a metrics group, rank 1 (a member) in the default group's
+    gradient all-reduce #37 (held-out set 18: rank 1's except skipped the metrics sync). Each
+    group numbers its own calls: no 'rank 1 already issued #3', no side guessed."""
+    statuses = {0: _status(0, "collective", "all_reduce", 3), 1: _status(1, "backward", "allreduce", 37)}
+    statuses[0]["phase"].update({"group": "1", "group_ranks": [0, 1]})
+    statuses[1]["phase"]["group"] = "WORLD"
+    diag = analyse(statuses, {}, threshold_s=3)
+    assert (diag.pattern, diag.culprits) == ("groups_apart", [0, 1])
+    said = diag.explanation
+    assert "rank(s) 0 in all_reduce #3 of process group 1" in said and "of the default group" in said, said
+    assert "rank(s) 1, member(s) of group 1, are not in its call" in said and "already issued" not in said

@@ -75,8 +75,9 @@ def _in_flight(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
             p.seq for p in ledger.points if p.op == GRAD_ALLREDUCE and p.step == status.step and p.seq >= seq
         ]
         seq = max(done, default=seq - 1) + 1
+    group = str(phase.get("group") or "WORLD")  # its group's numbers: another group's are not WORLD's
     point = Point(
-        seq, label, 0, "WORLD", status.step, place,
+        seq, label, 0, group, status.step, place,
         in_flight=True, dtype=str(phase.get("dtype") or ""), numel=int(phase.get("numel") or 0),
         root=int(phase.get("root", -1) if phase.get("root") is not None else -1), ranks=phase.get("ranks"),
     )  # fmt: skip

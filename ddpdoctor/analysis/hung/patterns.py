@@ -218,6 +218,38 @@ def _seq_mismatch(k: Look, behind: list[int]) -> str:
     )
 
 
+def _group_of(state: RankState) -> str:
+    return str((state.phase or {}).get("group") or "WORLD")
+
+
+def _groups_apart(k: Look) -> list[int] | None:
+    """Ranks waiting in collectives of different process groups: each group numbers its own
+    calls, so their sequence numbers say nothing of each other."""
+    return sorted(k.waiting) if len({_group_of(s) for s in k.waiting.values()}) > 1 else None
+
+
+def _groups_text(k: Look, culprits: list[int]) -> str:
+    sides: dict[str, list[int]] = {}
+    for r, s in sorted(k.waiting.items()):
+        sides.setdefault(_group_of(s), []).append(r)
+    parts, absent = [], []
+    for group, ranks in sides.items():
+        state = k.waiting[ranks[0]]
+        name = "the default group" if group == "WORLD" else f"process group {group}"
+        parts.append(f"rank(s) {rank_list(ranks)} in {op_name(state.phase)} #{state.seq} of {name}")
+        members = (state.phase or {}).get("group_ranks")
+        if group != "WORLD" and isinstance(members, list):
+            away = [r for r in members if r in k.waiting and r not in ranks]
+            if away:
+                absent.append(f"rank(s) {rank_list(away)}, member(s) of group {group}, are not in its call")
+    either = ": they skipped it, or the others made a call they do not make"
+    tail = f" ({'; '.join(absent)}{either})" if absent else ""
+    return (
+        f"Ranks wait in collectives of different process groups: {'; '.join(parts)}{tail}. Each group "
+        "numbers its own calls, and a group's call waits for every member."
+    )
+
+
 def _new_group(k: Look) -> list[int] | None:
     """Creating a group is the extra call: named for what it is."""
     if k.one_seq_many_ops and NEW_GROUP in k.ops and k.group_differ is not None:
@@ -273,6 +305,16 @@ PATTERNS: tuple[Pattern, ...] = (
             "wrap the loop in model.join()."
             if _training(k, c)
             else f"evaluate model.module on rank {c[0]} (no collectives), or evaluate on every rank."
+        ),
+    ),
+    Pattern(
+        "groups_apart",
+        _groups_apart,
+        _groups_text,
+        lambda k, c: (
+            "Make every member of a process group make each of its calls, in the same order as the "
+            "others: look for a call on that group under a rank-dependent condition, or in a try "
+            "block whose except skips it on some ranks."
         ),
     ),
     Pattern(
