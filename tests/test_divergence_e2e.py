@@ -128,7 +128,7 @@ def test_weights_a_forward_changes_in_place_by_its_own_batch_name_the_forward(tm
     assert f["details"]["parameters"] == ["table.weight"] and f["details"]["cause"] == "changed_in_forward", f
     said = " ".join(f["summary"].split())
     assert "the forward changes them in place, each rank by its own batch" in said, said
-    assert "table.weight in an Embedding(max_norm=1.0)" in said and "max_norm" in f["fix"], f
+    assert "table.weight (Embedding(max_norm=1.0))" in said and "max_norm" in f["fix"], f
     assert "load" not in f["fix"].lower(), f["fix"]  # nothing was loaded
 
 

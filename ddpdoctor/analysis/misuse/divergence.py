@@ -80,8 +80,11 @@ _FIX_DRIFT = (
 _FIX_FORWARD = (
     "Keep the forward from changing the weights in place: each rank changes them by its own "
     "batch. Make the change after optimizer.step(), the same on every rank and to the whole "
-    "tensor (under torch.no_grad()), or not at all; nn.Embedding's max_norm renormalises only "
-    "the rows the batch looked up: drop it and renormalise the whole table after each step."
+    "tensor (under torch.no_grad()), or not at all."
+)
+_FIX_MAX_NORM = (
+    " nn.Embedding's max_norm renormalises only the rows the batch looked up: drop it and "
+    "renormalise the whole table after each step."
 )
 _FIX_OPTIMIZER = (
     "Load the optimizer state on every rank (each rank keeps its own copy), or broadcast it "
@@ -210,8 +213,9 @@ def _weights(
         cause, fix = "not_broadcast", _FIX_LOAD
         why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
     elif (edited := _changed_in_forward(run, model)) and all(d.name in edited for d in found):
-        cause, fix = "changed_in_forward", _FIX_FORWARD
-        owners = sorted({f"{n} in an {edited[n]}" if edited[n] else n for n in (d.name for d in found)})
+        cause = "changed_in_forward"
+        fix = _FIX_FORWARD + (_FIX_MAX_NORM if any("max_norm" in edited[d.name] for d in found) else "")
+        owners = sorted({f"{n} ({edited[n]})" if edited[n] else n for n in (d.name for d in found)})
         why = "the forward changes them in place, each rank by its own batch (the model's first "
         why += f"forward moved the version counter of {', '.join(owners)})"
     elif not opt_odd and not skipped and (setting := settings.first_difference(run, head.first[0])):
