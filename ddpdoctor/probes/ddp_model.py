@@ -85,7 +85,11 @@ def changed_in_forward(c: Any, state: ModelState, ddp: Any, before: list[int]) -
     names = [state.param_names[i] for i in moved]
     owners = {}
     for name in names:
-        owner = ddp.module.get_submodule(name.rpartition(".")[0])
+        try:  # a name the module tree does not resolve (a tied weight's other path): no owner
+            owner = ddp.module.get_submodule(name.rpartition(".")[0])
+        except AttributeError:
+            owners[name] = ""
+            continue
         max_norm = getattr(owner, "max_norm", None)
         owners[name] = type(owner).__name__ + (f"(max_norm={max_norm})" if max_norm is not None else "")
     c.meta(schema.INPLACE, {"model": state.index, "params": names, "modules": owners})
