@@ -106,3 +106,70 @@ def test_meters_synced_in_a_rank_local_sorted_order_name_the_sort(tmp_path: Path
         (entered,) = [r[4] for r in trace if r[0] == schema.ENTERED]
         sigs = {r[4]["id"]: r[4] for r in trace if r[0] == schema.SIGNATURE}
         assert sigs[entered["signature"]]["numel"] in (2, 5), (entered, sigs)
+
+
+METERS = """\
+def report(meters):
+    for meter in meters.values():
+        meter.sync()
+
+
+class Tags:
+    def sync(self):
+        all_reduce(self.confusion)
+
+
+class Matches:
+    def sync(self):
+        all_gather(self.bank)
+
+
+def summary(stats, bad):
+    all_reduce(stats)
+    if bad:
+        return
+    all_gather(stats)
+"""
+
+
+def _two_calls(rank: int, path: Path, first: tuple[str, int, str], now: tuple[str, int, str]) -> Ledger:
+    """Two rounds of (all_reduce of 36 int64, all_gather of 4096 float32), each after a step's
+    gradient all-reduce, then a round whose first call is ``now``: (op, line, function)."""
+    calls = {"all_reduce": ("int64", 36), "all_gather": ("float32", 4096)}
+    points, seq = [], 0
+
+    def call(op: str, line: int) -> Point:
+        dtype, numel = calls[op]
+        return Point(seq, op, 4 * numel, "WORLD", seq, f"{path.name}:{line}", dtype=dtype, numel=numel)
+
+    then = ("all_gather", first[1] + 5 if first[2] != "summary" else 21, "")
+    for round_ in ([first, then], [first, then], [now]):
+        points.append(Point(seq, GRAD_ALLREDUCE, 4096, "WORLD", seq, "train.py:1"))
+        seq += 1
+        for op, line, _ in round_:
+            points.append(call(op, line))
+            seq += 1
+    caller = (str(path), 3, "report") if now[2] != "summary" else (str(path), 30, "main")
+    stack = [(str(path), 40, "main"), caller, (str(path), now[1], now[2])]
+    return Ledger(rank, points=points, stack=stack)
+
+
+def test_calls_of_several_lines_from_one_loop_line_are_an_order_and_a_skip_is_not(tmp_path: Path) -> None:
+    """Each item's own method called from one line of a loop: the ranks went through the items
+    in their own order (rank 0 in Tags.sync, rank 1 in Matches.sync, below the same line). One
+    function on both ranks, at two of its lines, is a rank that went past a call: no order."""
+    path = tmp_path / "meters.py"
+    path.write_text(METERS)
+    tags, matches = ("all_reduce", 8, "Tags.sync"), ("all_gather", 13, "Matches.sync")
+    ledgers = {0: _two_calls(0, path, tags, tags), 1: _two_calls(1, path, tags, matches)}
+    points = {r: lg.points[-1] for r, lg in ledgers.items()}
+    finding = order_differs(points, ledgers, points[0].seq, {}, said=True)
+    assert finding is not None and finding.details["differs"] == "order"
+    assert finding.details["root_rank"] is None and finding.details["loop"] == "meters.py:2"
+    assert "all_reduce of 36 int64 elements at meters.py:8" in finding.summary
+    assert "all_gather of 4096 float32 elements at meters.py:13" in finding.summary
+
+    first, second = ("all_reduce", 17, "summary"), ("all_gather", 21, "summary")
+    ledgers = {0: _two_calls(0, path, first, first), 1: _two_calls(1, path, first, second)}
+    points = {r: lg.points[-1] for r, lg in ledgers.items()}
+    assert order_differs(points, ledgers, points[0].seq, {}, said=True) is None

@@ -9,6 +9,12 @@ their order is not: a loop went through its items in an order each rank worked o
 stacks say which loop, and its source what it iterates, where that was set and what fed it.
 Otherwise (a size the line never issued, a first round with none before it, a line with one
 kind of call) the facts do not say it is an order, and nothing is said here.
+
+The calls may also be of different lines reached from one line of a loop (``for m in
+meters.values(): m.sync()``, each item's own method): then every rank's stack holds that line,
+below it each rank is in a different function, and the round before made the same calls. A
+rank that skipped a call (a ``return`` in the middle of one function) is not that: below the
+shared line it is in the same function as the others.
 """
 
 from __future__ import annotations
@@ -38,28 +44,28 @@ FIX_ORDER = (
     "so iterate it as sorted(d)."
 )
 
-Key = tuple[str, str, int]  # (op, dtype, elements): what makes two calls of one line pair up
+Key = tuple[str, str, int, str]  # (op, dtype, elements, line): what makes two calls pair up
 
 
 def _key(point: Point) -> Key | None:
-    return (point.op, point.dtype, point.numel) if point.numel > 0 and point.dtype else None
+    return (point.op, point.dtype, point.numel, point.site) if point.numel > 0 and point.dtype else None
 
 
-def _rounds(ledger: Ledger, seq: int, site: str) -> tuple[list[Key | None], list[Key | None]] | None:
-    """(this line's calls in the rank's round holding ``seq``, up to it; those of the last
-    earlier round that called the line at all), in order; None without such a round on record."""
+def _rounds(ledger: Ledger, seq: int, sites: set[str]) -> tuple[list[Key | None], list[Key | None]] | None:
+    """(these lines' calls in the rank's round holding ``seq``, up to it; those of the last
+    earlier round that called them at all), in order; None without such a round on record."""
     by_seq = {p.seq: p for p in ledger.points if p.group == "WORLD" and p.seq >= 0}
     start = seq
     while start - 1 in by_seq and not is_ddp(by_seq[start - 1]):
         start -= 1
-    now = [_key(by_seq[k]) for k in range(start, seq + 1) if k in by_seq and by_seq[k].site == site]
+    now = [_key(by_seq[k]) for k in range(start, seq + 1) if k in by_seq and by_seq[k].site in sites]
     k = start - 1
     while k in by_seq:
         while k in by_seq and is_ddp(by_seq[k]):
             k -= 1
         calls: list[Key | None] = []
         while k in by_seq and not is_ddp(by_seq[k]):
-            if by_seq[k].site == site:
+            if by_seq[k].site in sites:
                 calls.insert(0, _key(by_seq[k]))
             k -= 1
         if calls:
@@ -77,12 +83,14 @@ def order_differs(
     sites = {p.site for p in points.values()}
     keys = {r: _key(p) for r, p in points.items()}
     known = {k for k in keys.values() if k is not None}
-    if len(sites) != 1 or not all(sites) or not known:
+    if not all(sites) or not known:
         return None
     if len(known) < 2 and not (None in keys.values() and said):
         return None
-    site = sites.pop()
-    rounds = {r: _rounds(ledgers[r], seq, site) for r in points}
+    shared = _shared_loop(ledgers, points) if len(sites) > 1 else None
+    if len(sites) > 1 and shared is None:
+        return None
+    rounds = {r: _rounds(ledgers[r], seq, sites) for r in points}
     last = next(iter(rounds.values()))
     if last is None or None in last[1] or len(set(last[1])) < 2:
         return None
@@ -92,12 +100,15 @@ def order_differs(
         if then != before or any(n > before.count(k) for k, n in Counter(now).items() if k is not None):
             return None  # another round before, or a call the line did not make then, or more
         moved |= any(k is not None and k != was for k, was in zip(now, before, strict=False))
-    loop = _the_loop(ledgers, points, site) if moved else None
+    if not moved:
+        return None
+    loop = shared or _the_loop(ledgers, points, next(iter(sites)))
     if loop is None:
         return None
     step = max(p.step for p in points.values())
-    calls = "; ".join(f"rank {r}: {_call(keys[r])}" for r in sorted(points))
-    usual = _calls(before)
+    many = len(sites) > 1
+    calls = "; ".join(f"rank {r}: {_call(keys[r], many)}" for r in sorted(points))
+    usual = _calls(before, many)
     loop_text = f"the loop at {loop['loop']} (`{loop['header']}` in {loop['func']}())"
     if loop.get("place") == loop["loop"]:
         origin = f"The order is worked out in the header of {loop_text}"
@@ -106,9 +117,11 @@ def order_differs(
         origin = f"The order is set at {loop['place']} (`{loop['set']}`){fed}, and {loop_text} follows it"
     else:
         origin = f"T{loop_text[1:]} goes through its items in an order of each rank's own"
+    whose = f"the calls made from {loop['loop']}" if many else f"{next(iter(sites))}'s calls"
+    maker = "that loop makes" if many else "that line makes"
     summary = (
-        f"the ranks made {site}'s calls in a different order: at collective #{seq} (step {step}) "
-        f"{calls}; that line makes the same calls every round (the round before, on every rank: "
+        f"the ranks made {whose} in a different order: at collective #{seq} (step {step}) "
+        f"{calls}; {maker} the same calls every round (the round before, on every rank: "
         f"{usual}), so the calls match and their order does not. {origin}"
     )
     evidence = {"root_rank": None, "differs": "order", "place": loop.get("place") or loop["loop"]}
@@ -122,20 +135,45 @@ def order_differs(
     )
 
 
-def _calls(keys: list[Key]) -> str:
-    """A round's calls: "all_reduce of 5, 2 and 2 float64 elements", or each in full."""
-    if len({k[:2] for k in keys}) > 1:
-        return ", ".join(_call(k) for k in keys)
-    op, dtype, _ = keys[0]
+def _calls(keys: list[Key], lines: bool = False) -> str:
+    """A round's calls: "all_reduce of 5, 2 and 2 float64 elements", or each in full (with its
+    line, where they are of several)."""
+    if lines or len({k[:2] for k in keys}) > 1:
+        return ", ".join(_call(k, lines) for k in keys)
+    op, dtype, *_ = keys[0]
     sizes = [str(k[2]) for k in keys]
     return f"{op} of {', '.join(sizes[:-1])} and {sizes[-1]} {dtype.removeprefix('torch.')} elements"
 
 
-def _call(key: Key | None) -> str:
+def _call(key: Key | None, line: bool = False) -> str:
     if key is None:
         return "a call whose size is not on record (it died inside it)"
-    op, dtype, numel = key
-    return f"{op} of {numel} {dtype.removeprefix('torch.')} element{'s' if numel != 1 else ''}"
+    op, dtype, numel, site = key
+    at = f" at {site}" if line else ""
+    return f"{op} of {numel} {dtype.removeprefix('torch.')} element{'s' if numel != 1 else ''}{at}"
+
+
+def _shared_loop(ledgers: dict[int, Ledger], points: dict[int, Point]) -> dict[str, str] | None:
+    """The loop of the line every rank's stack passed through before each went into a function
+    of its own (a different one on each rank: each item's own method), when each stack ends at
+    that rank's call; None otherwise (a rank in the same function as the others, at another
+    line of it, skipped a call rather than reordered one)."""
+    stacks = []
+    for r, p in sorted(points.items()):
+        stack = ledgers[r].stack
+        if not stack or f"{os.path.basename(stack[-1][0])}:{stack[-1][1]}" != p.site:
+            return None
+        stacks.append(stack)
+    common = 0
+    while all(len(s) > common + 1 and s[common] == stacks[0][common] for s in stacks):
+        common += 1
+    lines: dict[tuple[str, str], set[int]] = {}
+    for s in stacks:
+        path, line, func = s[common]
+        lines.setdefault((path, func), set()).add(line)
+    if common == 0 or len(lines) < 2 or any(len(at) > 1 for at in lines.values()):
+        return None
+    return _loop_in(stacks[0][:common])
 
 
 def _the_loop(ledgers: dict[int, Ledger], points: dict[int, Point], site: str) -> dict[str, str] | None:
