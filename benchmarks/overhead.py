@@ -144,9 +144,13 @@ def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
     - ``emit_us``: the recording call every other probe ends in (``Collector.emit``) for the
       kinds a DDP step records (forward, backward, the comm hook's bucket all-reduce);
     - ``forward_us``: the whole DDP forward probe (step counting, the group's sequence number,
-      the call site, the live status, the record) around a small model's forward, recorded
-      minus not (thread CPU): a hook event's cost among the forward's own Python, where caches
-      are cold, not a loop of recording calls alone;
+      the call site, the live status, the record) around a small model's training forward,
+      recorded minus not (thread CPU): a hook event's cost among the forward's own Python,
+      where caches are cold, not a loop of recording calls alone; ``forward_eval_us`` the same
+      under ``torch.no_grad()``. The model is made under the doctor, as a user's is: one made
+      without it is one the probe never saw, and takes the Python path (about 8 µs; every
+      ``forward_us`` before 2026-11-29's twentieth session timed that path by mistake). Where
+      the C module is built, a forward the C probe did not record stops the benchmark;
     - ``bucket_us``: a backward of 48 one-bucket layers, per bucket, under the doctor's bucket
       timer (the C++ one where it is built) minus DDP's built-in C++ reduction, next to
       ``python_hook_bucket_us``, the
@@ -160,7 +164,7 @@ import ddpdoctor.probes as probes; probes.install()
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from ddpdoctor.probes import collector, collectives
+from ddpdoctor.probes import collector, collectives, ddp
 from ddpdoctor.probes.patching import original
 dist.init_process_group("gloo", rank=0, world_size=1)
 torch.set_num_threads(1)
@@ -200,24 +204,32 @@ for m in (doctor, builtin, python_hook) * 3:
     backward(m)
 bucket = statistics.median(backward(doctor) - backward(builtin) for _ in range(9))
 python = statistics.median(backward(python_hook) - backward(builtin) for _ in range(9))
+collector.ACTIVE = c  # a model made under the doctor, as a user's is: the probe knows it
 small = DDP(torch.nn.Linear(4, 4))  # the whole DDP forward probe, in the context of a forward
 xs = torch.randn(2, 4)
-def forwards(on, steps=2000):
+def forwards(on, grad, steps=2000):
     collector.ACTIVE = c if on else None
     t0 = time.thread_time()
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for _ in range(steps):
             small(xs)
     collector.ACTIVE = c
     return (time.thread_time() - t0) / steps * 1e6
-for on in (True, False) * 3:
-    forwards(on)
-forward = statistics.median(forwards(True) - forwards(False) for _ in range(15))
+in_c = ddp.IN_C.get("forward")
+forward = {{}}
+for grad in (True, False):
+    for on in (True, False) * 3:
+        forwards(on, grad)
+    before = in_c.recorded if in_c is not None else 0
+    forward[grad] = statistics.median(forwards(True, grad) - forwards(False, grad) for _ in range(15))
+    if in_c is not None and in_c.recorded - before != 15 * 2000:
+        raise SystemExit(f"forward_us timed the Python path: {{in_c.recorded - before}} of 30000 in C")
 collector.ACTIVE = c
 q = statistics.quantiles(diffs, n=4)
 print(json.dumps({{"per_event_us": statistics.median(diffs), "per_event_q1_us": q[0], "per_event_q3_us": q[2],
                   "per_event_cpu_us": cpu, "probe_us": probe, "emit_us": emit,
-                  "bucket_us": bucket, "python_hook_bucket_us": python, "forward_us": forward}}))
+                  "bucket_us": bucket, "python_hook_bucket_us": python, "forward_us": forward[True],
+                  "forward_eval_us": forward[False]}}))
 """
     out = run_as_script(code)
     if out.returncode != 0:
