@@ -8,6 +8,7 @@ process)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -69,12 +70,36 @@ with torch.no_grad():
             model(torch.ones(1, 2))  # ODD_FORWARD
         else:
             model(torch.ones(1, 2))  # EVEN_FORWARD
+class Peek(torch.nn.Module):  # what the live status reads while a forward runs, and after a collective in it
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+    def forward(self, x):
+        seen = collector.ACTIVE.progress
+        dist.all_reduce(torch.ones(1))  # NESTED_LINE: in C from its second call
+        again = collector.ACTIVE.progress
+        print("inside:", seen == again, getattr(seen[0], "value", None), seen[1:3], len(seen), seen[4:7])
+        return self.lin(x)
+peek = DDP(Peek())
+with torch.no_grad():
+    for _ in range(3):
+        peek(torch.ones(1, 2))  # PEEK_LINE
+print("after:", collector.ACTIVE.progress)
+class PeekGrad(torch.autograd.Function):  # and while a backward runs
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        p = collector.ACTIVE.progress
+        print("in backward:", getattr(p[0], "value", None), p[1:3], len(p))
+        return g
 class TwoHeads(torch.nn.Module):  # the second head is used at even steps only
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     def forward(self, x, step):
-        return self.a(x) + (self.b(x) if step % 2 == 0 else 0)
+        return PeekGrad.apply(self.a(x)) + (self.b(x) if step % 2 == 0 else 0)
 heads = DDP(TwoHeads())
 opt = torch.optim.SGD(heads.parameters(), lr=0.1)
 for step in range(2):  # a training step: backward (run-queue read), unused check, optimizer
@@ -90,6 +115,7 @@ for bad in ("forward", "backward"):  # calls that raise: the patient's error goe
     except RuntimeError as exc:
         print("raised:", bad, str(exc).splitlines()[0][:50], exc.__traceback__.tb_lineno)
 heads.require_backward_grad_sync = True  # the unused head would make DDP raise at a third forward
+print("after all:", collector.ACTIVE.progress)
 from ddpdoctor.probes import ddp, optimizer
 print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
@@ -164,9 +190,16 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     # The DDP probes in C took the steady state: each model's first forward and first training
     # forward go to Python (its group is named, its bucket timing decided), calls that raised
     # are not counted: 2 of the 3 no-grad forwards on one line, 1 of 2 on each of two lines in
-    # turn, heads' second forward; both backwards.
-    in_c = "{'backward': 2, 'forward': 5}" if pure_python != "1" else "{}"
+    # turn, 2 of peek's 3, heads' second forward; both backwards.
+    in_c = "{'backward': 2, 'forward': 7}" if pure_python != "1" else "{}"
     assert f"recorded in C: {in_c}" in proc.stdout, proc.stdout
+    # The live status inside a forward and a backward reads the same on both paths (in C it is
+    # built from the probe's parts when read), a recorded collective inside the forward gives
+    # the forward's back, and nothing is left behind once the calls return.
+    inside = re.findall(r"inside: (.*) forward \('eval', (\d+)\) 8 \('WORLD', 1, -1\)", proc.stdout)
+    assert [ok for ok, _ in inside] == ["True"] * 3, proc.stdout
+    assert len(re.findall(r"in backward: backward \('allreduce', \d+\) 4", proc.stdout)) == 2, proc.stdout
+    assert "after: None" in proc.stdout and "after all: None" in proc.stdout, proc.stdout
     # both optimizer steps were recorded by the C post hook (the pre hook records nothing)
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
     assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
@@ -225,10 +258,13 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     train_line, no_grad_line = _line(JOB, "TRAIN_LINE"), _line(JOB, "FORWARD_LINE")
     backward_raises = _line(JOB, "RAISES_BACKWARD")  # its forward returned, its backward raised
     in_turn = [_line(JOB, "EVEN_FORWARD"), _line(JOB, "ODD_FORWARD")] * 2
-    expected = [no_grad_line] * 3 + in_turn + [train_line] * 2 + [backward_raises]
+    peek = [_line(JOB, "PEEK_LINE")] * 3
+    expected = [no_grad_line] * 3 + in_turn + peek + [train_line] * 2 + [backward_raises]
     assert [sites[r[7]] for r in forwards] == expected
+    nested = [r for r in calls if sites[r[10]] == _line(JOB, "NESTED_LINE")]
+    assert [r[8] for r in nested] == [r[6] for r in forwards[7:10]]  # each forward's first collective
     assert [r[4] for r in records if r[0] == "collective"][-1] == "barrier"  # recording went on
-    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][7:-1]
+    train = [r for r in records if r[0] in ("forward", "backward", "optimizer", "unused")][10:-1]
     step = ["forward", "backward", "optimizer"]
     assert [r[0] for r in train] == [*step, *step[:2], "unused", step[2]]
     assert all(r[4] >= 0 for r in train if r[0] == "backward")  # the run-queue delay, read
@@ -382,7 +418,8 @@ def test_the_collector_sets_every_field_the_c_probes_read(tmp_path: Path) -> Non
     c = collector.Collector(str(tmp_path), header, None)
     try:
         assert isinstance(c, fast.State)
-        fields = [k for k, v in vars(fast.State).items() if type(v).__name__ == "member_descriptor"]
+        kinds = ("member_descriptor", "getset_descriptor")
+        fields = [k for k, v in vars(fast.State).items() if type(v).__name__ in kinds and k[0] != "_"]
         assert len(fields) == 22, fields
         assert [k for k in fields if not hasattr(c, k)] == []
         c.step += 1  # Python reads and writes them as attributes

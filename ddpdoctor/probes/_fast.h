@@ -64,7 +64,6 @@ typedef union {
     X(max_step_ns, "the slowest step seen")                                            \
     X(optimizer_t0, "the running optimizer step's start, 0 when none")
 #define STATE_OBJECTS(X)                                                               \
-    X(progress, "the sync point the rank is inside, or None")                         \
     X(disabled, "the probes switched off")                                             \
     X(writer, "the trace writer")                                                      \
     X(in_bucket_hook, "inside a gradient bucket's comm hook")                          \
@@ -83,14 +82,40 @@ typedef union {
     X(optimizer_kind, "the optimizer step's record kind")
 #define STATE_INT_FIELD(name, doc) long long name;
 #define STATE_OBJECT_FIELD(name, doc) PyObject *name;
+
+/* The sync point the rank is inside (the collector's ``progress``): what Python set there (a
+ * tuple, or None), or, while a C probe is inside one, that tuple's parts, built into the tuple
+ * only when someone reads it (the live status, about once a second; a Python probe nested in
+ * the call). A probe's call then makes no tuple and no time object, and lets none go after the
+ * call returns, when the caches are cold (docs/overhead.md, twentieth round). The parts are
+ * borrowed from the probe's call, which holds them until it leaves. */
+typedef struct {
+    PyObject *obj;             /* Python's: a tuple or None; NULL while the parts stand for it */
+    PyObject *phase, *op, *seq, *src;
+    const signed char *tail;   /* src's items after (phase, op, seq, t0): -1 means the int -1; ends at -2 */
+    int64_t t0;
+} Progress;
+
 typedef struct {
     PyObject_HEAD
     STATE_INTS(STATE_INT_FIELD)
     STATE_OBJECTS(STATE_OBJECT_FIELD)
+    Progress progress;
 } State;
 extern PyTypeObject StateType;
 /* ``c`` as a State, or NULL (not one: the Python path's). */
 State *probe_state(PyObject *c);
+/* A C probe enters a sync point: the state's progress moves to *saved (its reference with it)
+ * and the parts given take its place. */
+void progress_enter(State *s, Progress *saved, PyObject *phase, PyObject *op, PyObject *seq, PyObject *src,
+                    const signed char *tail, int64_t t0);
+/* ... and leaves it: *saved is the state's again; what Python set meanwhile is let go. */
+void progress_leave(State *s, Progress *saved);
+/* A progress as Python sees it (a new reference; NULL with an error set). */
+PyObject *progress_object(const Progress *p);
+/* Its phase (borrowed; NULL for None or never set), and whether it was never set. */
+PyObject *progress_phase(const Progress *p);
+static inline int progress_unset(const Progress *p) { return p->obj == NULL && p->phase == NULL; }
 /* Set a state's object field to a new reference to ``v``. */
 static inline void set_field(PyObject **field, PyObject *v) { Py_XSETREF(*field, Py_XNewRef(v)); }
 
@@ -147,7 +172,7 @@ int clear_own_error(void);
 /* c.pack(kind, t0, t1, c.step, fields), with one more event counted */
 void pack_event(State *s, PyObject *kind, int64_t t0, int64_t t1, PyObject *fields);
 /* After a recorded backward: drain, run-queue read, its record, the unused check. */
-void after_backward(State *s, PyObject *prev, int64_t t0, PyObject *helpers);
+void after_backward(State *s, Progress *saved, int64_t t0, PyObject *helpers);
 
 /* The DDP forward and backward probes (_fast_ddp.c). */
 extern PyTypeObject DdpProbeType;

@@ -255,19 +255,18 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         return passthrough(self, args, kwargs);
     }
     Py_INCREF(c);
-    PyObject *frame = NULL, *prev = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
-    PyObject *progress = NULL, *result = NULL, *group = Py_None;
+    PyObject *frame = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
+    PyObject *result = NULL, *group = Py_None;
+    Progress saved;
     int async_ = self->always_async;
     long long root = -1;
 
     State *s = probe_state(c);
     if (s == NULL || s->in_bucket_hook == NULL || s->disabled == NULL || !PySet_Check(s->disabled) ||
-        s->progress == NULL)
+        progress_unset(&s->progress))
         goto slow;
     if (PyObject_IsTrue(s->in_bucket_hook) != 0 || PySet_Contains(s->disabled, s_collectives) != 0) goto plain;
-    prev = Py_NewRef(s->progress);
-    if (PyTuple_Check(prev) && PyTuple_GET_SIZE(prev) > 0 && PyTuple_GET_ITEM(prev, 0) == self->phase)
-        goto plain; /* inside a recorded collective: part of it */
+    if (progress_phase(&s->progress) == self->phase) goto plain; /* inside a recorded collective: part of it */
 
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     if (kwargs) {
@@ -317,14 +316,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     if (seq_obj == NULL) goto broken;
 
     int64_t t0 = now_ns();
-    PyObject *t0_obj = PyLong_FromLongLong(t0);
-    progress = t0_obj ? PyTuple_Pack(9, self->phase, self->op, seq_obj, t0_obj, PyTuple_GET_ITEM(known, 1),
-                                     PyTuple_GET_ITEM(known, 2), PyTuple_GET_ITEM(known, 3),
-                                     PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 4))
-                      : NULL;
-    Py_XDECREF(t0_obj);
-    if (progress == NULL) goto broken;
-    set_field(&s->progress, progress);
+    /* the live status: (phase, op, seq, t0, gname, gsize, nbytes, pg, signature) */
+    static const signed char tail[] = {1, 2, 3, 0, 4, -2};
+    progress_enter(s, &saved, self->phase, self->op, seq_obj, known, tail, t0);
     int ringed = ring_now(self, s) == 0;
     if (ringed) /* the call it died in, if it dies in it (trace/ring.py) */
         enter_call(&self->ring, seq_obj, PyTuple_GET_ITEM(known, 9), site_obj);
@@ -334,21 +328,20 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         /* c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid); then re-raise */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        PyObject *async_obj = PyLong_FromLong(async_);
-        PyObject *r = async_obj ? PyObject_CallMethodObjArgs(
+        PyObject *async_obj = PyLong_FromLong(async_), *prev = progress_object(&saved);
+        PyObject *r = async_obj && prev ? PyObject_CallMethodObjArgs(
             c, s_raised, prev, self->kind, self->op, PyTuple_GET_ITEM(known, 3), PyTuple_GET_ITEM(known, 1),
             PyTuple_GET_ITEM(known, 2), seq_obj, async_obj, site_obj, PyTuple_GET_ITEM(known, 9), NULL) : NULL;
         Py_XDECREF(async_obj);
-        if (r == NULL) { /* the patient's exception is the one that goes on */
-            PyErr_Clear();
-            set_field(&s->progress, prev);
-        }
+        Py_XDECREF(prev);
+        if (r == NULL) PyErr_Clear(); /* the patient's exception is the one that goes on */
         Py_XDECREF(r);
+        progress_leave(s, &saved); /* what raised() set, or what it could not */
         PyErr_Restore(type, value, tb);
         goto done;
     }
     int64_t t1 = now_ns();
-    set_field(&s->progress, prev);
+    progress_leave(s, &saved);
     s->events++;
     if (ringed) record(self, s, known, seq_obj, site_obj, async_, t0, t1);
     /* the call returned: a record we could not make is lost, never the result; but what a
@@ -370,12 +363,10 @@ plain:
     if (PyErr_Occurred()) goto broken;
     result = passthrough(self, args, kwargs);
 done:
-    Py_XDECREF(progress);
     Py_XDECREF(seq_obj);
     Py_XDECREF(site_obj);
     Py_XDECREF(known);
     Py_XDECREF(frame);
-    Py_XDECREF(prev);
     Py_DECREF(c);
     return result;
 }

@@ -31,7 +31,7 @@ typedef struct {
 
 static PyObject *small_ints[2]; /* 0 and 1: the forward record's grad and training fields */
 static PyObject *s_sync_flag, *s_training, *s_group_named, *s_seq_of, *s_registered, *s_untimed, *s_owner,
-    *s_calls_dict, *s_is_user, *s_ddp, *minus_one;
+    *s_calls_dict, *s_is_user, *s_ddp;
 
 static void DdpProbe_dealloc(DdpProbe *self) {
     Py_XDECREF(self->orig); Py_XDECREF(self->slow); Py_XDECREF(self->failed); Py_XDECREF(self->raised);
@@ -93,11 +93,16 @@ static int broke(DdpProbe *self, PyObject *c) {
 
 /* The call raised: raised(c, prev, state, fields, exc) records it; the patient's exception
  * goes on, unchanged, whatever happens there. */
-static void on_raise(DdpProbe *self, PyObject *c, PyObject *prev, PyObject *state, PyObject *fields) {
+static void on_raise(DdpProbe *self, State *s, Progress *saved, PyObject *state, PyObject *fields) {
     Raised e = fetch();
-    PyObject *r = PyObject_CallFunctionObjArgs(self->raised, c, prev, state, fields, e.value ? e.value : Py_None, NULL);
+    PyObject *prev = progress_object(saved);
+    PyObject *r = prev ? PyObject_CallFunctionObjArgs(self->raised, (PyObject *)s, prev, state, fields,
+                                                      e.value ? e.value : Py_None, NULL)
+                       : NULL;
     if (r == NULL) PyErr_Clear();
     Py_XDECREF(r);
+    Py_XDECREF(prev);
+    progress_leave(s, saved); /* what raised() set, or what it could not */
     PyErr_Restore(e.type, e.value, e.tb);
 }
 
@@ -116,7 +121,8 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
 
     PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
     PyObject *md = NULL, *sd = NULL, *state = NULL, *grad_obj = NULL, *site = NULL, *seq = NULL;
-    PyObject *prev = NULL, *progress = NULL, *fields = NULL, *t0_obj = NULL;
+    PyObject *fields = NULL;
+    Progress saved;
     if (c == NULL || c == Py_None) {
         c = NULL; /* borrowed: not ours to let go at the end */
         if (PyErr_Occurred()) goto fail;
@@ -124,7 +130,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     }
     Py_INCREF(c);
     State *s = probe_state(c);
-    if (s == NULL || s->disabled == NULL || !PySet_Check(s->disabled) || s->progress == NULL) goto slow;
+    if (s == NULL || s->disabled == NULL || !PySet_Check(s->disabled) || progress_unset(&s->progress)) goto slow;
     int off = PySet_Contains(s->disabled, s_ddp);
     if (off) goto plain_or_broken;
     PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
@@ -202,25 +208,27 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
         set_field(&s->step_model, state);
     }
     int64_t t0 = now_ns();
-    if ((t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
     if (new_step) {
         if (s->last_step_ns && t0 - s->last_step_ns > s->max_step_ns) s->max_step_ns = t0 - s->last_step_ns;
         s->last_step_ns = t0;
     }
-    prev = Py_NewRef(s->progress);
-    progress = PyTuple_Pack(8, self->phase, grad ? self->op : self->op_eval, seq, t0_obj, PyTuple_GET_ITEM(named, 1),
-                            PyTuple_GET_ITEM(named, 2), minus_one, PyTuple_GET_ITEM(named, 0));
-    fields = progress ? PyTuple_Pack(4, small_ints[grad], small_ints[train], seq, site) : NULL;
+    fields = PyTuple_Pack(4, small_ints[grad], small_ints[train], seq, site);
     if (fields == NULL) goto broken;
-    set_field(&s->progress, progress);
+    /* the live status: (phase, op, seq, t0, gname, gsize, -1, pg); ``named`` is the state's
+     * (pg, gname, gsize), held here: the state's dict may drop it while the model runs */
+    static const signed char tail[] = {1, 2, -1, 0, -2};
+    Py_INCREF(named);
+    progress_enter(s, &saved, self->phase, grad ? self->op : self->op_eval, seq, named, tail, t0);
 
     result = PyObject_VectorcallDict(self->orig, call_args, n_in + 1, kwargs);
     if (result == NULL) {
-        on_raise(self, c, prev, state, fields);
+        on_raise(self, s, &saved, state, fields);
+        Py_DECREF(named);
         goto done;
     }
     int64_t t1 = now_ns();
-    set_field(&s->progress, prev);
+    progress_leave(s, &saved);
+    Py_DECREF(named);
     pack_event(s, s->forward_kind, t0, t1, fields);
     if (clear_own_error() < 0) Py_CLEAR(result); /* a signal handler's exception: the program's */
     self->recorded++;
@@ -242,7 +250,7 @@ slow:
 fail:
     result = NULL;
 done:
-    Py_XDECREF(t0_obj); Py_XDECREF(fields); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq);
+    Py_XDECREF(fields); Py_XDECREF(seq);
     Py_XDECREF(site); Py_XDECREF(sd); Py_XDECREF(state); Py_XDECREF(md); Py_XDECREF(grad_obj);
     Py_XDECREF(c);
     if (call_args != stack_args) PyMem_Free(call_args);
@@ -257,7 +265,8 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     }
     PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
     PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
-    PyObject *seq = NULL, *prev = NULL, *progress = NULL, *t0_obj = NULL;
+    PyObject *seq = NULL;
+    Progress saved;
     if (c == NULL || c == Py_None) {
         if (PyErr_Occurred()) return NULL;
         return PyObject_Call(self->orig, args, kwargs);
@@ -265,7 +274,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     Py_INCREF(c);
     State *s = probe_state(c);
     if (s == NULL || s->awaiting_backward == NULL || s->disabled == NULL || !PySet_Check(s->disabled) ||
-        s->progress == NULL)
+        progress_unset(&s->progress))
         goto slow;
     int waits = PyObject_IsTrue(s->awaiting_backward);
     if (waits <= 0 || PySet_Contains(s->disabled, s_ddp)) goto plain_or_broken;
@@ -277,19 +286,16 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
     }
     set_field(&s->awaiting_backward, Py_False);
     int64_t t0 = now_ns();
-    if ((t0_obj = PyLong_FromLongLong(t0)) == NULL) goto broken;
-    prev = Py_NewRef(s->progress);
-    progress = PyTuple_Pack(4, self->phase, self->op, seq, t0_obj);
-    if (progress == NULL) goto broken;
-    set_field(&s->progress, progress);
+    static const signed char tail[] = {-2}; /* the live status: (phase, op, seq, t0) */
+    progress_enter(s, &saved, self->phase, self->op, seq, NULL, tail, t0);
 
     result = PyObject_Call(self->orig, args, kwargs);
     if (result == NULL) {
-        on_raise(self, c, prev, Py_None, Py_None);
+        on_raise(self, s, &saved, Py_None, Py_None);
         goto done;
     }
     self->recorded++;
-    after_backward(s, prev, t0, self->helpers);
+    after_backward(s, &saved, t0, self->helpers);
     if (PyErr_Occurred()) Py_CLEAR(result); /* a signal handler's exception: the program's */
     goto done;
 
@@ -306,7 +312,7 @@ broken:
 slow:
     result = PyObject_Call(self->slow, args, kwargs);
 done:
-    Py_XDECREF(t0_obj); Py_XDECREF(progress); Py_XDECREF(prev); Py_XDECREF(seq); Py_DECREF(c);
+    Py_XDECREF(seq); Py_DECREF(c);
     return result;
 }
 
@@ -336,7 +342,7 @@ int ddp_init(void) {
     INTERN(s_untimed, "untimed"); INTERN(s_owner, "_owner");
     INTERN(s_calls_dict, "_calls"); INTERN(s_is_user, "_is_user"); INTERN(s_ddp, "ddp");
 #undef INTERN
-    if ((minus_one = PyLong_FromLong(-1)) == NULL || (small_ints[0] = PyLong_FromLong(0)) == NULL ||
+    if ((small_ints[0] = PyLong_FromLong(0)) == NULL ||
         (small_ints[1] = PyLong_FromLong(1)) == NULL)
         return -1;
     return PyType_Ready(&DdpProbeType);

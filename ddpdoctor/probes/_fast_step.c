@@ -171,17 +171,17 @@ static int call_helper(PyObject *helpers, PyObject *c, PyObject *what, int i, Py
 /* After a recorded backward returned: the C++ timer's drain while DDP may still lay out its
  * buckets (commhook.drain_settling), the run-queue read, the record, then the unused-parameter
  * check (probes/ddp.py's order). */
-void after_backward(State *s, PyObject *prev, int64_t t0, PyObject *helpers) {
+void after_backward(State *s, Progress *saved, int64_t t0, PyObject *helpers) {
     PyObject *c = (PyObject *)s;
     int drain = s->native_settling ? PyObject_IsTrue(s->native_settling) : 0;
     PyErr_Clear();
     if (drain > 0 && call_helper(helpers, c, s_native_name, 0, NULL, NULL) < 0) {
         Raised e = fetch(); /* the program's: the rank is no longer in its backward */
-        set_field(&s->progress, prev);
+        progress_leave(s, saved);
         PyErr_Restore(e.type, e.value, e.tb);
         return;
     }
-    set_field(&s->progress, prev);
+    progress_leave(s, saved);
     PyObject *runq = run_queue_now();
     PyObject *fields = runq ? PyTuple_Pack(1, runq) : NULL;
     Py_XDECREF(runq);
