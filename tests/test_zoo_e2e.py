@@ -50,6 +50,7 @@ CI_SUBSET = (
     "hang_metrics_writer_join_heldout17",  # a queue.join() on a thread that died: the thread and its error
     "hang_rare_recall_skip_heldout17",  # an early return went past an all_reduce every round made
     "early_loss_guard_return_heldout18",  # a return between forward and backward, no DataLoader: not uneven
+    "hang_task_meters_first_seen_order_heldout19",  # each meter's own method from one loop line: an order
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)

@@ -109,7 +109,7 @@ def main():
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for epoch in range(4):
         running = 0.0
-        for step, (x, y) in enumerate(loader):
+        for step, (x, y) in enumerate(loader):  # noqa: B007 (read after the loop)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
