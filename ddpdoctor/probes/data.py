@@ -59,6 +59,8 @@ def _wrap_set_epoch(set_epoch: Callable[..., None]) -> Callable[..., None]:
                 calls = getattr(self, _SET_EPOCH, (0, ""))[0]
                 setattr(self, _SET_EPOCH, (calls + 1, site))
                 _LAST_SET_EPOCH[0] = (id(self), str(getattr(self, _SITE, "")), site)
+                # when: a set_epoch no pass of its loader follows never reaches the batches
+                _c.ACTIVE.meta(schema.SET_EPOCH, {"sampler_id": id(self), "epoch": int(epoch), "site": site})
             except Exception as exc:
                 guard.passthrough(exc)
 

@@ -56,3 +56,33 @@ def same_data(first: dict[int, Digests | None]) -> bool | None:
     if len(first) < 2 or not all(telling(d) for d in first.values()):
         return None
     return len(set(first.values())) == 1
+
+
+def unread_epochs(trace: RankTrace, fed: dict[int, int]) -> dict[str, Any] | None:
+    """The training loader whose sampler was set to a new epoch that no pass of the loader
+    followed, while the rank trained at least a whole pass's steps after it: those steps' batches
+    were read before (``itertools.cycle(loader)``, a list of its batches), in the same order.
+    Its last pass's description with what was set and when; None otherwise."""
+    runs = [(ts, info) for ts, _, info in trace.meta.get(schema.LOADER, []) if info.get("id") in fed]
+    if not runs or runs[-1][1].get("sampler_id") is None:
+        return None
+    began, info = runs[-1]
+    batches = info.get("batches")
+    sets = [(ts, step, s) for ts, step, s in trace.meta.get(schema.SET_EPOCH, []) if ts > began]
+    later = [
+        (step, s)
+        for _, step, s in sets
+        if s.get("sampler_id") == info["sampler_id"] and s.get("epoch") != info.get("epoch")
+    ]
+    last = int(trace.kind(schema.FORWARD).step.max(initial=-1))
+    if not later or not isinstance(batches, int) or batches < 1 or last - later[0][0] < batches:
+        return None
+    passes = sum(1 for _, i in runs if i.get("sampler_id") == info["sampler_id"])
+    return dict(
+        info,
+        passes=passes,
+        unread=sorted({int(s.get("epoch", 0)) for _, s in later}),
+        set_at=later[0][1].get("site"),
+        after_step=later[0][0],
+        trained=last - later[0][0],
+    )

@@ -58,6 +58,7 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
         return
     missing: dict[int, dict[str, Any]] = {}
     no_epoch: dict[int, dict[str, Any]] = {}
+    unread: dict[int, dict[str, Any]] = {}  # set_epoch with no pass after it: a replay
     first: dict[int, reads.Digests | None] = {}  # each rank's first training pass
     for rank, trace in sorted(run.ranks.items()):
         fed = training_loaders(trace)
@@ -84,6 +85,9 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                     no_epoch[rank] = dict(
                         info, passes=len(infos), proven=bool(reads.replayed([d for _, d in entries]))
                     )
+        replay = reads.unread_epochs(trace, fed)
+        if replay is not None and rank not in no_epoch:
+            unread[rank] = replay
     identical = reads.same_data(first)
     if identical and not missing:  # sharded by count, yet every rank read the same batches
         missing = {rank: infos for rank, infos in _first_infos(run).items()}
@@ -123,6 +127,8 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 "same_batches": identical,  # null: the batches were not digested
             },
         )
+    if unread and not missing:
+        yield _replayed(unread)
     if no_epoch:
         info = next(iter(no_epoch.values()))
         created = f" created at {info['sampler_site']}" if info.get("sampler_site") else ""
@@ -161,6 +167,41 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                 "set_epoch_elsewhere": elsewhere or None,
             },
         )
+
+
+def _replayed(unread: dict[int, dict[str, Any]]) -> Finding:
+    """set_epoch reached the sampler, but the loader was never iterated again: the epochs after
+    are a replay of batches read before, whatever the sampler was told."""
+    info = next(iter(unread.values()))
+    epochs = ", ".join(str(e) for e in info["unread"])
+    which = "its only pass" if info["passes"] == 1 else f"its last pass (of {info['passes']})"
+    began = f" at {info['site']}" if info.get("site") else ""
+    return Finding(
+        "missing_set_epoch",
+        "warning",
+        sorted(unread),
+        f"set_epoch({epochs}) reached the training DataLoader's {info.get('sampler')}"
+        + (f" at {info['set_at']}" if info.get("set_at") else "")
+        + f", but no pass of the loader began after it: {which} began{began}, and the rank "
+        f"trained {info['trained']} steps after the first new epoch was set, "
+        f"{info['trained'] / info['batches']:.1f}x the {info['batches']} batches of a pass. Those "
+        "steps replayed batches already read, in the same order (itertools.cycle over the "
+        "loader, or its batches kept in a list): every epoch after it repeats the first",
+        fix="Start a new pass of the DataLoader for each epoch: iterate the loader again after "
+        "sampler.set_epoch(epoch) (`for batch in loader:` inside the epoch loop; in a step-based "
+        "loop, a generator that calls set_epoch and then iterates the loader anew each time it "
+        "ends). itertools.cycle(loader) and list(loader) keep the first pass's batches and "
+        "replay them, whatever the sampler's epoch.",
+        details={
+            "place": info.get("site"),
+            "set_epoch_site": info.get("set_at"),
+            "epochs_unread": info["unread"],
+            "after_step": info["after_step"],
+            "steps_after": info["trained"],
+            "batches_per_pass": info["batches"],
+            "ranks": sorted(unread),
+        },
+    )
 
 
 def _one_shard(infos: dict[int, dict[str, Any]]) -> Finding:
