@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import REPO, diagnose_proc
+from conftest import EXIT_ABORT, REPO, diagnose_proc
 
 _spec = importlib.util.spec_from_file_location(
     "diagnosis_accuracy", REPO / "benchmarks" / "diagnosis_accuracy.py"
@@ -52,6 +54,7 @@ CI_SUBSET = (
     "early_loss_guard_return_heldout18",  # a return between forward and backward, no DataLoader: not uneven
     "hang_task_meters_first_seen_order_heldout19",  # each meter's own method from one loop line: an order
     "misuse_cycle_replays_sampler_epoch_heldout19",  # itertools.cycle(loader): set_epoch with no new pass
+    "healthy_reiter_on_stopiteration_heldout20",  # set_epoch, then iter(loader) again: a new pass, no replay
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)
@@ -86,11 +89,24 @@ def test_judge_tells_right_from_wrong() -> None:
     assert not zoo.judge(healthy, {"findings": [good]})[0]
 
 
+def _run_case(case: Any, tmp_path: Path) -> tuple[dict[str, Any] | None, int | None, str]:
+    """zoo.run_case, once more when gloo aborted a rank at interpreter exit (conftest's
+    EXIT_ABORT, pytorch/pytorch#179291): torch's race after the job's work was done, which the
+    doctor reports as the death it is, not something the case is about."""
+    diag, code, error = zoo.run_case(case, tmp_path)
+    out = tmp_path / "job.out"
+    if code not in (0, None) and out.exists() and EXIT_ABORT in out.read_text(errors="replace"):
+        print(f"{tmp_path.name}: the job aborted at exit ({EXIT_ABORT!r}); once more", file=sys.stderr)
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        diag, code, error = zoo.run_case(case, tmp_path)
+    return diag, code, error
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", SELECTED)
 def test_zoo_case(name: str, tmp_path: Path) -> None:
     case = CASES[name]
-    diag, code, error = zoo.run_case(case, tmp_path)
+    diag, code, error = _run_case(case, tmp_path)
     assert diag is not None, error
     right, why, got = zoo.judge(case, diag)
     assert right, f"{name}: {why} (found: {got})"
@@ -126,7 +142,7 @@ def test_zoo_case_with_buckets_untimed(name: str, tmp_path: Path, monkeypatch: p
     caught as the wrapper goes (main() returns; no timing hook keeps it alive)."""
     monkeypatch.setenv("DDPDOCTOR_BUCKET_TIMING", "off")
     case = CASES[name]
-    diag, code, error = zoo.run_case(case, tmp_path)
+    diag, code, error = _run_case(case, tmp_path)
     assert diag is not None, error
     right, why, got = zoo.judge(case, diag)
     assert right, f"{name} untimed: {why} (found: {got})"
@@ -146,7 +162,7 @@ def test_a_sync_skipped_on_another_group_is_not_judged_by_the_default_groups_num
     is ordered by the other group's numbers: no uneven inputs on the waiting rank, no "already
     issued it"; the hang names each side with its group. Which side is extra stays unsaid (the
     case's own EXPECT is not met)."""
-    diag, code, error = zoo.run_case(CASES["hang_fault_recall_quiet_day_heldout18"], tmp_path)
+    diag, code, error = _run_case(CASES["hang_fault_recall_quiet_day_heldout18"], tmp_path)
     assert diag is not None, error
     assert code == 124
     kinds = [f["kind"] for f in diag["findings"] if f["severity"] == "error"]
