@@ -71,3 +71,38 @@ def test_a_never_trained_parameter_points_at_the_line_that_hides_it(tmp_path: Pa
     assert f.severity == "warning" and f.details["never_trained"] == ["aux_head.weight"]
     assert "find_unused_parameters=True (set where the model is wrapped, at train.py:34)" in f.summary
     assert f.details["place"] == "train.py:34" and "remove them" in f.fix
+
+
+def test_a_set_epoch_no_pass_follows_is_a_replay_and_one_before_the_pass_is_read_is_not() -> None:
+    """itertools.cycle(loader): one pass of 16 batches read in the first 16 steps, set_epoch(1..3)
+    after it, 48 more steps: a replay. Lightning sets the epoch after the pass began, before its
+    first batch: nothing. Nor is a set_epoch after the last step (a checkpoint's next epoch)."""
+    import numpy as np
+
+    from ddpdoctor.trace.columns import Events
+
+    def run_with(after_read_ms: list[float], reads: int = 16) -> list:
+        """set_epoch(1, 2...) at these ms after the last batch read (negative: before it)."""
+        run = simulate_run(world=2, steps=64)
+        for trace in run.ranks.values():
+            w = trace.kind(schema.DATA_WAIT)
+            keep = np.asarray(w.step) < reads
+            fields = [w.fields[i] for i in np.flatnonzero(keep)]
+            trace.events[schema.DATA_WAIT] = Events(w.ts[keep], w.dur[keep], w.step[keep], fields)
+            info = {"id": 1, "sampler_id": 7, "sampler": "DistributedSampler", "shuffle": True, "epoch": 0}
+            info.update(batches=16, batch_size=8, dataset_len=256, site="train.py:84")
+            trace.meta[schema.LOADER] = [(0, -1, info)]
+            last = int((w.ts + w.dur)[keep].max())
+            fwd = trace.kind(schema.FORWARD)
+            at = [max(1, last + int(ms * 1e3)) for ms in after_read_ms]
+            step = [int(np.searchsorted(fwd.ts, t)) - 1 for t in at]
+            sets = [{"sampler_id": 7, "epoch": e + 1, "site": "train.py:87"} for e in range(len(at))]
+            trace.meta[schema.SET_EPOCH] = list(zip(at, step, sets, strict=True))
+        return [f for f in diagnose(run).findings if f.kind == "missing_set_epoch"]
+
+    (found,) = run_with([1, 500, 1000])
+    assert found.severity == "warning" and found.details["epochs_unread"] == [1, 2, 3]
+    assert found.details["place"] == "train.py:84" and "itertools.cycle" in found.summary
+    assert run_with([-1e6]) == []  # set before the pass's first batch was read
+    assert run_with([1e6]) == []  # after the last step
+    assert run_with([1], reads=64) == []  # the loader went on being read

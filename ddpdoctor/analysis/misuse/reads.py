@@ -59,16 +59,21 @@ def same_data(first: dict[int, Digests | None]) -> bool | None:
 
 
 def unread_epochs(trace: RankTrace, fed: dict[int, int]) -> dict[str, Any] | None:
-    """The training loader whose sampler was set to a new epoch that no pass of the loader
-    followed, while the rank trained at least a whole pass's steps after it: those steps' batches
-    were read before (``itertools.cycle(loader)``, a list of its batches), in the same order.
-    Its last pass's description with what was set and when; None otherwise."""
+    """The training loader whose sampler was set to a new epoch after its last pass's batches
+    were read, with no pass of the loader after it, while the rank trained at least a whole
+    pass's steps after it: those steps' batches were read before (``itertools.cycle(loader)``,
+    a list of its batches), in the same order. Its last pass's description with what was set and
+    when; None otherwise. (Lightning sets the epoch after the pass began, before its first
+    batch: a pass that is still to be read.)"""
     runs = [(ts, info) for ts, _, info in trace.meta.get(schema.LOADER, []) if info.get("id") in fed]
     if not runs or runs[-1][1].get("sampler_id") is None:
         return None
     began, info = runs[-1]
     batches = info.get("batches")
-    sets = [(ts, step, s) for ts, step, s in trace.meta.get(schema.SET_EPOCH, []) if ts > began]
+    waits = trace.kind(schema.DATA_WAIT)
+    ends = (waits.ts + waits.dur)[waits.ints(0) == info.get("id")]
+    read = int(ends.max(initial=began))
+    sets = [(ts, step, s) for ts, step, s in trace.meta.get(schema.SET_EPOCH, []) if ts > read]
     later = [
         (step, s)
         for _, step, s in sets
