@@ -382,3 +382,17 @@ def test_the_window_opens_on_the_last_steps_on_record_when_their_numbers_have_ga
     spans = {5: (1.0, 2.0), 7: (3.0, 4.0), 9: (5.0, 6.0), 10: (7.0, 8.0)}
     window = _window(spans, view)
     assert window is not None and 4.5 < window[0] < 5.0 and window[1] > 8.0
+
+
+def test_the_last_steps_fill_most_of_the_axis_however_short_they_are() -> None:
+    """Three steps of half a millisecond, then a hang of minutes killed: the steps still take
+    most of the timeline's width (a floor of a millisecond once gave the hang 40 % of it)."""
+    from ddpdoctor.analysis.failed.failure import FailureView, Marker, _window
+
+    for step_s in (0.0005, 0.05, 2.0):
+        spans = {s: (1.0 + s * step_s, 1.0 + (s + 1) * step_s) for s in range(31)}
+        stuck = spans[30][1]
+        view = FailureView("hang", "hung", 1, markers=[Marker(stuck + 300.0, "killed", "kill")])
+        lo, hi = _window(spans, view)
+        assert stuck < hi < stuck + 300.0
+        assert (stuck - lo) / (hi - lo) > 0.6, (step_s, lo, hi, stuck)

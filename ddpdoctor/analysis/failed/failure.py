@@ -356,9 +356,11 @@ def _window(spans: dict[int, tuple[float, float]], view: FailureView) -> tuple[f
         first = min(s for s in spans if s >= last - LAST_STEPS + 1)
         lo = spans[first][0]
         # The steps fill most of the axis and the stuck spans run on past its right edge: a
-        # hang of minutes drawn whole would leave the steps a few pixels wide.
+        # hang of minutes drawn whole would leave the steps a few pixels wide. Their share holds
+        # for steps of any length (a floor of a millisecond took half the axis from three steps
+        # of half a millisecond each); the floor only keeps the axis open when they took none.
         stuck = max([spans[last][1], *starts])
-        hi = min(hi, stuck + max(STUCK_SHARE * (stuck - lo), 1e-3))
+        hi = min(hi, stuck + max(STUCK_SHARE * (stuck - lo), 1e-6))
     else:
         lo = min(starts, default=hi)
     lo = min([lo] + starts)
