@@ -32,7 +32,7 @@
 
 /* Names looked up on each call, interned once. */
 PyObject *s_active, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op, *s_collectives, *s_raised,
-    *s_lost, *s_seq_method, *one;
+    *s_lost, *s_seq_method, *s_compiling_flag, *one;
 
 int64_t now_ns(void) {
     struct timespec ts;
@@ -160,41 +160,58 @@ static void count_lost(RingRef *r) {
     Py_XDECREF(more); Py_XDECREF(lost);
 }
 
-void put_record(RingRef *r, const Layout *layout, const Value *values, int bad) {
+/* The ring's next slot, claimed (*seq its number): where its record goes, or NULL when the
+ * mapping is gone or too small for it. */
+static char *slot_claim(RingRef *r, const Layout *layout, uint64_t *seq) {
     RingSeqs *q = r->seqs;
-    uint64_t seq = ++q->n;
-    Py_ssize_t at = RING_HEADER + (Py_ssize_t)(seq & (uint64_t)q->mask) * RING_SLOT;
-    if (q->held && at + layout->size <= q->view.len) {
-        char *base = (char *)q->view.buf + at;
-        for (int i = 0; i < layout->ncodes - 1 && !bad; i++)
-            if (!store(base, layout->codes[i], layout->offsets[i], values[i])) bad = 1;
+    *seq = ++q->n;
+    Py_ssize_t at = RING_HEADER + (Py_ssize_t)(*seq & (uint64_t)q->mask) * RING_SLOT;
+    return q->held && at + layout->size <= q->view.len ? (char *)q->view.buf + at : NULL;
+}
+
+/* The claimed slot's record is written (or void, when ``bad``): its seq last, then the head. */
+static void slot_done(RingRef *r, const Layout *layout, char *base, uint64_t seq, int bad) {
+    if (base != NULL) {
         if (bad) {
             uint16_t void_kind = RING_VOID;
             memcpy(base, &void_kind, 2);
         }
         __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the record first, then its seq */
         memcpy(base + layout->offsets[layout->ncodes - 1], &seq, 8);
-    } else {
-        bad = 1;
     }
-    q->head = seq;
-    if (bad) count_lost(r);
+    r->seqs->head = seq;
+    if (bad || base == NULL) count_lost(r);
+}
+
+void put_record(RingRef *r, const Layout *layout, const Value *values, int bad) {
+    uint64_t seq;
+    char *base = slot_claim(r, layout, &seq);
+    for (int i = 0; base != NULL && i < layout->ncodes - 1 && !bad; i++)
+        if (!store(base, layout->codes[i], layout->offsets[i], values[i])) bad = 1;
+    slot_done(r, layout, base, seq, bad);
+}
+
+void put_image(RingRef *r, const Layout *layout, const char *image, const int *vary, const Value *values,
+               int bad) {
+    uint64_t seq;
+    char *base = slot_claim(r, layout, &seq);
+    if (base != NULL) {
+        memcpy(base, image, (size_t)layout->offsets[layout->ncodes - 1]);
+        for (int i = 0; vary[i] >= 0 && !bad; i++)
+            if (!store(base, layout->codes[vary[i]], layout->offsets[vary[i]], values[i])) bad = 1;
+    }
+    slot_done(r, layout, base, seq, bad);
 }
 
 /* The collective the training thread enters now, into the ring's header: its record is written
  * as it returns, so this is what a rank killed inside it leaves of it. Nothing on a value that
  * does not fit (the record says what it can then). */
-void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site) {
-    int bad = 0;
-    int64_t s = as_i64(seq, &bad), i = as_i64(sid, &bad), w = as_i64(site, &bad);
+void enter_call(RingRef *r, int64_t seq, int64_t sid, int64_t site) {
     RingSeqs *q = r->seqs;
-    if (bad || i < INT32_MIN || i > INT32_MAX || w < INT32_MIN || w > INT32_MAX) {
-        PyErr_Clear();
-        return;
-    }
+    if (sid < INT32_MIN || sid > INT32_MAX || site < INT32_MIN || site > INT32_MAX) return;
     if (q->held && q->view.len >= RING_CALL_AT + 16) {
-        int32_t ids[2] = {(int32_t)i, (int32_t)w};
-        memcpy((char *)q->view.buf + RING_CALL_AT, &s, 8);
+        int32_t ids[2] = {(int32_t)sid, (int32_t)site};
+        memcpy((char *)q->view.buf + RING_CALL_AT, &seq, 8);
         memcpy((char *)q->view.buf + RING_CALL_AT + 8, ids, 8);
     }
 }
@@ -260,91 +277,6 @@ PyTypeObject RingSeqsType = {
 
 /* ------------------------------------------------------------------ site() */
 
-/* site_from, and the frames it walked when it found a site: their code objects (borrowed; at
- * most SITE_CHAIN) in ``codes``, their number in *n (0 when it found none or walked more), the
- * user frame's instruction in *lasti. */
-static PyObject *site_walk(PyFrameObject *frame, PyObject *calls, PyObject *is_user, PyObject **codes, int *n,
-                           int *lasti) {
-    PyObject *found = Py_None;
-    *n = 0;
-    Py_XINCREF(frame);
-    for (int hop = 0; frame && hop < 64; hop++) {
-        /* is_user[id(code)] = (is it the user's, code); calls[(id(code), instruction)] = site,
-         * for user frames only */
-        PyCodeObject *code = PyFrame_GetCode(frame);
-        PyObject *code_id = PyLong_FromVoidPtr(code);
-        if (hop < SITE_CHAIN) codes[hop] = (PyObject *)code; /* a live frame's: alive while it runs */
-        Py_DECREF(code);
-        PyObject *mine = code_id ? PyDict_GetItemWithError(is_user, code_id) : NULL;
-        int user = mine && PyTuple_Check(mine) && PyTuple_GET_SIZE(mine) >= 1 ? PyObject_IsTrue(PyTuple_GET_ITEM(mine, 0)) : -1;
-        if (user == 0) { /* a library's frame: its caller's */
-            Py_DECREF(code_id);
-            Py_SETREF(frame, PyFrame_GetBack(frame));
-            continue;
-        }
-        if (user == 1) { /* the user's frame: its site, if this instruction's is known */
-            int at = PyFrame_GetLasti(frame);
-            PyObject *key = Py_BuildValue("(Oi)", code_id, at);
-            PyObject *sid = key ? PyDict_GetItemWithError(calls, key) : NULL;
-            Py_XDECREF(key);
-            if (sid != NULL) {
-                found = sid;
-                *n = hop < SITE_CHAIN ? hop + 1 : 0;
-                *lasti = at;
-            }
-        }
-        Py_XDECREF(code_id);
-        break; /* a frame not seen yet, or an instruction not learnt yet: the Python walk's */
-    }
-    Py_XDECREF(frame);
-    if (PyErr_Occurred()) return NULL;
-    return Py_NewRef(found);
-}
-
-PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
-    PyObject *codes[SITE_CHAIN];
-    int n, lasti;
-    return site_walk(frame, calls, is_user, codes, &n, &lasti);
-}
-
-void memo_clear(SiteMemo *m) {
-    Py_CLEAR(m->owner);
-    Py_CLEAR(m->site);
-    for (int i = 0; i < m->n; i++) Py_CLEAR(m->codes[i]);
-    m->n = 0;
-}
-
-PyObject *site_memo(SiteMemo *m, PyObject *owner, PyFrameObject *frame, PyObject *calls, PyObject *is_user) {
-    if (m->n > 0 && m->owner == owner) {
-        int hit = 0;
-        PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
-        for (int i = 0; f != NULL && i < m->n; i++) {
-            PyCodeObject *code = PyFrame_GetCode(f);
-            Py_DECREF(code); /* compared by address only */
-            if ((PyObject *)code != m->codes[i]) break;
-            if (i == m->n - 1) {
-                hit = PyFrame_GetLasti(f) == m->lasti;
-                break;
-            }
-            Py_SETREF(f, PyFrame_GetBack(f));
-        }
-        Py_XDECREF(f);
-        if (hit) return Py_NewRef(m->site);
-    }
-    PyObject *codes[SITE_CHAIN];
-    int n, lasti;
-    PyObject *found = site_walk(frame, calls, is_user, codes, &n, &lasti);
-    if (found != NULL && found != Py_None && n > 0) {
-        memo_clear(m);
-        for (int i = 0; i < n; i++) m->codes[i] = Py_NewRef(codes[i]);
-        m->n = n;
-        m->lasti = lasti;
-        m->owner = Py_NewRef(owner);
-        m->site = Py_NewRef(found);
-    }
-    return found;
-}
-
 /* site(frame_depth, calls, is_user): the interned site of the first user frame at or above the
  * caller's ``frame_depth``-th frame, when callsite.py has already learnt it; else None. */
 static PyObject *site(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
@@ -354,11 +286,10 @@ static PyObject *site(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
     }
     long depth = PyLong_AsLong(argv[0]);
     if (depth == -1 && PyErr_Occurred()) return NULL;
-    PyFrameObject *frame = PyEval_GetFrame();
-    Py_XINCREF(frame);
-    for (long i = 0; i < depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
-    PyObject *found = site_from(frame, argv[1], argv[2]);
-    Py_XDECREF(frame);
+    Frame frame;
+    if (frame_caller(&frame, depth < 0 ? 0 : depth > INT_MAX ? INT_MAX : (int)depth) < 0) Py_RETURN_NONE;
+    PyObject *found = site_from(&frame, argv[1], argv[2]);
+    frame_done(&frame);
     return found;
 }
 
@@ -523,7 +454,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_dtype, "dtype");
     INTERN(s_nbytes, "nbytes"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_collectives, "collectives"); INTERN(s_raised, "raised"); INTERN(s_lost, "lost");
-    INTERN(s_seq_method, "_get_sequence_number_for_group");
+    INTERN(s_seq_method, "_get_sequence_number_for_group"); INTERN(s_compiling_flag, "_is_compiling_flag");
 #undef INTERN
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&CollectiveType) < 0 || PyType_Ready(&PackerType) < 0 || PyType_Ready(&RingSeqsType) < 0 || PyType_Ready(&StateType) < 0 ||

@@ -17,6 +17,14 @@
 #error "the trace's records are little-endian: build without this module (the Python path)"
 #endif
 
+/* A path taken rarely (an error, a call site seen for the first time): kept out of the hot
+ * path's code, so that the lines a recorded call touches after it blocked are few. */
+#if defined(__GNUC__)
+#define COLD __attribute__((cold, noinline))
+#else
+#define COLD
+#endif
+
 #define MAX_FIELDS 32
 #define RING_HEADER 64 /* trace/ring.py's HEADER_BYTES, SLOT and VOID, checked against it at import */
 #define RING_SLOT 128
@@ -121,7 +129,7 @@ static inline void set_field(PyObject **field, PyObject *v) { Py_XSETREF(*field,
 
 /* Names looked up on each call, interned once. */
 extern PyObject *s_active, *s_ring, *s_seqs, *s_dtype, *s_nbytes, *s_group, *s_async_op, *s_collectives,
-    *s_raised, *s_lost, *s_seq_method, *one;
+    *s_raised, *s_lost, *s_seq_method, *s_compiling_flag, *one;
 
 
 /* Shared by the module's parts (_fast.c). */
@@ -133,8 +141,13 @@ int ring_set(RingRef *r, PyObject *ring);
 /* Claim the ring's next seq and write the record into its slot (void and counted lost when a
  * value does not fit, or the mapping is gone), the seq last; then head = seq. */
 void put_record(RingRef *r, const Layout *layout, const Value *values, int bad);
+/* The same from a slot image (the record's bytes before its seq, RING_SLOT of them at most:
+ * the fields every record of a call site shares, stored once), with ``values`` stored over it
+ * at the fields ``vary`` names (indices into the layout, ending at -1). */
+void put_image(RingRef *r, const Layout *layout, const char *image, const int *vary, const Value *values,
+               int bad);
 Value as_value(PyObject *v, char code, int *bad);
-void enter_call(RingRef *r, PyObject *seq, PyObject *sid, PyObject *site);
+void enter_call(RingRef *r, int64_t seq, int64_t sid, int64_t site);
 extern PyTypeObject RingSeqsType;
 
 int store(char *base, char code, int offset, Value value);
@@ -182,9 +195,35 @@ int ddp_init(void);
 extern PyTypeObject OptProbeType;
 int opt_init(void);
 
+/* This thread's Python frames (_fast_frame.c): read in place where this Python's frame layout
+ * is declared to extensions (3.11), else through frame objects. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && defined(__has_include) && \
+    !defined(DDPDOCTOR_FRAME_OBJECTS)
+#if __has_include(<internal/pycore_frame.h>)
+#define FAST_FRAMES 1
+#endif
+#endif
+typedef struct {
+#if FAST_FRAMES
+    struct _PyInterpreterFrame *at;
+#else
+    PyObject *at; /* the frame object, held */
+#endif
+    int up; /* frames above the running one */
+} Frame;
+/* The running frame's ``depth``-th caller (0: the running frame): 0, or -1 when there is none
+ * (frame_done still lets it go). */
+int frame_caller(Frame *f, int depth);
+/* Move to the caller: 0, or -1 when there is none. */
+int frame_up(Frame *f);
+PyObject *frame_code(const Frame *f); /* borrowed: the running frame holds it */
+int frame_lasti(const Frame *f);      /* PyFrame_GetLasti's */
+PyFrameObject *frame_object(const Frame *f); /* a new reference, or NULL */
+void frame_done(Frame *f);
+
 /* The site callsite.py learnt for the first user frame from ``frame`` up: a new reference,
- * None when not learnt yet, NULL on error (_fast.c). */
-PyObject *site_from(PyFrameObject *frame, PyObject *calls, PyObject *is_user);
+ * None when not learnt yet, NULL on error. */
+PyObject *site_from(const Frame *frame, PyObject *calls, PyObject *is_user);
 
 /* A probe's last site found, with the frames it was found through: the code object of each
  * frame from the first up to the user's (held), that frame's instruction, and the collector
@@ -197,7 +236,7 @@ typedef struct {
     PyObject *codes[SITE_CHAIN];
     int n, lasti;
 } SiteMemo;
-PyObject *site_memo(SiteMemo *m, PyObject *owner, PyFrameObject *frame, PyObject *calls, PyObject *is_user);
+PyObject *site_memo(SiteMemo *m, PyObject *owner, const Frame *frame, PyObject *calls, PyObject *is_user);
 void memo_clear(SiteMemo *m);
 
 #endif

@@ -22,14 +22,19 @@ typedef struct {
     PyObject *last_c, *last_known, *last_code, *last_group, *last_dtype;
     int last_lasti, last_async;
     long long last_root, last_nbytes;
-    /* values_of's fields as the record holds them (op, bytes, group, size, site, signature:
-     * values[4..7], [10], [11]), converted once; known_bad: one does not fit its type */
-    PyObject *values_of;
-    Value known_v[12];
-    int known_bad;
+    /* image_of's record as far as the call site says it (op, bytes, group, group size, site,
+     * signature), stored once: a call copies it and stores its own fields over it. image_bad:
+     * one does not fit its type (every record of the site is lost, counted) */
+    PyObject *image_of;
+    _Alignas(8) char image[RING_SLOT];
+    int image_bad;
+    long long image_sid, image_site; /* its signature and site ids, for enter_call */
+    int ids_bad;                     /* one is not an int of 64 bits */
     RingRef ring;
+    PyObject *ring_writer; /* the writer whose ring that is: not looked up again while it holds */
     PyObject *kid_c; /* the collector whose collective kind id this is */
     long long kid;
+    PyObject *compiler; /* torch.compiler's module dict: its _is_compiling_flag */
 } Collective;
 
 static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf,
@@ -40,22 +45,23 @@ static void Collective_dealloc(Collective *self) {
     Py_XDECREF(self->of_frame); Py_XDECREF(self->globals); Py_XDECREF(self->tensor);
     Py_XDECREF(self->phase); Py_XDECREF(self->op); Py_XDECREF(self->kind); Py_XDECREF(self->root_names);
     Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
-    Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype); Py_XDECREF(self->values_of);
+    Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype); Py_XDECREF(self->image_of);
     ring_clear(&self->ring);
-    Py_XDECREF(self->kid_c);
+    Py_XDECREF(self->ring_writer); Py_XDECREF(self->kid_c); Py_XDECREF(self->compiler);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"orig", "slow", "failed", "of_frame", "globals", "tensor", "phase", "op",
-                            "kind", "fmt", "always_async", "root_pos", "root_names", "root_default",
-                            "depth", NULL};
-    PyObject *orig, *slow, *failed, *of_frame, *globals, *tensor, *phase, *op, *kind, *root_names;
+    static char *names[] = {"orig", "slow", "failed", "of_frame", "globals", "compiler", "tensor", "phase",
+                            "op", "kind", "fmt", "always_async", "root_pos", "root_names",
+                            "root_default", "depth", NULL};
+    PyObject *orig, *slow, *failed, *of_frame, *globals, *compiler, *tensor, *phase, *op, *kind, *root_names;
     const char *fmt;
     int always_async, root_pos, root_default, depth;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO!OOUUspiOii", names, &orig, &slow, &failed,
-                                     &of_frame, &PyDict_Type, &globals, &tensor, &phase, &op, &kind,
-                                     &fmt, &always_async, &root_pos, &root_names, &root_default, &depth))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO!O!OOUUspiOii", names, &orig, &slow, &failed,
+                                     &of_frame, &PyDict_Type, &globals, &PyDict_Type, &compiler, &tensor,
+                                     &phase, &op, &kind, &fmt, &always_async, &root_pos, &root_names,
+                                     &root_default, &depth))
         return -1;
     if (parse_format(&self->layout, fmt) < 0 || self->layout.ncodes != 13 ||
         self->layout.codes[12] != 'Q' || self->layout.size > RING_SLOT) {
@@ -68,7 +74,7 @@ static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
     }
 #define SET(field, value) do { Py_INCREF(value); Py_XSETREF(self->field, value); } while (0)
     SET(orig, orig); SET(slow, slow); SET(failed, failed); SET(of_frame, of_frame);
-    SET(globals, globals); SET(tensor, tensor); SET(phase, phase); SET(op, op); SET(kind, kind);
+    SET(globals, globals); SET(compiler, compiler); SET(tensor, tensor); SET(phase, phase); SET(op, op); SET(kind, kind);
     SET(root_names, root_names);
 #undef SET
     self->always_async = always_async;
@@ -120,13 +126,25 @@ static long long root_of(Collective *self, PyObject *args, PyObject *kwargs) {
 
 
 /* Point self->ring at the ring the writer holds now, and know the collective's kind id (looked
- * up again only when the collector changes). -1 when there is nothing to write to. */
-static int ring_now(Collective *self, State *s) {
+ * up again only when the collector changes). -1 when there is nothing to write to. A writer
+ * holds one ring from its start until it closes, when the ring lets its mapping go: while the
+ * writer is the same and the ring holds its mapping, the ring is the same (trace/writer.py). */
+COLD static int ring_find(Collective *self, State *s);
+
+static inline int ring_now(Collective *self, State *s) {
+    if (s->writer == self->ring_writer && (PyObject *)s == self->kid_c && self->ring.seqs && self->ring.seqs->held)
+        return 0;
+    return ring_find(self, s);
+}
+
+static int ring_find(Collective *self, State *s) {
     PyObject *c = (PyObject *)s, *writer = s->writer;
     PyObject *ring = writer ? PyObject_GetAttr(writer, s_ring) : NULL;
     int ok = ring != NULL && ring != Py_None && ring_set(&self->ring, ring) == 0;
     Py_XDECREF(ring);
     if (!ok) return -1;
+    Py_INCREF(writer);
+    Py_XSETREF(self->ring_writer, writer);
     if (c != self->kid_c) {
         int bad = 0;
         PyObject *kind = s->collective_kind;
@@ -141,37 +159,53 @@ static int ring_now(Collective *self, State *s) {
     return 0;
 }
 
-/* known_v: what the Python path described a call site as, converted to the record's values
- * once (the fields of schema.COLLECTIVE that are the call site's: op, bytes, group, group size,
- * site, signature). */
-static void known_values(const Layout *layout, PyObject *known, Value *values, int *bad) {
+/* What the Python path described a call site as, stored into a slot image once: the fields of
+ * schema.COLLECTIVE that are the call site's (op, bytes, group, group size, site, signature).
+ * 1 when one does not fit its type. Its signature and site ids as integers, for enter_call
+ * (*ids_bad: one is not an int of 64 bits). */
+static int image_from(const Layout *layout, PyObject *known, char *image, long long *sid, long long *site,
+                      int *ids_bad) {
     static const int at[6] = {4, 5, 6, 7, 10, 11}, from[6] = {5, 3, 6, 2, 8, 9};
-    for (int i = 0; i < 6; i++)
-        values[at[i]] = as_value(PyTuple_GET_ITEM(known, from[i]), layout->codes[at[i]], bad);
+    int bad = 0;
+    *ids_bad = 0;
+    *sid = as_i64(PyTuple_GET_ITEM(known, 9), ids_bad);
+    *site = as_i64(PyTuple_GET_ITEM(known, 8), ids_bad);
+    memset(image, 0, RING_SLOT);
+    for (int i = 0; i < 6 && !bad; i++) {
+        char code = layout->codes[at[i]];
+        Value v = as_value(PyTuple_GET_ITEM(known, from[i]), code, &bad);
+        if (!bad && !store(image, code, layout->offsets[at[i]], v)) bad = 1;
+    }
+    return bad;
 }
 
 /* The record of a call that returned, into the ring's next slot (the Python path's inlined
  * pack): the ring found before the call (one closed since counts the record lost). */
-static void record(Collective *self, State *s, PyObject *known, PyObject *seq_obj, PyObject *site_obj,
+static void record(Collective *self, State *s, PyObject *known, Value seq, int seq_bad, PyObject *site_obj,
                    int async_, int64_t t0, int64_t t1) {
-    /* kind id, step, t0, t1, then the fields in schema.COLLECTIVE's order: op, bytes, group,
-     * group size, seq, async, site, signature */
-    Value values[12];
-    int bad = 0;
-    if (known == self->values_of) {
-        memcpy(values, self->known_v, sizeof values);
-        bad = self->known_bad;
-    } else { /* another thread's call site was cached while this call ran */
-        known_values(&self->layout, known, values, &bad);
+    /* over the call site's image: kind id, step, t0, t1, then of the fields in schema.COLLECTIVE's
+     * order (op, bytes, group, group size, seq, async, site, signature) seq, async and a site
+     * found by walking */
+    static const int vary[] = {0, 1, 2, 3, 8, 9, -1}, vary_site[] = {0, 1, 2, 3, 8, 9, 10, -1};
+    _Alignas(8) char own[RING_SLOT];
+    const char *image = self->image;
+    int bad = self->image_bad || seq_bad;
+    if (known != self->image_of) { /* another thread's call site was cached while this call ran */
+        long long sid, site;
+        int ids_bad;
+        bad = image_from(&self->layout, known, own, &sid, &site, &ids_bad) || seq_bad;
+        image = own;
     }
+    Value values[7];
     values[0].i = self->kid;
     values[1].i = s->step;
     values[2].i = t0;
     values[3].i = t1;
-    values[8] = as_value(seq_obj, self->layout.codes[8], &bad);
-    values[9].i = async_;
-    if (site_obj != PyTuple_GET_ITEM(known, 8)) values[10] = as_value(site_obj, self->layout.codes[10], &bad);
-    put_record(&self->ring, &self->layout, values, bad);
+    values[4] = seq;
+    values[5].i = async_;
+    int walked = site_obj != PyTuple_GET_ITEM(known, 8);
+    if (walked) values[6] = as_value(site_obj, self->layout.codes[10], &bad);
+    put_image(&self->ring, &self->layout, image, walked ? vary_site : vary, values, bad);
 }
 
 static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs) {
@@ -180,7 +214,7 @@ static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs)
 
 /* The probe broke before the call: failed(c, exc) logs it and switches the probe off (or
  * re-raises what a signal handler raised); then torch's function runs unrecorded. */
-static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *kwargs) {
+COLD static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *kwargs) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL; /* KeyboardInterrupt: the program's */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -193,52 +227,74 @@ static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *
     return passthrough(self, args, kwargs);
 }
 
-/* What the Python path described this call as (a new reference), or NULL: a new call site
- * (no error set), or an error. The last call site is compared by value first. */
-static PyObject *known_call(Collective *self, PyObject *c, PyObject *calls, PyObject *frame, PyObject *head,
-                            PyObject *group, int async_, long long root) {
-    PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
-    int lasti = PyFrame_GetLasti((PyFrameObject *)frame);
-    PyObject *dtype = NULL, *known = NULL, *key = NULL;
-    int64_t nb;
-    if (tensor_now(head, &dtype, &nb) < 0) goto out;
-    if (self->last_known && c == self->last_c && (PyObject *)code == self->last_code &&
-        lasti == self->last_lasti && group == self->last_group && async_ == self->last_async &&
-        root == self->last_root && dtype == self->last_dtype && nb == self->last_nbytes) {
-        known = self->last_known;
-        Py_INCREF(known);
-        goto out;
-    }
+/* A call not the last one: what the Python path described it as (a new reference, remembered
+ * as the last call), or NULL: a new call site (no error set), or an error. */
+COLD static PyObject *learn_call(Collective *self, PyObject *c, PyObject *calls, PyObject *code, int lasti,
+                                 PyObject *group, int async_, long long root, PyObject *dtype, int64_t nb) {
     /* the Python path's key: (id(code), f_lasti, group, async, root, dtype, nbytes) */
-    key = Py_BuildValue("(NiOiLOL)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype, (long long)nb);
-    if (key == NULL || calls == NULL || !PyDict_Check(calls)) goto out;
-    known = PyDict_GetItemWithError(calls, key);
-    if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 13) {
-        known = NULL;
-        goto out;
-    }
+    PyObject *key = Py_BuildValue("(NiOiLOL)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype,
+                                  (long long)nb);
+    PyObject *known = key && calls && PyDict_Check(calls) ? PyDict_GetItemWithError(calls, key) : NULL;
+    Py_XDECREF(key);
+    if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 13) return NULL;
     Py_INCREF(known);
     Py_INCREF(c); Py_XSETREF(self->last_c, c);
     Py_INCREF(known); Py_XSETREF(self->last_known, known);
-    Py_INCREF(code); Py_XSETREF(self->last_code, (PyObject *)code);
+    Py_INCREF(code); Py_XSETREF(self->last_code, code);
     Py_INCREF(group); Py_XSETREF(self->last_group, group);
     Py_INCREF(dtype); Py_XSETREF(self->last_dtype, dtype);
     self->last_lasti = lasti;
     self->last_async = async_;
     self->last_root = root;
     self->last_nbytes = nb;
-    PyObject *was = self->values_of; /* NULL while known_v is written: a thread that runs in
-                                       * the meantime (Python in as_value) converts its own */
-    self->values_of = NULL;
-    self->known_bad = 0;
-    known_values(&self->layout, known, self->known_v, &self->known_bad);
-    self->values_of = Py_NewRef(known);
+    PyObject *was = self->image_of; /* NULL while the image is written: a thread that runs in
+                                      * the meantime (Python in as_value) stores its own */
+    self->image_of = NULL;
+    self->image_bad = image_from(&self->layout, known, self->image, &self->image_sid, &self->image_site,
+                                 &self->ids_bad);
+    self->image_of = Py_NewRef(known);
     Py_XDECREF(was);
-out:
-    Py_DECREF(code);
-    Py_XDECREF(dtype);
-    Py_XDECREF(key);
     return known;
+}
+
+/* What the Python path described this call as (a new reference), or NULL: a new call site
+ * (no error set), or an error. The last call site is compared by value first. */
+static PyObject *known_call(Collective *self, PyObject *c, PyObject *calls, const Frame *frame, PyObject *head,
+                            PyObject *group, int async_, long long root) {
+    PyObject *code = frame_code(frame); /* borrowed */
+    int lasti = frame_lasti(frame);
+    PyObject *dtype = NULL, *known = NULL;
+    int64_t nb;
+    if (tensor_now(head, &dtype, &nb) < 0) goto out;
+    if (self->last_known && c == self->last_c && code == self->last_code &&
+        lasti == self->last_lasti && group == self->last_group && async_ == self->last_async &&
+        root == self->last_root && dtype == self->last_dtype && nb == self->last_nbytes) {
+        known = self->last_known;
+        Py_INCREF(known);
+        goto out;
+    }
+    known = learn_call(self, c, calls, code, lasti, group, async_, root, dtype, nb);
+out:
+    Py_XDECREF(dtype);
+    return known;
+}
+
+/* torch's call raised: c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid)
+ * records it, and the patient's exception goes on, unchanged, whatever happens there. */
+COLD static void raised(Collective *self, PyObject *c, State *s, Progress *saved, PyObject *known,
+                        PyObject *seq_obj, PyObject *site_obj, int async_) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *async_obj = PyLong_FromLong(async_), *prev = progress_object(saved);
+    PyObject *r = async_obj && prev ? PyObject_CallMethodObjArgs(
+        c, s_raised, prev, self->kind, self->op, PyTuple_GET_ITEM(known, 3), PyTuple_GET_ITEM(known, 1),
+        PyTuple_GET_ITEM(known, 2), seq_obj, async_obj, site_obj, PyTuple_GET_ITEM(known, 9), NULL) : NULL;
+    Py_XDECREF(async_obj);
+    Py_XDECREF(prev);
+    if (r == NULL) PyErr_Clear();
+    Py_XDECREF(r);
+    progress_leave(s, saved); /* what raised() set, or what it could not */
+    PyErr_Restore(type, value, tb);
 }
 
 /* fast(args, kwargs): the Python wrapper's (*args, **kwargs), as they came. */
@@ -255,7 +311,8 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         return passthrough(self, args, kwargs);
     }
     Py_INCREF(c);
-    PyObject *frame = NULL, *known = NULL, *site_obj = NULL, *seq_obj = NULL;
+    PyObject *known = NULL, *site_obj = NULL, *seq_obj = NULL;
+    Frame frame = {0};
     PyObject *result = NULL, *group = Py_None;
     Progress saved;
     int async_ = self->always_async;
@@ -265,7 +322,14 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     if (s == NULL || s->in_bucket_hook == NULL || s->disabled == NULL || !PySet_Check(s->disabled) ||
         progress_unset(&s->progress))
         goto slow;
-    if (PyObject_IsTrue(s->in_bucket_hook) != 0 || PySet_Contains(s->disabled, s_collectives) != 0) goto plain;
+    if (PyObject_IsTrue(s->in_bucket_hook) != 0 ||
+        (PySet_GET_SIZE(s->disabled) && PySet_Contains(s->disabled, s_collectives) != 0))
+        goto plain;
+    /* torch.export's tracing (torch.compiler.is_compiling()): torch's call alone, as the Python
+     * path does; Dynamo's is the Python wrapper's to see */
+    PyObject *compiling = PyDict_GetItemWithError(self->compiler, s_compiling_flag);
+    if (compiling == Py_True) goto plain;
+    if (compiling == NULL && PyErr_Occurred()) goto broken;
     if (progress_phase(&s->progress) == self->phase) goto plain; /* inside a recorded collective: part of it */
 
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
@@ -291,12 +355,8 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     int is_tensor = PyObject_IsInstance(head, self->tensor);
     if (is_tensor <= 0) goto broken_or_slow;
 
-    frame = (PyObject *)PyEval_GetFrame();
-    Py_XINCREF(frame);
-    for (int i = 0; i < self->depth && frame; i++)
-        Py_SETREF(frame, (PyObject *)PyFrame_GetBack((PyFrameObject *)frame));
-    if (frame == NULL) goto slow;
-    known = known_call(self, c, s->calls, frame, head, group, async_, root);
+    if (frame_caller(&frame, self->depth) < 0) goto slow;
+    known = known_call(self, c, s->calls, &frame, head, group, async_, root);
     if (known == NULL) goto broken_or_slow; /* a new call site: the Python path describes it */
     /* (pg, gname, gsize, nbytes, sig, op_id, gid, async, site, sid, seq_of, walk, code) */
     site_obj = PyTuple_GET_ITEM(known, 8);
@@ -304,7 +364,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     int walk = PyObject_IsTrue(PyTuple_GET_ITEM(known, 11));
     if (walk < 0) goto broken;
     if (walk) { /* called from a library: whose line called it varies */
-        PyObject *found = PyObject_CallFunctionObjArgs(self->of_frame, c, frame, NULL);
+        PyFrameObject *user = frame_object(&frame);
+        PyObject *found = user ? PyObject_CallFunctionObjArgs(self->of_frame, c, user, NULL) : NULL;
+        Py_XDECREF(user);
         if (found == NULL || !PyTuple_Check(found) || PyTuple_GET_SIZE(found) < 1) {
             Py_XDECREF(found);
             goto broken_or_slow;
@@ -319,31 +381,28 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     /* the live status: (phase, op, seq, t0, gname, gsize, nbytes, pg, signature) */
     static const signed char tail[] = {1, 2, 3, 0, 4, -2};
     progress_enter(s, &saved, self->phase, self->op, seq_obj, known, tail, t0);
-    int ringed = ring_now(self, s) == 0;
-    if (ringed) /* the call it died in, if it dies in it (trace/ring.py) */
-        enter_call(&self->ring, seq_obj, PyTuple_GET_ITEM(known, 9), site_obj);
+    int ringed = ring_now(self, s) == 0, seq_bad = 0;
+    Value seq = as_value(seq_obj, self->layout.codes[8], &seq_bad);
+    if (ringed && !seq_bad) { /* the call it died in, if it dies in it (trace/ring.py) */
+        int ids_bad = self->ids_bad;
+        long long sid = self->image_sid, site = self->image_site;
+        if (known != self->image_of) {
+            ids_bad = 0;
+            sid = as_i64(PyTuple_GET_ITEM(known, 9), &ids_bad);
+        }
+        if (known != self->image_of || site_obj != PyTuple_GET_ITEM(known, 8)) site = as_i64(site_obj, &ids_bad);
+        if (!ids_bad) enter_call(&self->ring, seq.i, sid, site);
+    }
     PyErr_Clear(); /* best effort: the record after the call says what it can */
     result = PyObject_Call(self->orig, args, kwargs);
     if (result == NULL) {
-        /* c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid); then re-raise */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *async_obj = PyLong_FromLong(async_), *prev = progress_object(&saved);
-        PyObject *r = async_obj && prev ? PyObject_CallMethodObjArgs(
-            c, s_raised, prev, self->kind, self->op, PyTuple_GET_ITEM(known, 3), PyTuple_GET_ITEM(known, 1),
-            PyTuple_GET_ITEM(known, 2), seq_obj, async_obj, site_obj, PyTuple_GET_ITEM(known, 9), NULL) : NULL;
-        Py_XDECREF(async_obj);
-        Py_XDECREF(prev);
-        if (r == NULL) PyErr_Clear(); /* the patient's exception is the one that goes on */
-        Py_XDECREF(r);
-        progress_leave(s, &saved); /* what raised() set, or what it could not */
-        PyErr_Restore(type, value, tb);
+        raised(self, c, s, &saved, known, seq_obj, site_obj, async_);
         goto done;
     }
     int64_t t1 = now_ns();
     progress_leave(s, &saved);
     s->events++;
-    if (ringed) record(self, s, known, seq_obj, site_obj, async_, t0, t1);
+    if (ringed) record(self, s, known, seq, seq_bad, site_obj, async_, t0, t1);
     /* the call returned: a record we could not make is lost, never the result; but what a
      * signal handler raised while we recorded is the program's */
     if (clear_own_error() < 0) Py_CLEAR(result);
@@ -366,7 +425,7 @@ done:
     Py_XDECREF(seq_obj);
     Py_XDECREF(site_obj);
     Py_XDECREF(known);
-    Py_XDECREF(frame);
+    frame_done(&frame);
     Py_DECREF(c);
     return result;
 }

@@ -159,11 +159,9 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     if (owner == NULL || !PyList_Check(owner) || PyList_GET_SIZE(owner) < 1 || PyList_GET_ITEM(owner, 0) != c ||
         calls == NULL || is_user == NULL)
         goto slow_or_broken;
-    PyFrameObject *frame = PyEval_GetFrame();
-    Py_XINCREF(frame);
-    for (int i = 0; i < self->depth && frame; i++) Py_SETREF(frame, PyFrame_GetBack(frame));
-    site = frame ? site_memo(&self->site, c, frame, calls, is_user) : NULL;
-    Py_XDECREF(frame);
+    Frame frame;
+    site = frame_caller(&frame, self->depth) == 0 ? site_memo(&self->site, c, &frame, calls, is_user) : NULL;
+    frame_done(&frame);
     if (site == NULL) goto broken;
     if (site == Py_None) goto slow; /* a site not learnt yet: the Python path walks and learns it */
     PyObject *seq_of = PyDict_GetItemWithError(sd, s_seq_of);

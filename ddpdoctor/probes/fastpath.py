@@ -87,7 +87,11 @@ def collective(
 ) -> Callable[..., Any]:
     """The wrapper that runs ``_fast.Collective`` (a call site seen before, in C) and ``slow``,
     the Python path, for everything else. It stays a Python function so that torch.compile
-    inlines it and sees ``is_compiling()``, as it does the Python path."""
+    inlines it and sees it compiling, as it does the Python path. Dynamo folds
+    ``is_dynamo_compiling()`` to True, and eagerly it is one call that returns False; the rest of
+    ``is_compiling()``, torch.export's flag, the C object reads from ``torch.compiler``'s dict.
+    That leaves the eager call two Python frames fewer than ``is_compiling()`` did."""
+    import torch
     from torch import Tensor
 
     from ddpdoctor.probes import callsite
@@ -103,6 +107,7 @@ def collective(
         failed=_broke,
         of_frame=callsite.of_frame,
         globals=vars(_c),
+        compiler=vars(torch.compiler) if hasattr(torch, "compiler") else {},
         tensor=Tensor,
         phase=_COLLECTIVE,
         op=op,
@@ -115,8 +120,10 @@ def collective(
         depth=1,  # the user's frame is this wrapper's caller
     )
 
+    dynamo = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", compiling)
+
     def collective(*args: Any, **kwargs: Any) -> Any:
-        if compiling():
+        if dynamo():
             return orig(*args, **kwargs)
         return fast(args, kwargs)
 
