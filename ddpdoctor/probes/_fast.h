@@ -104,11 +104,22 @@ typedef struct {
     int64_t t0;
 } Progress;
 
+/* What pack_event found the last time, held (C's only): the writer's ring, and each kind's C
+ * packer. A writer holds one ring until it closes and the ring lets its mapping go; a kind's
+ * packer is made with it (trace/writer.py). Looked up again only when either changes. */
+#define PACKERS 4
+typedef struct {
+    PyObject *writer;
+    RingRef ring;
+    PyObject *kinds[PACKERS], *packers[PACKERS];
+} PackMemo;
+
 typedef struct {
     PyObject_HEAD
     STATE_INTS(STATE_INT_FIELD)
     STATE_OBJECTS(STATE_OBJECT_FIELD)
     Progress progress;
+    PackMemo pack;
 } State;
 extern PyTypeObject StateType;
 /* ``c`` as a State, or NULL (not one: the Python path's). */

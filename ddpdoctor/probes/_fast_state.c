@@ -16,6 +16,12 @@ static int State_traverse(State *self, visitproc visit, void *arg) {
     STATE_OBJECTS(VISIT)
 #undef VISIT
     Py_VISIT(self->progress.obj);
+    Py_VISIT(self->pack.writer);
+    Py_VISIT(self->pack.ring.ring);
+    for (int i = 0; i < PACKERS; i++) {
+        Py_VISIT(self->pack.kinds[i]);
+        Py_VISIT(self->pack.packers[i]);
+    }
     return 0;
 }
 
@@ -24,6 +30,12 @@ static int State_clear(State *self) {
     STATE_OBJECTS(CLEAR)
 #undef CLEAR
     Py_CLEAR(self->progress.obj);
+    Py_CLEAR(self->pack.writer);
+    ring_clear(&self->pack.ring);
+    for (int i = 0; i < PACKERS; i++) {
+        Py_CLEAR(self->pack.kinds[i]);
+        Py_CLEAR(self->pack.packers[i]);
+    }
     return 0;
 }
 

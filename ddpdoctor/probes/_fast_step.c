@@ -97,22 +97,64 @@ static PyObject *none_grads(PyObject *module, PyObject *params) { return none_gr
 /* c.pack(kind, t0, t1, c.step, fields) as trace/writer.py's pack does it, with the kind's C
  * packer called from here, and the event counted. A record we cannot make is lost; what a
  * signal handler raised in the writer's Python path is left set (clear_own_error). */
+/* The writer's ring (a new reference), or NULL when it has none (closed). */
+static PyObject *ring_of(State *s, PyObject *writer) {
+    PackMemo *m = &s->pack;
+    if (writer == m->writer && m->ring.seqs && m->ring.seqs->held) return Py_NewRef(m->ring.ring);
+    PyObject *ring = PyObject_GetAttr(writer, s_ring);
+    if (ring == NULL || ring == Py_None) {
+        Py_XDECREF(ring);
+        return NULL;
+    }
+    if (ring_set(&m->ring, ring) == 0) { /* its seqs held in C: kept */
+        Py_INCREF(writer);
+        Py_XSETREF(m->writer, writer);
+    }
+    return ring;
+}
+
+/* ``kind``'s packer (borrowed: None where the writer packs in Python), or NULL on error. */
+static PyObject *packer_of(State *s, PyObject *kind) {
+    PackMemo *m = &s->pack;
+    int i = 0;
+    for (; i < PACKERS && m->kinds[i] != NULL; i++)
+        if (m->kinds[i] == kind) return m->packers[i];
+    PyObject *fast = PyObject_GetAttr(kind, s_fast);
+    if (fast == NULL) return NULL;
+    if (i == PACKERS) { /* more kinds than it keeps: the oldest goes */
+        Py_CLEAR(m->kinds[0]);
+        Py_CLEAR(m->packers[0]);
+        memmove(m->kinds, m->kinds + 1, (PACKERS - 1) * sizeof(PyObject *));
+        memmove(m->packers, m->packers + 1, (PACKERS - 1) * sizeof(PyObject *));
+        i = PACKERS - 1;
+        m->kinds[i] = m->packers[i] = NULL;
+    }
+    m->kinds[i] = Py_NewRef(kind);
+    m->packers[i] = fast;
+    return fast;
+}
+
 void pack_event(State *s, PyObject *kind, int64_t t0, int64_t t1, PyObject *fields) {
     s->events++;
     PyObject *writer = s->writer;
     if (kind == NULL || writer == NULL) return;
     Py_INCREF(writer);
-    PyObject *ring = PyObject_GetAttr(writer, s_ring);
-    PyObject *fast = ring && ring != Py_None ? PyObject_GetAttr(kind, s_fast) : NULL;
-    if (fast != NULL && !packer_put(fast, ring, s->step, t0, t1, fields)) {
-        /* no C packer, or no slot taken: the writer's own path */
-        PyObject *step = PyLong_FromLongLong(s->step), *t0_obj = step ? PyLong_FromLongLong(t0) : NULL;
-        PyObject *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
-        PyObject *again = t1_obj ? PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL)
-                                 : NULL;
-        Py_XDECREF(again); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(step);
+    PyObject *ring = ring_of(s, writer);
+    PyObject *fast = ring ? packer_of(s, kind) : NULL;
+    if (fast != NULL) {
+        Py_INCREF(fast); /* held across the write: the writer's Python path may run */
+        if (!packer_put(fast, ring, s->step, t0, t1, fields)) {
+            /* no C packer, or no slot taken: the writer's own path */
+            PyObject *step = PyLong_FromLongLong(s->step), *t0_obj = step ? PyLong_FromLongLong(t0) : NULL;
+            PyObject *t1_obj = t0_obj ? PyLong_FromLongLong(t1) : NULL;
+            PyObject *again = t1_obj ? PyObject_CallMethodObjArgs(writer, s_pack, kind, t0_obj, t1_obj, step, fields, NULL)
+                                     : NULL;
+            Py_XDECREF(again); Py_XDECREF(t1_obj); Py_XDECREF(t0_obj); Py_XDECREF(step);
+        }
+        Py_DECREF(fast);
     }
-    Py_XDECREF(fast); Py_XDECREF(ring); Py_DECREF(writer);
+    Py_XDECREF(ring);
+    Py_DECREF(writer);
     clear_own_error();
 }
 
