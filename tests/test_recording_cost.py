@@ -54,6 +54,10 @@ for _ in range(3):
     dist.all_reduce(torch.ones(2, dtype=torch.int64) * 2**40)  # BIG_LINE
     dist.broadcast(torch.ones(2), 0)  # ROOT_LINE
     dist.all_reduce(torch.ones(2), group=None, op=dist.ReduceOp.SUM)  # KEYWORD_LINE
+for flag in (False, False, True, True, False):  # torch.export's tracing sets it: torch's call alone
+    torch.compiler._is_compiling_flag = flag
+    dist.all_reduce(torch.ones(5))  # EXPORT_LINE: known to the C path from its second call
+torch.compiler._is_compiling_flag = False
 from ddpdoctor.probes import collector
 collector.ACTIVE.step = 2**33  # a value its field cannot hold: the slot is voided, not left unwritten
 for _ in range(2):
@@ -252,6 +256,7 @@ def test_a_loop_line_and_a_library_helper_record_each_call_as_it_was(
     big = [r[5] for r in calls if sites[r[10]] == _line(JOB, "BIG_LINE")]
     assert big == [16] * 3
     assert len([r for r in calls if sites[r[10]] == _line(JOB, "KEYWORD_LINE")]) == 3
+    assert [r[5] for r in calls if sites[r[10]] == _line(JOB, "EXPORT_LINE")] == [20] * 3
 
     assert not [r for r in calls if sites[r[10]] == _line(JOB, "ODD_LINE")]
     forwards = [r for r in records if r[0] == "forward"]  # fields: grad, training, seq, site
