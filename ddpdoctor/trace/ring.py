@@ -23,7 +23,10 @@ so a full disk fails here, at creation, and never as a SIGBUS while training)::
 seq is packed last, after the record: a slot caught mid-write keeps its old seq. A slot whose
 kind id is ``VOID`` holds no event (a value that did not fit its declared type). The ring never
 blocks: a writer a whole ring behind (a stalled disk) loses the oldest events, and counts them
-in a ``dropped`` record; the newest, which explain a death, stay.
+in a ``dropped`` record; the newest, which explain a death, stay. Nor does a slot claimed and
+never written hold back the events after it: a signal handler's exception raised between a
+Python writer's claim and its pack (the eval loop runs handlers after any call) leaves one so;
+once it was claimed ``ABANDONED_NS`` ago the writer counts it lost and goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import itertools
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +58,8 @@ VOID_SLOT = struct.Struct(f"<H{SEQ_AT - 2}xQ")
 CALL = struct.Struct("<qii")
 CALL_AT = 32
 CALL_TAG = b"CALL"  # at byte 28: the field is there
+# A slot claimed this long ago and still unwritten is abandoned: a write takes microseconds
+ABANDONED_NS = 1_000_000_000
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -120,12 +126,18 @@ class Ring:
         self.seqs = seqs(self.mm, self.mask)  # the event numbers: claimed, last written
         self.taken = 0  # the last seq taken by the writer: slots above it are not free
         self.lost = 0  # events whose values did not fit their types even coerced: slots void
+        self._mark = (time.monotonic_ns(), 0)  # a take's time and head, rolled ABANDONED_NS on
+        self._stale = 0  # a head from ABANDONED_NS ago or more: slots up to it were claimed then
 
-    def take(self) -> tuple[np.ndarray, int, int, int]:
-        """(slots, seq_lo, seq_hi, lapped): a copy of the slots written since the last take, in
+    def take(self, final: bool = False) -> tuple[np.ndarray, int, int, int]:
+        """(slots, seq_lo, seq_hi, lost): a copy of the slots written since the last take, in
         seq order, numbered ``[seq_lo, seq_hi)``; a slot still being written by another thread
-        waits for the next take; ``lapped``: events overwritten before they were taken."""
+        waits for the next take, unless it was claimed ``ABANDONED_NS`` ago or the take is the
+        ``final`` one; ``lost``: events overwritten before they were taken, or abandoned."""
         lo, hi = self.taken + 1, self.seqs.head
+        now = time.monotonic_ns()
+        if now - self._mark[0] >= ABANDONED_NS:
+            self._stale, self._mark = self._mark[1], (now, hi)
         if hi < lo:
             return np.zeros((0, SLOT), np.uint8), lo, lo, 0
         lapped = max(0, hi - lo + 1 - self.slots)  # overwritten before this take
@@ -139,8 +151,9 @@ class Ring:
             rows = np.concatenate([buf[first:], buf[: first + count - self.slots]])
         del buf
         seqs = rows[:, SEQ_AT:].copy().view("<u8")[:, 0]
-        pending = np.flatnonzero(seqs < seqs_want)
-        if len(pending):
+        # a slot claimed by the stale head and still unwritten never will be: lost, not waited for
+        pending = np.flatnonzero((seqs < seqs_want) & (seqs_want > self._stale))
+        if len(pending) and not final:
             cut = int(pending[0])
             rows, seqs, seqs_want = rows[:cut], seqs[:cut], seqs_want[:cut]
         mine = seqs == seqs_want

@@ -220,7 +220,7 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
-            self._drain()
+            self._drain(final=True)
             if not self._failed:
                 now = time.monotonic_ns()
                 wall_s = round((now - self._opened_ns) / 1e9, 3)
@@ -248,12 +248,12 @@ class TraceWriter:
                 tick()
             self.cpu_s = time.thread_time()
 
-    def _drain(self) -> None:
+    def _drain(self, final: bool = False) -> None:
         ring = self.ring
         if self._failed or self._closed or ring is None:
             return
-        rows, lo, hi, lapped = ring.take()
-        self.dropped += lapped
+        rows, lo, hi, lost = ring.take(final)
+        self.dropped += lost
         if hi > lo:
             parts = group(rows, self._sizes)
             self._write(binfmt.events_block(parts, lo, hi))
