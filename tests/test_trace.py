@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,24 @@ def test_a_slot_claimed_and_never_written_costs_one_event_not_the_rest(
     t = read_trace(path)
     assert t.kind(schema.FORWARD).step.tolist() == list(range(4))
     assert t.meta[schema.DROPPED][0][2] == {"count": 1}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+def test_the_ring_is_mapped_writable_before_the_first_event(tmp_path: Path) -> None:
+    """Writing an event takes no page fault: each took 4 µs here, once per page (32 events) of
+    the ring's first lap, on the training thread."""
+    import resource
+
+    from ddpdoctor.trace.ring import Ring
+
+    ring = Ring(str(tmp_path / "t.ring"), 0, 4096)
+    offsets = range(0, len(ring.mm), 4096)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for off in offsets:
+        ring.mm[off] = 0
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    ring.close(unlink=True)
+    assert len(offsets) == 129 and faults < 8, faults
 
 
 def test_json_lines_of_earlier_versions_skip_truncated_and_corrupt_lines(tmp_path: Path) -> None:

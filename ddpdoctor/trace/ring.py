@@ -36,6 +36,7 @@ import itertools
 import mmap
 import os
 import struct
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,8 @@ VOID_SLOT = struct.Struct(f"<H{SEQ_AT - 2}xQ")
 CALL = struct.Struct("<qii")
 CALL_AT = 32
 CALL_TAG = b"CALL"  # at byte 28: the field is there
+# Linux's 23, which this Python's mmap does not name
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 # A slot claimed this long ago and still unwritten is abandoned: a write takes microseconds
 ABANDONED_NS = 1_000_000_000
 
@@ -120,6 +123,7 @@ class Ring:
                     os.unlink(path)
                 raise
             os.close(fd)
+        _populate(self.mm)
         _HEAD.pack_into(self.mm, 0, MAGIC, SLOT, self.slots, mono_anchor_ns, self.pid)
         self.mm[CALL_AT - 4 : CALL_AT] = CALL_TAG
         CALL.pack_into(self.mm, CALL_AT, -1, -1, -1)
@@ -190,6 +194,16 @@ def group(rows: np.ndarray, sizes: dict[int, int]) -> list[tuple[int, bytes, int
 def sizes_of(layout: list[list[Any]]) -> dict[int, int]:
     """Kind id -> record bytes, from a header's layout."""
     return {i + 1: schema.record_dtype(spec).itemsize for i, (_, spec, _) in enumerate(layout)}
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Map every page writable now (``MADV_POPULATE_WRITE``, Linux 5.14+): else the training
+    thread takes a page fault on the first event of each page, 4 µs here every 32 events of the
+    ring's first lap (the filesystem's ``page_mkwrite`` for a file), 6 ms once at creation here.
+    Elsewhere nothing changes."""
+    if MADV_POPULATE_WRITE is not None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise, an old kernel
+            mm.madvise(MADV_POPULATE_WRITE)
 
 
 def read_ring(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
