@@ -1,5 +1,5 @@
 /* The trace writer's pack (trace/writer.py) in C: one event of one kind into the ring, or the
- * C++ bucket timer's notes many at once (see _fast.c for the layout and the ring). */
+ * C++ bucket timer's notes many at once (see _fast_ring.c for the layout and the ring). */
 #include "_fast.h"
 
 typedef struct {
