@@ -35,6 +35,7 @@ typedef struct {
     PyObject *kid_c; /* the collector whose collective kind id this is */
     long long kid;
     PyObject *compiler; /* torch.compiler's module dict: its _is_compiling_flag */
+    Global active, compiling; /* collector.ACTIVE, torch.compiler._is_compiling_flag */
 } Collective;
 
 static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf,
@@ -305,7 +306,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         return NULL;
     }
     PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
-    PyObject *c = PyDict_GetItemWithError(self->globals, s_active); /* borrowed */
+    PyObject *c = global_get(self->globals, s_active, &self->active); /* borrowed */
     if (c == NULL || c == Py_None) {
         if (PyErr_Occurred()) return NULL;
         return passthrough(self, args, kwargs);
@@ -327,7 +328,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
         goto plain;
     /* torch.export's tracing (torch.compiler.is_compiling()): torch's call alone, as the Python
      * path does; Dynamo's is the Python wrapper's to see */
-    PyObject *compiling = PyDict_GetItemWithError(self->compiler, s_compiling_flag);
+    PyObject *compiling = global_get(self->compiler, s_compiling_flag, &self->compiling);
     if (compiling == Py_True) goto plain;
     if (compiling == NULL && PyErr_Occurred()) goto broken;
     if (progress_phase(&s->progress) == self->phase) goto plain; /* inside a recorded collective: part of it */

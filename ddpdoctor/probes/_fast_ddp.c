@@ -26,6 +26,7 @@ typedef struct {
     PyObject *phase, *op, *op_eval, *state_attr;
     int depth;
     SiteMemo site; /* the forward's last call site */
+    Global active, timer, owner, calls, is_user; /* the globals read per call (_fast.h) */
     long long recorded; /* calls recorded here, not by the Python path (tests, benchmarks) */
 } DdpProbe;
 
@@ -119,7 +120,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     call_args[0] = module;
     for (Py_ssize_t i = 0; i < n_in; i++) call_args[i + 1] = PyTuple_GET_ITEM(inputs, i);
 
-    PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
+    PyObject *c = global_get(self->globals, s_active, &self->active), *result = NULL;
     PyObject *md = NULL, *sd = NULL, *state = NULL, *grad_obj = NULL, *site = NULL, *seq = NULL;
     PyObject *fields = NULL;
     Progress saved;
@@ -133,7 +134,7 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     if (s == NULL || s->disabled == NULL || !PySet_Check(s->disabled) || progress_unset(&s->progress)) goto slow;
     int off = PySet_Contains(s->disabled, s_ddp);
     if (off) goto plain_or_broken;
-    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    PyObject *timer = global_get(self->cuda_globals, s_active, &self->timer);
     if (timer != Py_None) goto slow_or_broken; /* device spans: the Python path's */
     if ((grad_obj = PyObject_CallNoArgs(self->grad_enabled)) == NULL) goto broken;
     int grad = PyObject_IsTrue(grad_obj);
@@ -153,9 +154,9 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
         if (!PyObject_IsTrue(registered) && !PyObject_IsTrue(untimed)) goto slow; /* the timer goes in now */
     }
     /* the call site, learnt before (callsite.py), from the wrapper's caller on */
-    PyObject *owner = PyDict_GetItemWithError(self->site_globals, s_owner);
-    PyObject *calls = PyDict_GetItemWithError(self->site_globals, s_calls_dict);
-    PyObject *is_user = PyDict_GetItemWithError(self->site_globals, s_is_user);
+    PyObject *owner = global_get(self->site_globals, s_owner, &self->owner);
+    PyObject *calls = global_get(self->site_globals, s_calls_dict, &self->calls);
+    PyObject *is_user = global_get(self->site_globals, s_is_user, &self->is_user);
     if (owner == NULL || !PyList_Check(owner) || PyList_GET_SIZE(owner) < 1 || PyList_GET_ITEM(owner, 0) != c ||
         calls == NULL || is_user == NULL)
         goto slow_or_broken;
@@ -262,7 +263,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
         return NULL;
     }
     PyObject *args = argv[0], *kwargs = PyDict_GET_SIZE(argv[1]) ? argv[1] : NULL;
-    PyObject *c = PyDict_GetItemWithError(self->globals, s_active), *result = NULL;
+    PyObject *c = global_get(self->globals, s_active, &self->active), *result = NULL;
     PyObject *seq = NULL;
     Progress saved;
     if (c == NULL || c == Py_None) {
@@ -276,7 +277,7 @@ static PyObject *backward_call(DdpProbe *self, PyObject *const *argv, size_t nar
         goto slow;
     int waits = PyObject_IsTrue(s->awaiting_backward);
     if (waits <= 0 || PySet_Contains(s->disabled, s_ddp)) goto plain_or_broken;
-    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    PyObject *timer = global_get(self->cuda_globals, s_active, &self->timer);
     if (timer != Py_None) goto slow_or_broken;
     if (s->default_pg == NULL || (seq = seq_now(s->default_pg, NULL)) == NULL) {
         if (clear_own_error() < 0) goto done; /* else the Python path reads it as -1 */

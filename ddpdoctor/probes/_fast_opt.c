@@ -18,6 +18,7 @@ typedef struct {
     PyObject *globals, *cuda_globals, *fp_globals; /* collector, cuda_timing, fingerprint dicts */
     PyObject *names;      /* type(optimizer) -> (writer, (interned name,)) */
     long long recorded;   /* steps recorded here, not by the Python hook (tests, benchmarks) */
+    Global active, timer, fp; /* the globals read per call (_fast.h) */
 } OptProbe;
 
 static PyObject *s_intern, *s_name, *s_probe, *s_fp_probe, *s_c, *s_next_due,
@@ -54,7 +55,7 @@ static int OptProbe_init(OptProbe *self, PyObject *args, PyObject *kw) {
  * there is none (the hook does nothing), NULL without it when it is not a State (the Python
  * hook's) or on an error. */
 static State *collector_state(OptProbe *self, int *plain) {
-    PyObject *c = PyDict_GetItemWithError(self->globals, s_active);
+    PyObject *c = global_get(self->globals, s_active, &self->active);
     if (c == NULL || c == Py_None) {
         *plain = c == Py_None;
         return NULL;
@@ -85,7 +86,7 @@ static PyObject *pre_call(OptProbe *self, PyObject *const *argv, size_t nargsf, 
     int plain = 0;
     State *s = collector_state(self, &plain);
     if (s == NULL) return plain ? Py_NewRef(Py_None) : slow_call(self, argv);
-    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    PyObject *timer = global_get(self->cuda_globals, s_active, &self->timer);
     if (timer != Py_None) goto slow;
     if (s->optimizer_t0) {
         int other = other_step(s->optimizer_outer, argv[0]);
@@ -123,7 +124,7 @@ static PyObject *name_fields(OptProbe *self, PyObject *optimizer, PyObject *writ
  * note of the step (fingerprint.py's Fingerprints.after_step, its cheap path); 0, or -1 when a
  * signal handler's exception must go on. */
 static int fingerprint(OptProbe *self, State *s, PyObject *disabled, PyObject *optimizer) {
-    PyObject *fp = PyDict_GetItemWithError(self->fp_globals, s_active);
+    PyObject *fp = global_get(self->fp_globals, s_active, &self->fp);
     PyObject *fd = fp && fp != Py_None ? PyObject_GenericGetDict(fp, NULL) : NULL;
     if (fd == NULL) goto out;
     PyObject *owner = PyDict_GetItemWithError(fd, s_c);
@@ -165,7 +166,7 @@ static PyObject *post_call(OptProbe *self, PyObject *const *argv, size_t nargsf,
     int other = other_step(s->optimizer_outer, optimizer);
     if (other < 0) goto slow;
     if (other) goto done; /* an inner optimizer's step: the outer one's post hook records it */
-    PyObject *timer = PyDict_GetItemWithError(self->cuda_globals, s_active);
+    PyObject *timer = global_get(self->cuda_globals, s_active, &self->timer);
     PyObject *writer = timer == Py_None ? s->writer : NULL;
     if (writer == NULL || (fields = name_fields(self, optimizer, writer)) == NULL) goto slow;
 
