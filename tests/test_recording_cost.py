@@ -360,6 +360,19 @@ def test_the_gap_benchmark_times_recorded_and_plain_calls_at_each_gap() -> None:
     assert all(isinstance(row["recorded_minus_plain_cpu_us"], float) for row in result["gaps"])
 
 
+def test_the_layers_benchmark_times_each_mode_as_it_says() -> None:
+    """benchmarks/per_event_layers.py runs as documented, checks each block recorded as its mode
+    means (it exits otherwise) and prints one JSON object with a figure per mode."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "per_event_layers.py"
+    cmd = [sys.executable, str(script), "--rounds", "2", "--calls", "50", "--json"]
+    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert set(result) == {"recorded_us", "disabled_us", "off_us", "null_us", "faults_per_call"}
+    assert all(isinstance(v, float) for v in result.values())
+
+
 COUNTED_CHILD = """
 import sys
 case, mode, warmup, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
