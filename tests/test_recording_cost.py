@@ -27,6 +27,11 @@ if sys.argv[4] == "refused":  # the C wrapper cannot be made: the Python one, ca
         raise ValueError("a record layout the C path does not know")
     fastpath.collective = refuse
 probes.install()
+claims = [0]  # slots of the C module's ring claimed by Python code (RingSeqs.next)
+def count_claims(frame, event, arg):
+    if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ == "RingSeqs":
+        claims[0] += 1
+sys.setprofile(count_claims)
 import torch, torch.distributed as dist
 from ddpdoctor.probes import callsite
 print("c path:", fastpath.module() is not None)
@@ -124,7 +129,9 @@ from ddpdoctor.probes import ddp, optimizer
 print("recorded in C:", {k: p.recorded for k, p in sorted(ddp.IN_C.items())})
 print("optimizer steps in C:", {k: p.recorded for k, p in sorted(optimizer.IN_C.items())})
 from ddpdoctor.probes import native
-print("C++ timer:", native.module() is not None)  # its reader gives the C probes sequence numbers
+print("C++ timer:", native.module() is not None)
+sys.setprofile(None)
+print("slots claimed in Python:", claims[0])  # its reader gives the C probes sequence numbers
 active, collector.ACTIVE = collector.ACTIVE, None  # no collector (as in a forked child): calls pass through
 before = sys.getrefcount(None)
 with torch.no_grad():
@@ -208,6 +215,11 @@ def _record(tmp_path: Path, pure_python: str, mode: str = "") -> list[list]:
     in_c = "{'post': 2, 'pre': 0}" if pure_python != "1" else "{}"
     assert f"optimizer steps in C: {in_c}" in proc.stdout, proc.stdout
     assert f"C++ timer: {pure_python != '1'}" in proc.stdout, proc.stdout
+    # where the C module is loaded, no record is packed by a Python claim of its slot, not even
+    # a call site's first, which the Python path records: a signal handler's exception raised
+    # between the claim and the pack would leave the slot unwritten (trace/ring.py)
+    if pure_python != "1":
+        assert "slots claimed in Python: 0" in proc.stdout, proc.stdout
     # a forward with no collector holds and lets go of what it borrowed, never more (the C
     # probe once let go of None each time: a crash once None's count reached zero)
     moved = int(proc.stdout.split("None's count moved by: ")[1].split()[0])

@@ -311,6 +311,13 @@ def _collective_wrapper(op: str) -> Callable[[Callable[..., Any]], Callable[...,
             c.events += 1
             ring = c.writer.ring
             if ring is not None:
+                # the C packer claims and fills the slot in one call: no signal handler runs
+                # between (one raised after a claim would leave the slot unwritten: ring.py)
+                fast = c.collective_kind.fast
+                if fast is not None:
+                    fields = (op_id, nbytes, gid, gsize, seq, async_, site, sid)
+                    if fast(ring, c.step, t0, t1, fields) is None:
+                        return result
                 n = ring.seqs.next()
                 at = _SLOTS_AT + (n & ring.mask) * _SLOT
                 pack, kid = c.collective_pack
