@@ -24,15 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--gaps", type=float, nargs="+", default=[0, 1, 2, 4, 20, 100], help="µs before each call"
-    )
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
-    args = ap.parse_args()
+def doctor_world() -> None:
+    """This process as a one-rank gloo job under the doctor (its probes installed, a run
+    directory of its own), on one torch thread: the setting of every per-event figure."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
     os.environ["DDPDOCTOR_RUN_DIR"] = tempfile.mkdtemp()
@@ -42,10 +36,25 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpdoctor.probes.patching import original
-
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--gaps", type=float, nargs="+", default=[0, 1, 2, 4, 20, 100], help="µs before each call"
+    )
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
+    args = ap.parse_args()
+    doctor_world()
+    import torch
+    import torch.distributed as dist
+
+    from ddpdoctor.probes.patching import original
+
     tensor = torch.ones(1)
     perf = time.perf_counter
 

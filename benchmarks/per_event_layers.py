@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
-import tempfile
 import time
 from typing import Any
+
+from per_event_gap import doctor_world
 
 MODES = ("recorded", "disabled", "off", "null")
 
@@ -49,20 +49,13 @@ def main() -> None:
 
 
 def measure(rounds: int, calls: int) -> dict[str, Any]:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    os.environ["DDPDOCTOR_RUN_DIR"] = tempfile.mkdtemp()
-    import ddpdoctor.probes as probes
-
-    probes.install()
+    doctor_world()
     import torch
     import torch.distributed as dist
 
     from ddpdoctor.probes import collector
     from ddpdoctor.probes.patching import original
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.set_num_threads(1)
     t, c = torch.ones(1), collector.ACTIVE
     recorded, plain = dist.all_reduce, original(dist.all_reduce)
     faults = [0, 0]
