@@ -124,6 +124,19 @@ typedef struct {
 extern PyTypeObject StateType;
 /* ``c`` as a State, or NULL (not one: the Python path's). */
 State *probe_state(PyObject *c);
+/* The writer's ring (a new reference), or NULL when it has none (closed); kept in s->pack.ring
+ * when its seqs are held here (not the Python path's ring). */
+PyObject *ring_of(State *s, PyObject *writer);
+/* 0 when s->pack.ring is the writer's ring now, its seqs held here, to write records into;
+ * else -1 (no writer, a closed ring, or the Python path's). Every C probe of a state shares it. */
+static inline int ring_held(State *s) {
+    PackMemo *m = &s->pack;
+    if (s->writer != NULL && s->writer == m->writer && m->ring.seqs && m->ring.seqs->held) return 0;
+    PyObject *ring = s->writer ? ring_of(s, s->writer) : NULL;
+    int kept = ring != NULL && ring == m->ring.ring && s->writer == m->writer;
+    Py_XDECREF(ring);
+    return kept ? 0 : -1;
+}
 /* A C probe enters a sync point: the state's progress moves to *saved (its reference with it)
  * and the parts given take its place. */
 void progress_enter(State *s, Progress *saved, PyObject *phase, PyObject *op, PyObject *seq, PyObject *src,

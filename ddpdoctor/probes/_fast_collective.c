@@ -30,8 +30,6 @@ typedef struct {
     int image_bad;
     long long image_sid, image_site; /* its signature and site ids, for enter_call */
     int ids_bad;                     /* one is not an int of 64 bits */
-    RingRef ring;
-    PyObject *ring_writer; /* the writer whose ring that is: not looked up again while it holds */
     PyObject *kid_c; /* the collector whose collective kind id this is */
     long long kid;
     PyObject *compiler; /* torch.compiler's module dict: its _is_compiling_flag */
@@ -47,8 +45,7 @@ static void Collective_dealloc(Collective *self) {
     Py_XDECREF(self->phase); Py_XDECREF(self->op); Py_XDECREF(self->kind); Py_XDECREF(self->root_names);
     Py_XDECREF(self->last_c); Py_XDECREF(self->last_known); Py_XDECREF(self->last_code);
     Py_XDECREF(self->last_group); Py_XDECREF(self->last_dtype); Py_XDECREF(self->image_of);
-    ring_clear(&self->ring);
-    Py_XDECREF(self->ring_writer); Py_XDECREF(self->kid_c); Py_XDECREF(self->compiler);
+    Py_XDECREF(self->kid_c); Py_XDECREF(self->compiler);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -126,38 +123,26 @@ static long long root_of(Collective *self, PyObject *args, PyObject *kwargs) {
 }
 
 
-/* Point self->ring at the ring the writer holds now, and know the collective's kind id (looked
- * up again only when the collector changes). -1 when there is nothing to write to. A writer
- * holds one ring from its start until it closes, when the ring lets its mapping go: while the
- * writer is the same and the ring holds its mapping, the ring is the same (trace/writer.py). */
-COLD static int ring_find(Collective *self, State *s);
-
-static inline int ring_now(Collective *self, State *s) {
-    if (s->writer == self->ring_writer && (PyObject *)s == self->kid_c && self->ring.seqs && self->ring.seqs->held)
-        return 0;
-    return ring_find(self, s);
+/* Know the collector's collective kind id (looked up again only when the collector changes):
+ * 0, or -1 when it has none. */
+COLD static int kid_find(Collective *self, State *s) {
+    int bad = 0;
+    PyObject *kind = s->collective_kind;
+    PyObject *kid = kind ? PyObject_GetAttrString(kind, "kid") : NULL;
+    long long k = kid ? as_i64(kid, &bad) : 0;
+    Py_XDECREF(kid);
+    if (kid == NULL || bad) return -1;
+    Py_INCREF(s);
+    Py_XSETREF(self->kid_c, (PyObject *)s);
+    self->kid = k;
+    return 0;
 }
 
-static int ring_find(Collective *self, State *s) {
-    PyObject *c = (PyObject *)s, *writer = s->writer;
-    PyObject *ring = writer ? PyObject_GetAttr(writer, s_ring) : NULL;
-    int ok = ring != NULL && ring != Py_None && ring_set(&self->ring, ring) == 0;
-    Py_XDECREF(ring);
-    if (!ok) return -1;
-    Py_INCREF(writer);
-    Py_XSETREF(self->ring_writer, writer);
-    if (c != self->kid_c) {
-        int bad = 0;
-        PyObject *kind = s->collective_kind;
-        PyObject *kid = kind ? PyObject_GetAttrString(kind, "kid") : NULL;
-        long long k = kid ? as_i64(kid, &bad) : 0;
-        Py_XDECREF(kid);
-        if (kid == NULL || bad) return -1;
-        Py_INCREF(c);
-        Py_XSETREF(self->kid_c, c);
-        self->kid = k;
-    }
-    return 0;
+/* 0 when the record can be written: the state's ring (ring_held, which the other C probes
+ * share) and the kind id known; -1 when there is nothing to write to. */
+static inline int ring_now(Collective *self, State *s) {
+    if ((PyObject *)s != self->kid_c && kid_find(self, s) < 0) return -1;
+    return ring_held(s);
 }
 
 /* What the Python path described a call site as, stored into a slot image once: the fields of
@@ -206,7 +191,7 @@ static void record(Collective *self, State *s, PyObject *known, Value seq, int s
     values[5].i = async_;
     int walked = site_obj != PyTuple_GET_ITEM(known, 8);
     if (walked) values[6] = as_value(site_obj, self->layout.codes[10], &bad);
-    put_image(&self->ring, &self->layout, image, walked ? vary_site : vary, values, bad);
+    put_image(&s->pack.ring, &self->layout, image, walked ? vary_site : vary, values, bad);
 }
 
 static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs) {
@@ -392,7 +377,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
             sid = as_i64(PyTuple_GET_ITEM(known, 9), &ids_bad);
         }
         if (known != self->image_of || site_obj != PyTuple_GET_ITEM(known, 8)) site = as_i64(site_obj, &ids_bad);
-        if (!ids_bad) enter_call(&self->ring, seq.i, sid, site);
+        if (!ids_bad) enter_call(&s->pack.ring, seq.i, sid, site);
     }
     PyErr_Clear(); /* best effort: the record after the call says what it can */
     result = PyObject_Call(self->orig, args, kwargs);

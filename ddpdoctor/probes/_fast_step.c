@@ -94,11 +94,7 @@ PyObject *none_grads_of(PyObject *params) {
 
 static PyObject *none_grads(PyObject *module, PyObject *params) { return none_grads_of(params); }
 
-/* c.pack(kind, t0, t1, c.step, fields) as trace/writer.py's pack does it, with the kind's C
- * packer called from here, and the event counted. A record we cannot make is lost; what a
- * signal handler raised in the writer's Python path is left set (clear_own_error). */
-/* The writer's ring (a new reference), or NULL when it has none (closed). */
-static PyObject *ring_of(State *s, PyObject *writer) {
+PyObject *ring_of(State *s, PyObject *writer) {
     PackMemo *m = &s->pack;
     if (writer == m->writer && m->ring.seqs && m->ring.seqs->held) return Py_NewRef(m->ring.ring);
     PyObject *ring = PyObject_GetAttr(writer, s_ring);
@@ -134,6 +130,9 @@ static PyObject *packer_of(State *s, PyObject *kind) {
     return fast;
 }
 
+/* c.pack(kind, t0, t1, c.step, fields) as trace/writer.py's pack does it, with the kind's C
+ * packer called from here, and the event counted. A record we cannot make is lost; what a
+ * signal handler raised in the writer's Python path is left set (clear_own_error). */
 void pack_event(State *s, PyObject *kind, int64_t t0, int64_t t1, PyObject *fields) {
     s->events++;
     PyObject *writer = s->writer;
