@@ -1,5 +1,6 @@
 /* Declarations shared by the probes' C hot paths: _fast.c (the module, the ring, the packer,
- * site()), _fast_packer.c (the packer), _fast_collective.c (the collective probe), _fast_step.c
+ * site()), _fast_packer.c (the packer), _fast_collective.c and _fast_collective_rare.c (the
+ * collective probe; its object in _fast_collective.h), _fast_step.c
  * (the backward probe's per-step work), _fast_ddp.c (the DDP forward and backward probes),
  * _fast_opt.c (the optimizer's step hooks) and _fast_state.c (the collector's per-event state). */
 #ifndef DDPDOCTOR_FAST_H

@@ -1,40 +1,5 @@
 /* The collective probe in C: see _fast.c for what it does and when it runs. */
-#include "_fast.h"
-
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *orig;       /* torch's function */
-    PyObject *slow;       /* the Python wrapper's whole path: slow(*args, **kwargs) */
-    PyObject *failed;     /* failed(collector, exc): the probe broke before the call */
-    PyObject *of_frame;   /* callsite.of_frame(collector, frame) -> (site, direct) */
-    PyObject *globals;    /* probes/collector.py's module dict: its ACTIVE */
-    PyObject *tensor;     /* torch.Tensor */
-    PyObject *phase;      /* LivePhase.COLLECTIVE */
-    PyObject *op;         /* "all_reduce" */
-    PyObject *kind;       /* schema.COLLECTIVE, for the raised record */
-    PyObject *root_names; /* keyword names of the root rank (tuple), or None */
-    int always_async, root_pos, root_default, depth;
-    Layout layout;
-    /* The last call site: its key's values and what the Python path described it as (its
-     * entry in the collector's ``calls``), so that a call in a loop builds no key and looks
-     * nothing up. Strong references: no address compared here can be reused while held. */
-    PyObject *last_c, *last_known, *last_code, *last_group, *last_dtype;
-    int last_lasti, last_async;
-    long long last_root, last_nbytes;
-    /* image_of's record as far as the call site says it (op, bytes, group, group size, site,
-     * signature), stored once: a call copies it and stores its own fields over it. image_bad:
-     * one does not fit its type (every record of the site is lost, counted) */
-    PyObject *image_of;
-    _Alignas(8) char image[RING_SLOT];
-    int image_bad;
-    long long image_sid, image_site; /* its signature and site ids, for enter_call */
-    int ids_bad;                     /* one is not an int of 64 bits */
-    PyObject *kid_c; /* the collector whose collective kind id this is */
-    long long kid;
-    PyObject *compiler; /* torch.compiler's module dict: its _is_compiling_flag */
-    Global active, compiling; /* collector.ACTIVE, torch.compiler._is_compiling_flag */
-} Collective;
+#include "_fast_collective.h"
 
 static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, size_t nargsf,
                                        PyObject *kwnames);
@@ -83,86 +48,11 @@ static int Collective_init(Collective *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* type(obj).__name__ is one of the process group classes (the Python path's _is_group). */
-static int is_group(PyObject *obj) {
-    const char *name = Py_TYPE(obj)->tp_name;
-    const char *dot = strrchr(name, '.');
-    if (dot) name = dot + 1;
-    return !strcmp(name, "ProcessGroup") || !strcmp(name, "ProcessGroupGloo") ||
-           !strcmp(name, "ProcessGroupNCCL");
-}
-
-/* The root rank as the Python path's _root finds it; -2 with an error set on failure. */
-static long long root_of(Collective *self, PyObject *args, PyObject *kwargs) {
-    if (kwargs) {
-        Py_ssize_t n = PyTuple_GET_SIZE(self->root_names);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *v = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(self->root_names, i));
-            if (v == NULL) {
-                if (PyErr_Occurred()) return -2;
-                continue;
-            }
-            if (v == Py_None) continue;
-            PyObject *as_int = PyNumber_Long(v);
-            if (as_int == NULL) return -2;
-            long long r = PyLong_AsLongLong(as_int);
-            Py_DECREF(as_int);
-            if (r == -1 && PyErr_Occurred()) return -2;
-            return r;
-        }
-    }
-    if (PyTuple_GET_SIZE(args) > self->root_pos) {
-        PyObject *v = PyTuple_GET_ITEM(args, self->root_pos);
-        if (PyLong_Check(v)) {
-            long long r = PyLong_AsLongLong(v);
-            if (r == -1 && PyErr_Occurred()) return -2;
-            return r;
-        }
-    }
-    return self->root_default;
-}
-
-
-/* Know the collector's collective kind id (looked up again only when the collector changes):
- * 0, or -1 when it has none. */
-COLD static int kid_find(Collective *self, State *s) {
-    int bad = 0;
-    PyObject *kind = s->collective_kind;
-    PyObject *kid = kind ? PyObject_GetAttrString(kind, "kid") : NULL;
-    long long k = kid ? as_i64(kid, &bad) : 0;
-    Py_XDECREF(kid);
-    if (kid == NULL || bad) return -1;
-    Py_INCREF(s);
-    Py_XSETREF(self->kid_c, (PyObject *)s);
-    self->kid = k;
-    return 0;
-}
-
 /* 0 when the record can be written: the state's ring (ring_held, which the other C probes
  * share) and the kind id known; -1 when there is nothing to write to. */
 static inline int ring_now(Collective *self, State *s) {
-    if ((PyObject *)s != self->kid_c && kid_find(self, s) < 0) return -1;
+    if ((PyObject *)s != self->kid_c && coll_kid_find(self, s) < 0) return -1;
     return ring_held(s);
-}
-
-/* What the Python path described a call site as, stored into a slot image once: the fields of
- * schema.COLLECTIVE that are the call site's (op, bytes, group, group size, site, signature).
- * 1 when one does not fit its type. Its signature and site ids as integers, for enter_call
- * (*ids_bad: one is not an int of 64 bits). */
-static int image_from(const Layout *layout, PyObject *known, char *image, long long *sid, long long *site,
-                      int *ids_bad) {
-    static const int at[6] = {4, 5, 6, 7, 10, 11}, from[6] = {5, 3, 6, 2, 8, 9};
-    int bad = 0;
-    *ids_bad = 0;
-    *sid = as_i64(PyTuple_GET_ITEM(known, 9), ids_bad);
-    *site = as_i64(PyTuple_GET_ITEM(known, 8), ids_bad);
-    memset(image, 0, RING_SLOT);
-    for (int i = 0; i < 6 && !bad; i++) {
-        char code = layout->codes[at[i]];
-        Value v = as_value(PyTuple_GET_ITEM(known, from[i]), code, &bad);
-        if (!bad && !store(image, code, layout->offsets[at[i]], v)) bad = 1;
-    }
-    return bad;
 }
 
 /* The record of a call that returned, into the ring's next slot (the Python path's inlined
@@ -179,7 +69,7 @@ static void record(Collective *self, State *s, PyObject *known, Value seq, int s
     if (known != self->image_of) { /* another thread's call site was cached while this call ran */
         long long sid, site;
         int ids_bad;
-        bad = image_from(&self->layout, known, own, &sid, &site, &ids_bad) || seq_bad;
+        bad = coll_image_from(&self->layout, known, own, &sid, &site, &ids_bad) || seq_bad;
         image = own;
     }
     Value values[7];
@@ -198,51 +88,6 @@ static PyObject *passthrough(Collective *self, PyObject *args, PyObject *kwargs)
     return PyObject_Call(self->orig, args, kwargs);
 }
 
-/* The probe broke before the call: failed(c, exc) logs it and switches the probe off (or
- * re-raises what a signal handler raised); then torch's function runs unrecorded. */
-COLD static PyObject *broke(Collective *self, PyObject *c, PyObject *args, PyObject *kwargs) {
-    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL; /* KeyboardInterrupt: the program's */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb) PyException_SetTraceback(value, tb);
-    PyObject *r = PyObject_CallFunctionObjArgs(self->failed, c, value, NULL);
-    Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
-    return passthrough(self, args, kwargs);
-}
-
-/* A call not the last one: what the Python path described it as (a new reference, remembered
- * as the last call), or NULL: a new call site (no error set), or an error. */
-COLD static PyObject *learn_call(Collective *self, PyObject *c, PyObject *calls, PyObject *code, int lasti,
-                                 PyObject *group, int async_, long long root, PyObject *dtype, int64_t nb) {
-    /* the Python path's key: (id(code), f_lasti, group, async, root, dtype, nbytes) */
-    PyObject *key = Py_BuildValue("(NiOiLOL)", PyLong_FromVoidPtr(code), lasti, group, async_, root, dtype,
-                                  (long long)nb);
-    PyObject *known = key && calls && PyDict_Check(calls) ? PyDict_GetItemWithError(calls, key) : NULL;
-    Py_XDECREF(key);
-    if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 13) return NULL;
-    Py_INCREF(known);
-    Py_INCREF(c); Py_XSETREF(self->last_c, c);
-    Py_INCREF(known); Py_XSETREF(self->last_known, known);
-    Py_INCREF(code); Py_XSETREF(self->last_code, code);
-    Py_INCREF(group); Py_XSETREF(self->last_group, group);
-    Py_INCREF(dtype); Py_XSETREF(self->last_dtype, dtype);
-    self->last_lasti = lasti;
-    self->last_async = async_;
-    self->last_root = root;
-    self->last_nbytes = nb;
-    PyObject *was = self->image_of; /* NULL while the image is written: a thread that runs in
-                                      * the meantime (Python in as_value) stores its own */
-    self->image_of = NULL;
-    self->image_bad = image_from(&self->layout, known, self->image, &self->image_sid, &self->image_site,
-                                 &self->ids_bad);
-    self->image_of = Py_NewRef(known);
-    Py_XDECREF(was);
-    return known;
-}
-
 /* What the Python path described this call as (a new reference), or NULL: a new call site
  * (no error set), or an error. The last call site is compared by value first. */
 static PyObject *known_call(Collective *self, PyObject *c, PyObject *calls, const Frame *frame, PyObject *head,
@@ -259,28 +104,10 @@ static PyObject *known_call(Collective *self, PyObject *c, PyObject *calls, cons
         Py_INCREF(known);
         goto out;
     }
-    known = learn_call(self, c, calls, code, lasti, group, async_, root, dtype, nb);
+    known = coll_learn_call(self, c, calls, code, lasti, group, async_, root, dtype, nb);
 out:
     Py_XDECREF(dtype);
     return known;
-}
-
-/* torch's call raised: c.raised(prev, kind, op, nbytes, gname, gsize, seq, async, site, sid)
- * records it, and the patient's exception goes on, unchanged, whatever happens there. */
-COLD static void raised(Collective *self, PyObject *c, State *s, Progress *saved, PyObject *known,
-                        PyObject *seq_obj, PyObject *site_obj, int async_) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *async_obj = PyLong_FromLong(async_), *prev = progress_object(saved);
-    PyObject *r = async_obj && prev ? PyObject_CallMethodObjArgs(
-        c, s_raised, prev, self->kind, self->op, PyTuple_GET_ITEM(known, 3), PyTuple_GET_ITEM(known, 1),
-        PyTuple_GET_ITEM(known, 2), seq_obj, async_obj, site_obj, PyTuple_GET_ITEM(known, 9), NULL) : NULL;
-    Py_XDECREF(async_obj);
-    Py_XDECREF(prev);
-    if (r == NULL) PyErr_Clear();
-    Py_XDECREF(r);
-    progress_leave(s, saved); /* what raised() set, or what it could not */
-    PyErr_Restore(type, value, tb);
 }
 
 /* fast(args, kwargs): the Python wrapper's (*args, **kwargs), as they came. */
@@ -332,9 +159,9 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     }
     if (group == Py_None && nargs > 1) {
         for (Py_ssize_t i = 0; i < nargs; i++)
-            if (is_group(PyTuple_GET_ITEM(args, i))) { group = PyTuple_GET_ITEM(args, i); break; }
+            if (coll_is_group(PyTuple_GET_ITEM(args, i))) { group = PyTuple_GET_ITEM(args, i); break; }
     }
-    if (self->root_names != Py_None && (root = root_of(self, args, kwargs)) == -2 && PyErr_Occurred())
+    if (self->root_names != Py_None && (root = coll_root_of(self, args, kwargs)) == -2 && PyErr_Occurred())
         goto broken;
     if (nargs < 1) goto slow;
     PyObject *head = PyTuple_GET_ITEM(args, 0);
@@ -382,7 +209,7 @@ static PyObject *Collective_vectorcall(Collective *self, PyObject *const *argv, 
     PyErr_Clear(); /* best effort: the record after the call says what it can */
     result = PyObject_Call(self->orig, args, kwargs);
     if (result == NULL) {
-        raised(self, c, s, &saved, known, seq_obj, site_obj, async_);
+        coll_raised(self, c, s, &saved, known, seq_obj, site_obj, async_);
         goto done;
     }
     int64_t t1 = now_ns();
@@ -398,7 +225,7 @@ broken_or_slow:
     if (!PyErr_Occurred()) goto slow;
 broken:
     if (PyErr_Occurred()) {
-        result = broke(self, c, args, kwargs);
+        result = coll_broke(self, c, args, kwargs);
         goto done;
     }
 slow:
