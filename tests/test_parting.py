@@ -386,3 +386,36 @@ def test_a_call_every_earlier_round_made_that_one_rank_went_past_names_that_rank
     # A call the rank never made before, with nothing on record between: not a call it went past.
     assert judge([("all_reduce", "t.py:53")], [("broadcast", "t.py:70")]) is None
     assert judge([("barrier", "t.py:95")], [("barrier", "t.py:95")]) is None  # no disagreement
+
+
+def test_a_call_one_rank_went_past_into_its_gradient_all_reduce_names_that_rank() -> None:
+    """Held-out set 21: a helper's all_gather (:86) runs under `if labeled.any():` between one
+    step's gradient all-reduce and the next; on a batch with no label rank 1 goes from its forward
+    straight to its backward. Rank 0 waits in :86, rank 1 in the gradient all-reduce, which a hang
+    places at the backward's line (:112) where every earlier one was recorded at the forward's
+    (:103): the same call of the program all the same."""
+    from ddpdoctor.analysis.failed.causes import _explain
+    from ddpdoctor.analysis.failed.parting import Divergence
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+
+    def ledger(rank: int, last: tuple[str, str]) -> Ledger:
+        calls = [("all_gather", "t.py:86"), (GRAD_ALLREDUCE, "t.py:103")] * 3 + [last]
+        points = [Point(n, op, 8, "WORLD", n // 2, site, func="f") for n, (op, site) in enumerate(calls)]
+        points[-1].in_flight = True
+        return Ledger(rank, points=points, last_step=3)
+
+    ledgers = {0: ledger(0, ("all_gather", "t.py:86")), 1: ledger(1, (GRAD_ALLREDUCE, "t.py:112"))}
+    div = Divergence("mismatch", None, [], {r: lg.points[-1] for r, lg in ledgers.items()}, {"seq": 6})
+    found = _explain(div, ledgers)
+    assert found is not None and found.kind == "rank_only_collective" and found.ranks == [1], found
+    assert found.details["root_rank"] == 1 and found.details["place"] == "t.py:86"
+    said = " ".join(found.summary.split())
+    assert "rank 1 went past the all_gather at t.py:86 in f() this time" in said, said
+    assert "in each of its 2 earlier round(s) it made that call between one gradient all-reduce" in said
+    # Rounds in which every rank skipped the all_gather together (a decision they shared): going
+    # straight on is usual for rank 1 too, which side parted is not on record, and no rank is named.
+    both = [("all_gather", "t.py:86"), (GRAD_ALLREDUCE, "t.py:103"), (GRAD_ALLREDUCE, "t.py:103")] * 2
+    for lg in ledgers.values():
+        lg.points[:6] = [Point(n, op, 8, "WORLD", n, site, func="f") for n, (op, site) in enumerate(both)]
+    found = _explain(div, ledgers)
+    assert found is not None and found.kind == "collective_mismatch" and found.details["root_rank"] is None

@@ -229,6 +229,9 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
             )
+        past = went_past(points, ledgers, details)  # a skipped call: the ranks' own rounds say whose
+        if past is not None:
+            return past
         call = python[root]
         if call.site and any(call.site in {q.site for q in ledgers[r].points} for r in ddp):
             # the others executed that line too: not a branch they skipped, the sequences

@@ -1,5 +1,6 @@
 """A call every earlier round made, that one rank went past this time: of ranks in different
-Python collectives at one sequence number, after the same call just before, the rank whose own
+collectives at one sequence number (Python calls, or one side in DDP's gradient all-reduce),
+after the same call just before, the rank whose own
 history never had its call follow that one, while the other ranks' calls did, and whose history
 had the others' call in between (the call before, then theirs, then its own). Its early
 ``return`` or branch skipped the others' call; named only when every one of these holds.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from ddpdoctor.analysis.failed.points import Ledger, Point
+from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.rankonly import others_text
 from ddpdoctor.analysis.findings import Finding
 
@@ -18,7 +19,9 @@ Key = tuple[str, str]  # (op, site): one call of the program
 
 
 def _key(p: Point) -> Key:
-    return (p.op, p.site)
+    """One call of the program: a collective by its line, DDP's gradient all-reduce by the op
+    alone (its records carry the step's forward line; one a hang found, the backward's)."""
+    return (p.op, "" if p.op == GRAD_ALLREDUCE else p.site)
 
 
 def _follows(ledger: Ledger, before: int) -> dict[Key, Counter[Key]]:
@@ -43,7 +46,7 @@ def went_past(
         p = next((q for q in ledgers[r].points if q.group == "WORLD" and q.seq == seq - 1), None)
         if p is None:
             return None
-        prev[r] = _key(p)
+        prev[r], before_site = _key(p), p.site
     if len(set(prev.values())) != 1:
         return None
     before = next(iter(prev.values()))
@@ -62,13 +65,17 @@ def went_past(
     if rounds == 0:
         return None
     where = f" in {missed.func}()" if missed.func and not missed.func.startswith("<") else ""
+    if before == _key(own):
+        between = f"between one {own.op} and the next"
+    else:
+        between = f"after the {_named(before[0], before_site)} and before the {_named(own.op, own.site)}"
     return Finding(
         "rank_only_collective",
         "error",
         [root],
         f"rank {root} went past the {missed.op} at {missed.site}{where} this time: in each of its "
-        f"{rounds} earlier round(s) it made that call after the {before[0]} at {before[1] or '?'} "
-        f"and before the {own.op} at {own.site}; now it went straight to {own.describe()}, while "
+        f"{rounds} earlier round(s) it made that call {between}; now it went straight to "
+        f"{own.describe()}, while "
         f"{others_text(points, root)}: something on rank {root} before that call (a return, a "
         "branch on its own data, an exception caught) skipped it",
         fix=(
@@ -79,3 +86,9 @@ def went_past(
         ),
         details={**evidence, "root_rank": root, "place": missed.site, "went_past": missed.describe()},
     )
+
+
+def _named(op: str, site: str) -> str:
+    """A call by its line; DDP's gradient all-reduce, whose line is the forward's or the
+    backward's, by its name alone."""
+    return op if op == GRAD_ALLREDUCE or not site else f"{op} at {site}"
