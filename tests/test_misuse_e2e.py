@@ -113,6 +113,31 @@ def test_set_epoch_on_another_sampler_names_both(tmp_path: Path) -> None:
     assert f["details"]["place"] == f"misuse.py:{train}" and "train_loader.sampler.set_epoch" in f["fix"]
 
 
+def test_a_set_epoch_once_or_with_one_value_names_its_call(tmp_path: Path) -> None:
+    """set_epoch was called, but not with each epoch: the finding names that call, the line to
+    change, rather than the sampler's."""
+    cases = {  # the job's line (by its comment), what the finding says of it, its fix
+        "epoch_once": (
+            "# once, before the loop",
+            "set_epoch ran once, at {call}, not once per epoch",
+            "into the epoch loop",
+        ),
+        "epoch_fixed": (
+            "# the same epoch each time",
+            "set_epoch ran 2 times at {call}, each time with epoch 3",
+            "own counter",
+        ),
+    }
+    for mode, (line, said_here, fix_here) in cases.items():
+        (tmp_path / mode).mkdir()
+        _, found = findings(tmp_path / mode, mode)
+        (f,) = serious(found)
+        call = f"misuse.py:{_line('misuse.py', f'sampler.set_epoch(start)  {line}')}"
+        said = " ".join(f["summary"].split())
+        assert f["kind"] == "missing_set_epoch" and said_here.format(call=call) in said, said
+        assert f["details"]["place"] == call and fix_here in f["fix"], f
+
+
 def _line(script: str, text: str) -> int:
     lines = (JOBS / script).read_text().splitlines()
     return next(n for n, t in enumerate(lines, 1) if t.strip().startswith(text))

@@ -1,10 +1,11 @@
 """Small DDP jobs with one classic mistake each (or none).
 
 Usage: misuse.py {healthy|unused_head|branch|unneeded|no_sampler|no_set_epoch|two_models|
-                  presplit|same_shard|reseeded|shadowed}
+                  presplit|same_shard|reseeded|shadowed|epoch_once|epoch_fixed}
 
 ``shadowed``: the name ``sampler`` is reused for a validation sampler, so ``set_epoch`` reaches
-that one and never the training loader's.
+that one and never the training loader's. ``epoch_once``: a resumed run sets its first epoch
+once, before the loop; ``epoch_fixed``: it sets that same epoch at the start of every epoch.
 """
 
 import sys
@@ -59,10 +60,15 @@ def main() -> None:
         params += list(critic.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     step = 0
+    start = 3  # a resumed run's first epoch
+    if mode == "epoch_once":
+        sampler.set_epoch(start)  # once, before the loop
     for epoch in range(2):
         if mode == "reseeded":  # no set_epoch, yet a new order each epoch: the seed moves instead
             sampler.seed = epoch
-        elif sampler is not None and mode != "no_set_epoch":
+        elif mode == "epoch_fixed":
+            sampler.set_epoch(start)  # the same epoch each time
+        elif sampler is not None and mode not in ("no_set_epoch", "epoch_once"):
             sampler.set_epoch(epoch)
         for x, y in loader:
             opt.zero_grad()

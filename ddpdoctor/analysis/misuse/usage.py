@@ -1,5 +1,5 @@
-"""DDP misuse: samplers that do not shard, a missing set_epoch, checkpoints, collectives inside
-forward (unused parameters: ``unused.py``)."""
+"""DDP misuse: samplers that do not shard, a missing set_epoch (its findings: ``epochs.py``),
+checkpoints, collectives inside forward (unused parameters: ``unused.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import reads
+from ddpdoctor.analysis.misuse.epochs import no_epoch_finding, replayed
 from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
@@ -83,7 +84,10 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                     )
                 if again:
                     no_epoch[rank] = dict(
-                        info, passes=len(infos), proven=bool(reads.replayed([d for _, d in entries]))
+                        info,
+                        passes=len(infos),
+                        proven=bool(reads.replayed([d for _, d in entries])),
+                        one_epoch=len({i.get("epoch") for i in infos}) == 1,
                     )
         replay = reads.unread_epochs(trace, fed)
         if replay is not None and rank not in no_epoch:
@@ -128,80 +132,9 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
             },
         )
     if unread and not missing:
-        yield _replayed(unread)
+        yield replayed(unread)
     if no_epoch:
-        info = next(iter(no_epoch.values()))
-        created = f" created at {info['sampler_site']}" if info.get("sampler_site") else ""
-        elsewhere = info.get("set_epoch_elsewhere") or {}
-        other = ""
-        fix = "Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader."
-        if elsewhere.get("site"):
-            mine = f" (the one{created})" if created else ""
-            of = f" created at {elsewhere['sampler_site']}" if elsewhere.get("sampler_site") else ""
-            other = f"; set_epoch was called at {elsewhere['site']}, but on another DistributedSampler{of}"
-            fix = (
-                f"Call set_epoch on the training loader's sampler{mine}: the call at "
-                f"{elsewhere['site']} reaches another sampler{of} (a name reused, or the "
-                "validation loader's). Keep a separate name for each sampler, or call "
-                "train_loader.sampler.set_epoch(epoch)."
-            )
-        yield Finding(
-            "missing_set_epoch",
-            "warning",
-            sorted(no_epoch),
-            f"the shuffling {info.get('sampler')}{created} "
-            + (
-                f"began {info['passes']} passes over the data with the same batches"
-                if info["proven"]
-                else f"stayed at epoch {info.get('epoch')} for all {info['passes']} passes over the data"
-            )
-            + f": every epoch replays the same order{other}",
-            fix=fix,
-            details={
-                "epoch": info.get("epoch"),
-                "passes": info["passes"],
-                "ranks": sorted(no_epoch),
-                "place": info.get("sampler_site") or info.get("site"),
-                "loop": info.get("site"),
-                "same_batches": info["proven"],  # False: judged by the sampler's epoch alone
-                "set_epoch_elsewhere": elsewhere or None,
-            },
-        )
-
-
-def _replayed(unread: dict[int, dict[str, Any]]) -> Finding:
-    """set_epoch reached the sampler, but the loader was never iterated again: the epochs after
-    are a replay of batches read before, whatever the sampler was told."""
-    info = next(iter(unread.values()))
-    epochs = ", ".join(str(e) for e in info["unread"])
-    which = "its only pass" if info["passes"] == 1 else f"its last pass (of {info['passes']})"
-    began = f" at {info['site']}" if info.get("site") else ""
-    return Finding(
-        "missing_set_epoch",
-        "warning",
-        sorted(unread),
-        f"set_epoch({epochs}) reached the training DataLoader's {info.get('sampler')}"
-        + (f" at {info['set_at']}" if info.get("set_at") else "")
-        + f", but no pass of the loader began after it: {which} began{began}, and the rank "
-        f"trained {info['trained']} steps after the first new epoch was set, "
-        f"{info['trained'] / info['batches']:.1f}x the {info['batches']} batches of a pass. Those "
-        "steps replayed batches already read, in the same order (itertools.cycle over the "
-        "loader, or its batches kept in a list): every epoch after it repeats the first",
-        fix="Start a new pass of the DataLoader for each epoch: iterate the loader again after "
-        "sampler.set_epoch(epoch) (`for batch in loader:` inside the epoch loop; in a step-based "
-        "loop, a generator that calls set_epoch and then iterates the loader anew each time it "
-        "ends). itertools.cycle(loader) and list(loader) keep the first pass's batches and "
-        "replay them, whatever the sampler's epoch.",
-        details={
-            "place": info.get("site"),
-            "set_epoch_site": info.get("set_at"),
-            "epochs_unread": info["unread"],
-            "after_step": info["after_step"],
-            "steps_after": info["trained"],
-            "batches_per_pass": info["batches"],
-            "ranks": sorted(unread),
-        },
-    )
+        yield no_epoch_finding(no_epoch)
 
 
 def _one_shard(infos: dict[int, dict[str, Any]]) -> Finding:
