@@ -13,14 +13,17 @@ from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 NAMES = ["body.weight", "body.bias", "bn.running_mean", "bn.running_var"]
 
 
-def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2):
+def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2, versions=None):
     """A synthetic run whose ranks wrote fingerprints: ``values(rank, step) -> list``, checks at
-    init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more records."""
+    init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more records;
+    ``versions(rank, step) -> list``, the parameters' version counters (none: a run before them)."""
     (run_dir,) = write_run(SyntheticJob(ranks=ranks, steps=130), tmp_path / "run")
     for rank in range(ranks):
         lines = []
         for i, (step, at) in enumerate(((-1, "init"), (0, "step"), (63, "step"), (127, "step"))):
             info = {"model": 0, "at": at, "values": values(rank, step)}
+            if versions is not None:
+                info["versions"] = versions(rank, step)
             if i == 0:
                 info.update(names=names, n_params=n_params, numels=[64] * len(names))
             lines.append([schema.FINGERPRINT, 10_000 + 1000 * (step + 1), 0, step, info])
@@ -47,6 +50,36 @@ def test_the_rank_that_drifts_is_named_with_the_step_and_its_parameter(tmp_path:
     assert d["per_parameter"]["body.weight"]["last_equal_step"] == 0
     assert d["cause"] == "diverged_during_training" and d["ranks_by_value"] == [[0, 1], [2]]
     assert "since step 63" in f.summary and "body.weight (64 elements)" in f.summary
+
+
+def test_the_rank_whose_version_counters_moved_more_is_the_root_of_a_drift(tmp_path: Path) -> None:
+    """Two ranks part at step 63: with two, the fingerprints alone cannot say which side is odd.
+    Both ran the same optimizer steps (a move per step), and rank 1 wrote body.weight in place
+    three more times: it is the root. Counters that moved alike, or none recorded, name no one."""
+
+    def drifts(r: int, s: int) -> list:
+        return [s + 10 + (r == 1 and s >= 63), s + 20 + (r == 1 and s >= 63), 5, 6]
+
+    def moved(extra: int):
+        return lambda r, s: [s + 1 + (extra if r == 1 and s >= 63 else 0), s + 1]
+
+    (f,) = _mine(_run(tmp_path / "a", 2, drifts, versions=moved(3)))
+    assert f.ranks == [1] and f.details["root_rank"] == 1 and f.details["cause"] == "written_on_rank", f
+    said = " ".join(f.summary.split())
+    assert (
+        "rank(s) 1 wrote 1 of them in place beyond the optimizer steps every rank took, and rank(s) 0 did not"
+        in said
+    )
+    assert "the optimizer steps account for: 3 on rank 1)" in said, said
+    # Both ranks wrote, each its own number of times: neither is the root.
+    both = _run(tmp_path / "d", 2, drifts, versions=lambda r, s: [s + 1 + (r + 1 if s >= 63 else 0), s + 1])
+    (f,) = _mine(both)
+    assert f.ranks == [0, 1] and f.details["root_rank"] is None and f.details["cause"] == "written_on_rank"
+    assert "every rank wrote 1 of them in place beyond its optimizer steps" in " ".join(f.summary.split())
+    for case, versions in (("b", moved(0)), ("c", None)):
+        (f,) = _mine(_run(tmp_path / case, 2, drifts, versions=versions))
+        assert f.ranks == [0, 1] and f.details["root_rank"] is None, f
+        assert f.details["cause"] == "diverged_during_training", f
 
 
 def test_buffers_broadcast_every_forward_may_differ_between_forwards(tmp_path: Path) -> None:

@@ -84,6 +84,25 @@ def test_optimizer_steps_one_rank_skipped_name_it_as_the_root(tmp_path: Path) ->
     assert "all_reduce a skip flag" in f["fix"]
 
 
+def test_weights_one_rank_wrote_in_place_name_it_by_their_version_counters(tmp_path: Path) -> None:
+    """Rank 1 alone puts its head's weights back to a saved copy under no_grad three times: every
+    collective matched, every optimizer step was taken on both ranks. The head's two tensors'
+    version counters moved three more times on rank 1 (the weight's only: the bias was not
+    written), and the body, written alike, is no part of it."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "rollback"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert (
+        f["ranks"] == [1] and f["details"]["root_rank"] == 1 and f["details"]["cause"] == "written_on_rank"
+    ), f
+    said = " ".join(f["summary"].split())
+    assert "rank(s) 1 wrote 1 of them in place beyond the optimizer steps every rank took" in said, said
+    assert "account for: 3 on rank 1)" in said, said
+    assert "head.weight" in said and "body.weight" not in f["details"]["parameters"], f
+    versions = [info["versions"] for _, info in _fingerprints(job.run_dir, 1) if info.get("model") == 0]
+    assert versions and all(isinstance(v, list) for v in versions)
+
+
 def test_a_setting_written_by_hand_on_one_rank_is_the_cause_from_its_last_note(tmp_path: Path) -> None:
     """Rank 0 alone raises SGD's momentum in a fine-tune phase (held-out set 15). No scheduler
     changed it and no step check fell between, so the note its optimizer wrote as main()

@@ -257,6 +257,10 @@ class Fingerprints:
         ]
         if unsynced:
             info["unsynced"] = unsynced
+        # Each parameter's version counter: every in-place write moves it (an optimizer step, a
+        # copy_ under no_grad), so ranks that ran the same steps moved it alike unless one wrote
+        # the weights on its own (analysis/misuse/divergence.py)
+        info["versions"] = [p._version for _, p in named[:n_params]]
         self._submit([t for _, t in named], info)
 
     def _check_optimizer(self, optimizer: Any) -> None:

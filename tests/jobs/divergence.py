@@ -6,6 +6,8 @@ ckpt_before       rank 0 loads a checkpoint before wrapping (the constructor bro
 bn_no_broadcast   BatchNorm with broadcast_buffers=False (statistics differ by rank: a note)
 autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
 skip_steps        rank 1 skips optimizer.step() at steps 3, 10 and 17 by its own decision
+rollback          rank 1 puts its head's weights back to a saved copy (under no_grad) at steps
+                  5, 12 and 19 by its own decision
 
 With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
 (the live test runs `ddpdoctor top` meanwhile).
@@ -62,6 +64,7 @@ def main(mode: str) -> None:
         side = nn.Linear(16, 4)
         params = list(model.parameters()) + list(side.parameters())
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    saved = net.head.weight.detach().clone()  # the rollback's copy
     step = 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -73,6 +76,9 @@ def main(mode: str) -> None:
             loss.backward()
             if not (mode == "skip_steps" and rank == 1 and step % 7 == 3):  # a rank-local skip
                 opt.step()
+            if mode == "rollback" and rank == 1 and step % 7 == 5:  # a rank-local rollback
+                with torch.no_grad():
+                    net.head.weight.copy_(saved)
             step += 1
             while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
                 time.sleep(0.05)

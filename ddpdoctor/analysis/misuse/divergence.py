@@ -8,9 +8,10 @@ else was recorded: a parameter DDP never registered (added after construction, u
 wrapping, or outside every DDP model) never has its gradient all-reduced; weights equal after
 the constructor's broadcast but different after the first optimizer step were changed after
 wrapping (a ``load_state_dict`` on some ranks names the line); later divergence of a
-registered parameter comes from rank-dependent updates or optimizer state. Buffers that DDP
-broadcasts every forward are expected to differ between forwards; BatchNorm statistics with
-``broadcast_buffers=False`` differ by design (a note).
+registered parameter comes from rank-dependent updates or optimizer state, and where the
+parameters' version counters moved more on some ranks, from in-place writes there. Buffers
+that DDP broadcasts every forward are expected to differ between forwards; BatchNorm
+statistics with ``broadcast_buffers=False`` differ by design (a note).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     compare,
     odd_ranks,
     when_checked,
+    written_in_place,
 )
 from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at
 from ddpdoctor.trace import schema
@@ -232,6 +234,24 @@ def _weights(
     elif skipped:
         cause, fix, why = "optimizer_steps_skipped", stepped.FIX, stepped.why(skipped)
         odd = odd_ranks(head.groups, set(skipped))
+    elif (writes := written_in_place(series, found)) is not None:
+        excess, written = writes
+        odd, rest = sorted(excess), sorted(set(all_ranks) - set(excess))
+        cause, fix = "written_on_rank", _FIX_DRIFT
+        moves = ", ".join(f"{n} on rank {r}" for r, n in sorted(excess.items()))
+        counters = f"(their version counters moved more than the optimizer steps account for: {moves})"
+        if rest:
+            why = (
+                f"rank(s) {rank_list(odd)} wrote {written} of them in place beyond the optimizer steps "
+                f"every rank took, and rank(s) {rank_list(rest)} did not {counters}: a write on "
+                f"rank(s) {rank_list(odd)} alone (a copy_, a reset or a rollback under torch.no_grad())"
+            )
+        else:
+            why = (
+                f"every rank wrote {written} of them in place beyond its optimizer steps, each its own "
+                f"way {counters}: writes each rank decided alone (a reset, a re-draw or a rollback "
+                "decided on its own data)"
+            )
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT
         why = "a rank-dependent update changed them during training (every gradient was all-reduced)"

@@ -21,6 +21,7 @@ class _Check:
     ts: int
     names: tuple[str, ...]
     values: list[int]
+    versions: list[int] | None = None  # the parameters' version counters (runs since 2026-12-06)
 
 
 @dataclass
@@ -58,7 +59,10 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             current = names.get(key)
             if current is None or len(current) != len(values):
                 continue
-            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values)
+            versions = info.get("versions")
+            if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
+                versions = None
+            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):
                     series.unsynced[current[i]].add(rank)
@@ -109,6 +113,61 @@ def compare(series: Series) -> list[Divergence]:
             ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
             first[name] = Divergence(name, i >= n_params, key, equal_at.get(name), ordered, True)
     return list(first.values())
+
+
+def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int, int], int] | None:
+    """Which ranks wrote the first differing parameters in place beyond their optimizer steps,
+    between the last check where every rank agreed and the first where they did not. Every
+    in-place write moves a parameter's version counter, an optimizer step's as much as a
+    ``copy_`` under ``torch.no_grad()``; how far one optimizer step moves it is learnt from the
+    first interval between checks where every rank moved it alike. (each such rank's moves
+    beyond that, the parameters written); None where the counters were not recorded, the rate
+    cannot be learnt, or no rank wrote more."""
+    head = min(found, key=lambda d: d.first)
+    if head.last_equal is None:
+        return None
+    ranks = sorted(r for g in head.groups for r in g)
+    keys = sorted(set.intersection(*(set(series.checks[r]) for r in ranks)))
+    if head.last_equal not in keys or head.first not in keys:
+        return None
+    excess: dict[int, int] = defaultdict(int)
+    written = 0
+    for d in found:
+        if d.buffer or d.first != head.first or d.last_equal != head.last_equal:
+            continue
+        moved = {r: _moved(series, r, d.name, head.last_equal, head.first) for r in ranks}
+        rate = _rate(series, ranks, d.name, [k for k in keys if k <= head.last_equal])
+        if rate is None or any(n is None for n in moved.values()):
+            return None
+        steps = head.first[0] - head.last_equal[0]
+        beyond = {r: n - rate * steps for r, n in moved.items() if n is not None}
+        for r, n in beyond.items():
+            if n > 0:
+                excess[r] += n
+        written += any(n > 0 for n in beyond.values())
+    return (dict(excess), written) if excess else None
+
+
+def _moved(series: Series, rank: int, name: str, a: Key, b: Key) -> int | None:
+    """How far ``name``'s version counter moved on ``rank`` from check ``a`` to check ``b``."""
+    lo, hi = series.checks[rank][a], series.checks[rank][b]
+    if lo.versions is None or hi.versions is None or name not in lo.names or name not in hi.names:
+        return None
+    i, j = lo.names.index(name), hi.names.index(name)
+    if i >= len(lo.versions) or j >= len(hi.versions):
+        return None
+    return hi.versions[j] - lo.versions[i]
+
+
+def _rate(series: Series, ranks: list[int], name: str, keys: list[Key]) -> int | None:
+    """Moves of ``name``'s counter per optimizer step: from the first interval between checks
+    in ``keys`` where every rank moved it alike, by a whole number per step."""
+    for a, b in zip(keys, keys[1:]):
+        steps = b[0] - a[0]
+        moved = {_moved(series, r, name, a, b) for r in ranks}
+        if steps > 0 and len(moved) == 1 and (n := moved.pop()) is not None and n % steps == 0:
+            return n // steps
+    return None
 
 
 def odd_ranks(groups: list[list[int]], suspects: set[int]) -> list[int]:
