@@ -1,10 +1,10 @@
 """A call every earlier round made, that one rank went past this time: of ranks in different
 collectives at one sequence number (Python calls, or one side in DDP's gradient all-reduce),
-after the same call just before, the rank whose own
-history never had its call follow that one, while the other ranks' calls did, and whose history
-had the others' call in between (the call before, then theirs, then its own). Its early
-``return`` or branch skipped the others' call; named only when every one of these holds.
-``causes.py`` asks, from the ledgers' first divergence (``parting.py``)."""
+after the same call just before, the rank whose own history never had its call follow that
+one, while the other ranks' calls did, and whose history had the others' call in between (the
+call before, then theirs, then its own). Its early ``return`` or branch skipped the others'
+call; named only when every one of these holds. ``causes.py`` asks, from the ledgers' first
+divergence (``parting.py``)."""
 
 from __future__ import annotations
 
