@@ -190,7 +190,9 @@ def test_healthy_twins_are_checked_and_stay_quiet(tmp_path: Path, script: str) -
     assert ("buffers_differ" in notes) == (script == "bn_no_broadcast")
     for f in found:
         if f["kind"] == "buffers_differ":  # where the wrapper was built, in the torch's own words
-            assert "(wrapped at divergence.py:57)" in f["summary"], f
+            lines = (JOBS / "divergence.py").read_text().splitlines()
+            wrapped = next(n for n, text in enumerate(lines, 1) if "model = DDP(net" in text)
+            assert f"(wrapped at divergence.py:{wrapped})" in f["summary"], f
             renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters  # torch 2.13
             knob = "forward_sync_buffers" if renamed else "broadcast_buffers"
             assert f"{knob}=False keeps each rank's own" in f["summary"] and f"{knob}=True" in f["fix"], f
