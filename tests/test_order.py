@@ -4,6 +4,7 @@ every round; a size the line never made is a size that differs, not an order."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,29 @@ def test_calls_of_several_lines_from_one_loop_line_are_an_order_and_a_skip_is_no
     ledgers = {0: _two_calls(0, path, first, first), 1: _two_calls(1, path, first, second)}
     points = {r: lg.points[-1] for r, lg in ledgers.items()}
     assert order_differs(points, ledgers, points[0].seq, {}, said=True) is None
+
+
+@pytest.mark.e2e
+def test_a_death_stack_cut_short_leaves_the_call_its_ring_entered(tmp_path: Path) -> None:
+    """Held-out set 16's order mismatch: gloo aborts rank 0 (SIGABRT) inside the all_reduce whose
+    size it did not expect. Once in CI a second fault cut faulthandler's dump short (no frame of
+    the collective), and the verdict became rank 0's failure. The ring's entered call, with the
+    op and group of the rank's earlier records at its line, says where it died all the same."""
+    script = ZOO / "order_load_max_segment_heldout16.py"
+    lines = script.read_text().splitlines()
+    place = next(n for n, text in enumerate(lines, 1) if "# zoo: place" in text)
+    job = run_doctor(tmp_path, torchrun(2, script), "--hang-timeout", "8", "--on-hang", "kill")
+    ends_path = job.run_dir / "ends.json"
+    ends = json.loads(ends_path.read_text())
+    aborted = [r for r, e in ends["ranks"].items() if e.get("signal") == "SIGABRT"]
+    assert aborted, ends  # gloo aborts the rank that received the unexpected size
+    for rank in aborted:
+        ends["ranks"][rank]["stack"] = (
+            "Fatal Python error: Aborted\n\nThread 0x00007f7efe5ff6c0 (most recent call first):\n"
+            '  File "/usr/lib/python3.11/inspect.py", line 2516 in _signature_from_callable\n'
+            '  File "/usr/lib/python3.11/inspect.py"Fatal Python error: Segmentation fault\n'
+        )
+    ends_path.write_text(json.dumps(ends))
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "collective_mismatch"]
+    assert f["details"]["differs"] == "order" and f"{script.name}:{place}" in f["summary"], f
+    assert not [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "rank_failure"]

@@ -118,7 +118,7 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
         # of its last step's backward, as a traceback through backward would have said.
         op = GRAD_ALLREDUCE
     if op is None:
-        return None, place
+        return (_entered(run, rank, ledger) if ledger.ending.how == "signal" else None), place
     seqs = [p.seq for p in ledger.points if p.group == "WORLD" and p.seq >= 0]
     seq = max(seqs) + 1 if seqs else -1
     site = place if op != GRAD_ALLREDUCE else (ledger.forwards[-1][3] or place)
@@ -127,6 +127,26 @@ def died_in(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     if op != GRAD_ALLREDUCE:
         _sign(point, ledger.unfinished)
     return point, place
+
+
+def _entered(run: Run, rank: int, ledger: Ledger) -> Point | None:
+    """The collective a killed rank's ring says it entered and never left, where its stack names
+    none (faulthandler's dump cut short by a second fault): the call at that line, with the op
+    and group of the rank's earlier records there."""
+    trace = run.ranks.get(rank)
+    entered = trace.meta.get(schema.ENTERED, []) if trace is not None else []
+    if trace is None or not entered or ledger.unfinished is None:
+        return None
+    info = entered[-1][2]
+    site, seq = sites_of(trace).get(info.get("site")), info.get("seq")
+    before = [p for p in ledger.points if p.site == site and not p.op.startswith(GRAD_ALLREDUCE)]
+    if not site or not isinstance(seq, int) or not before:
+        return None
+    point = Point(
+        seq, before[-1].op, 0, before[-1].group, ledger.last_step, site, in_flight=True, died_in=True
+    )
+    _sign(point, ledger.unfinished)
+    return point
 
 
 def _reduced(ledger: Ledger) -> bool:
