@@ -179,7 +179,8 @@ def test_real_straggler_rank_and_phase(tmp_path: Path, kind: str, phase: str) ->
 
 def test_a_straggler_sampled_while_it_lags_is_pointed_at_its_line(tmp_path: Path) -> None:
     """Long enough for the live rule to name rank 1 and for a 5 s profile of it and rank 0: the
-    finding names the line in Net.forward where rank 1 spends its extra time."""
+    finding names the line in Net.forward where rank 1 spends its extra time, and the user's line
+    that called it."""
     code, found = findings(tmp_path, "forward", "40", "--steps=250", script="straggler.py")
     assert code == 0
     (f,) = serious(found)
@@ -192,6 +193,9 @@ def test_a_straggler_sampled_while_it_lags_is_pointed_at_its_line(tmp_path: Path
     assert f"Net.forward() straggler.py:{line}" in f["summary"] and f["fix"].startswith(
         "Start at Net.forward()"
     )
+    step = next(i for i, t in enumerate(text, 1) if "model(x)" in t)
+    assert where["callers"] == [f"main() straggler.py:{step}"], "whose call of forward: the training loop's"
+    assert f"called from main() straggler.py:{step}" in f["summary"]
 
 
 def test_a_straggler_with_larger_batches_is_told_so_with_the_samplers_fix(tmp_path: Path) -> None:

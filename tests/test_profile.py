@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpdoctor.analysis.slow.where import straggler_line
+from ddpdoctor.analysis.slow.where import line_text, straggler_line
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.profile import StragglerProfile, collapsed_lines
 from ddpdoctor.trace.reader import Run
@@ -31,11 +31,38 @@ RAW = "\n".join(
 def test_samples_count_the_main_threads_innermost_user_line() -> None:
     total, lines = collapsed_lines(RAW)
     assert total == 185, "the background thread and the empty stack are not the main thread's"
-    assert lines == [
-        ["Net.forward", "/home/u/train.py", 23, 120],  # through torch's module call
-        ["main", "/home/u/train.py", 55, 60],  # inside torch's backward: the line that called it
-        ["<module>", "/home/u/train.py", 70, 5],
+    assert lines == [  # each with the user frames that called it, the script's top level left out
+        ["Net.forward", "/home/u/train.py", 23, 120, [["main", "/home/u/train.py", 52]]],  # via torch
+        ["main", "/home/u/train.py", 55, 60, []],  # inside torch's backward: the line that called it
+        ["<module>", "/home/u/train.py", 70, 5, []],
     ]
+
+
+def test_a_helpers_line_comes_with_where_it_was_called_from_most() -> None:
+    data = "/usr/lib/python3.11/site-packages/torch/utils/data/dataloader.py"
+    fetch = f"{MAIN};main (/home/u/train.py:84);__next__ ({data}:733);Tiles.__getitem__ (/home/u/train.py:63)"
+    raw = "\n".join([
+        f"{fetch};despeckle (/home/u/train.py:43) 70",
+        f"{MAIN};main (/home/u/train.py:99);despeckle (/home/u/train.py:43) 10",  # a rarer caller
+        f"{MAIN};main (/home/u/train.py:99);a (/home/u/train.py:5);b (/home/u/train.py:6);"
+        "c (/home/u/train.py:7) 3",
+    ])  # fmt: skip
+    _, lines = collapsed_lines(raw)
+    assert lines[0] == [
+        "despeckle",
+        "/home/u/train.py",
+        43,
+        80,
+        [["Tiles.__getitem__", "/home/u/train.py", 63], ["main", "/home/u/train.py", 84]],
+    ]
+    assert lines[1][4] == [["b", "/home/u/train.py", 6], ["a", "/home/u/train.py", 5]], "two callers at most"
+    run = _run((500, [[*lines[0][:3], 450, lines[0][4]]]), (500, [["main", "/home/u/train.py", 55, 480, []]]))
+    found = straggler_line(run, 1)
+    assert found is not None and found["callers"] == ["Tiles.__getitem__() train.py:63", "main() train.py:84"]
+    assert line_text(found).endswith(
+        "at despeckle() train.py:43 (rank 0: 0 %), called from Tiles.__getitem__() train.py:63, "
+        "from main() train.py:84"
+    )
 
 
 def _run(straggler: tuple[int, list], peer: tuple[int, list]) -> Run:
@@ -63,7 +90,10 @@ def test_equal_shares_or_too_few_samples_say_nothing() -> None:
     close = [["Net.forward", "/home/u/train.py", 23, 245], ["main", "/home/u/train.py", 55, 255]]
     assert straggler_line(_run((500, same), (500, close)), 1) is None, "3 points: sampling noise"
     few = [["Net.forward", "/home/u/train.py", 23, 40]]
-    assert straggler_line(_run((50, few), (50, [])), 1) is None, "50 samples prove nothing"
+    assert straggler_line(_run((49, few), (49, [])), 1) is None, "under 50 samples a rank: no ground"
+    assert straggler_line(_run((60, few), (60, [])), 1) is not None, "40 of 60 against none: plain"
+    rare = [["Net.forward", "/home/u/train.py", 23, 9]]
+    assert straggler_line(_run((60, rare), (6000, [])), 1) is None, "9 samples at a line: no ground"
 
 
 CHILD = """
@@ -106,7 +136,7 @@ def test_a_real_profile_of_two_processes_names_their_lines(tmp_path: Path) -> No
     for rank in ("0", "1"):
         entry = out["ranks"][rank]
         assert entry["samples"] >= 100, entry
-        function, file, line, _ = entry["lines"][0]
+        function, file, line, _, _ = entry["lines"][0]
         assert (function, file) == ("spin", str(script)), entry
         assert CHILD.splitlines()[line - 1].strip().startswith(("while", "pass", "end")), entry
 

@@ -7,7 +7,8 @@ records that rank and the most punctual other rank of this node side by side wit
 record --nonblocking --idle`` for ``PROFILE_S`` at ``RATE_HZ``: never pausing them, and
 keeping idle samples, since a rank's sleep or wait is where its time goes too. Each sample is
 reduced to the main thread's innermost user frame (trace/stacktext.py's rule) and counted into
-``profile.json``; the analysis compares the two ranks' shares line by line
+``profile.json``, with the user frames that called it (a slow helper is found where it is
+called from: the data path, the forward); the analysis compares the two ranks' shares line by line
 (analysis/slow/where.py). It runs on its own thread: the watcher never waits for it.
 """
 
@@ -35,14 +36,18 @@ CHECK_S = 1.0  # how often the live lateness is asked (12-26 ms of CPU at 1,024 
 PROFILE_S = 5.0
 RATE_HZ = 100
 TOP_LINES = 40  # lines kept per rank, the most sampled first
+CALLERS = 2  # user frames kept above a line: enough to tell a helper's caller
 
 
 def collapsed_lines(text: str) -> tuple[int, list[list[Any]]]:
     """``py-spy record --format raw --full-filenames`` output -> (the main thread's samples,
-    [[function, file, line, samples]] by its innermost user frame, most first). Other threads
-    (their outermost frame is threading's bootstrap) are left out."""
+    [[function, file, line, samples, callers]] by its innermost user frame, most first).
+    ``callers``: the user frames above it in most of its samples, nearest first, as [function,
+    file, line], without the script's top level. Other threads (their outermost frame is
+    threading's bootstrap) are left out."""
     total = 0
     lines: Counter[tuple[str, str, int]] = Counter()
+    chains: dict[tuple[str, str, int], Counter[tuple[tuple[str, str, int], ...]]] = {}
     for row in text.splitlines():
         stack, _, count = row.rpartition(" ")
         frames = [f for f in stack.split(";") if f]
@@ -52,14 +57,19 @@ def collapsed_lines(text: str) -> tuple[int, list[list[Any]]]:
             continue
         n = int(count)
         total += n
+        user = []
         for frame in reversed(frames):
             function, _, where = frame.rpartition(" (")
             file, _, line = where.rstrip(")").rpartition(":")
-            if line.isdigit() and is_user_frame(file):
-                lines[(function, file, int(line))] += n
-                break
+            if line.isdigit() and is_user_frame(file) and (not user or function != "<module>"):
+                user.append((function, file, int(line)))
+                if len(user) > CALLERS:
+                    break
+        if user:
+            lines[user[0]] += n
+            chains.setdefault(user[0], Counter())[tuple(user[1:])] += n
     top = sorted(lines.items(), key=lambda kv: -kv[1])[:TOP_LINES]
-    return total, [[f, file, line, n] for (f, file, line), n in top]
+    return total, [[*key, n, [list(frame) for frame in chains[key].most_common(1)[0][0]]] for key, n in top]
 
 
 def _record(exe: str, pid: int, out: Path, seconds: float) -> subprocess.Popen[str]:
