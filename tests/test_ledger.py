@@ -78,6 +78,25 @@ def test_a_rank_that_ran_out_of_data_is_uneven_inputs(tmp_path: Path) -> None:
     _write(tmp_path, 1, _steps(6), error=PEER_ERROR)
     found = _kinds(tmp_path)
     assert found["uneven_inputs"]["details"]["root_rank"] == 0 and "join" in found["uneven_inputs"]["fix"]
+    assert found["uneven_inputs"]["summary"].endswith(
+        "its DataLoader gives 3 batches a pass, from 128 samples, rank 1's 8, from 128 samples: the same "
+        "number of samples on every rank, dealt into unequal batches by its sampler, a DistributedSampler"
+    )
+
+
+def test_uneven_inputs_from_datasets_of_unequal_length_say_so(tmp_path: Path) -> None:
+    short = dict(LOADER, batches=3, dataset_len=24, site="train.py:40")
+    _write(tmp_path, 0, [r if r[0] != "loader" else ["loader", 2, 0, -1, short] for r in _steps(3)])
+    _write(tmp_path, 1, _steps(6), error=PEER_ERROR)
+    summary = _kinds(tmp_path)["uneven_inputs"]["summary"]
+    assert (
+        "its DataLoader (iterated at train.py:40) gives 3 batches a pass, from 24 samples, rank 1's 8, "
+        in summary
+    )
+    assert summary.endswith(
+        "from 128 samples: the ranks' datasets differ in length (each rank builds or is given "
+        "a shard of its own size: start where that shard is made)"
+    )
 
 
 def _epochs(passes: list[int], batches: int) -> list[list]:

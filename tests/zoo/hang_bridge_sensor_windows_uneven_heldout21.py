@@ -35,6 +35,7 @@ EXPECT = {
     "fix": ["join", "Join", "DistributedSampler", "drop_last", "pad", "same number",
             "equal", "truncate", "min(", "smallest", "fewer"],
     "options": ["--hang-timeout", "6", "--on-hang", "kill"],
+    "names": ["from 96 samples", "differ in length"],
 }
 
 WIN, HOP = 128, 64

@@ -16,6 +16,7 @@ EXPECT = {
     "rank": 1,
     "fix": ["join", "drop_last", "pad", "same number"],
     "options": ["--hang-timeout", "6", "--on-hang", "kill"],
+    "names": ["from 1,600 samples", "RepeatFactorShardSampler"],
 }
 
 NUM_CLASSES = 10

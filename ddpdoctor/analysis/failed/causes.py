@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
-from ddpdoctor.analysis.failed.leaving import FIX_LEFT, left_by, left_loop, ran_out
+from ddpdoctor.analysis.failed.leaving import FIX_LEFT, left_by, left_loop, ran_out, shares
 from ddpdoctor.analysis.failed.ledger import build, forward_site
 from ddpdoctor.analysis.failed.order import order_differs
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
@@ -138,7 +138,7 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
             [root.rank],
             f"uneven inputs: rank {root.rank} ran out of batches after step {root.last_step} and "
             f"{'exited' if ending.how == 'clean_exit' else 'moved on'}{at}, while {where_others}: "
-            "the extra steps' gradient all-reduce has no partner",
+            f"the extra steps' gradient all-reduce has no partner{shares(root, others)}",
             fix=FIX_UNEVEN,
             details=details,
         )
@@ -225,7 +225,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 [root],
                 f"uneven inputs: rank {root} ran out of batches after step {root_lg.last_step} and "
                 f"waits in {python[root].describe()}, while {others_text(points, root)}: that "
-                "step's gradient all-reduce has no partner",
+                f"step's gradient all-reduce has no partner{shares(root_lg, others)}",
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
             )

@@ -40,6 +40,41 @@ def ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
     return not any(len(o.passes) > mine for o in others)
 
 
+def shares(root: Ledger, others: list[Ledger]) -> str:
+    """What made the passes unequal, from the loaders' own lengths: "; its DataLoader (iterated
+    at train.py:82) gives 8 batches a pass, from 96 samples; rank 0's 9, from 108: the ranks'
+    datasets differ in length, ..." ("" where the lengths are not known or agree)."""
+    if not root.passes or root.passes[-1].expected is None:
+        return ""
+    i = len(root.passes) - 1
+    mine = root.passes[i]
+    theirs = {
+        o.rank: o.passes[i]
+        for o in others
+        if len(o.passes) > i and o.passes[i].expected not in (None, mine.expected)
+    }
+    if not theirs:
+        return ""
+
+    def size(p: Any) -> str:
+        return f", from {p.samples:,} samples" if p.samples is not None else ""
+
+    at = f" (iterated at {mine.site})" if mine.site else ""
+    said = "; ".join(f"rank {r}'s {p.expected}{size(p)}" for r, p in sorted(theirs.items()))
+    lengths = {p.samples for p in theirs.values()} | {mine.samples}
+    if None in lengths:
+        why = ""
+    elif len(lengths) > 1:
+        why = (
+            ": the ranks' datasets differ in length (each rank builds or is given a shard of its own "
+            "size: start where that shard is made)"
+        )
+    else:
+        by = f", a {mine.sampler}" if mine.sampler else ""
+        why = f": the same number of samples on every rank, dealt into unequal batches by its sampler{by}"
+    return f"; its DataLoader{at} gives {mine.expected} batches a pass{size(mine)}, {said}{why}"
+
+
 def left_by(root: Ledger, others: list[Ledger]) -> str:
     """How a rank left the training loop the others still run (it read no DataLoader, or left
     its pass before the end), from the stacks and the source: "the `break` under `if stop:`

@@ -17,6 +17,9 @@ class Pass:
     loader: int
     expected: int | None
     read: int
+    samples: int | None = None  # the loader's dataset length on this rank
+    site: str | None = None  # where the rank iterated it
+    sampler: str | None = None  # its sampler's class
 
     @property
     def complete(self) -> bool:
@@ -38,7 +41,17 @@ def passes(trace: RankTrace, world: int) -> list[Pass]:
         mask = (ids == lid) & (ts >= t0)
         if t1 is not None:
             mask &= ts < t1
-        out.append(Pass(int(lid or 0), _expected_batches(info, world), int(mask.sum())))
+        n, site, sampler = info.get("dataset_len"), info.get("site"), info.get("sampler")
+        out.append(
+            Pass(
+                int(lid or 0),
+                _expected_batches(info, world),
+                int(mask.sum()),
+                n if isinstance(n, int) else None,
+                site if isinstance(site, str) else None,
+                sampler if isinstance(sampler, str) else None,
+            )
+        )
     return out
 
 
