@@ -419,3 +419,47 @@ def test_a_call_one_rank_went_past_into_its_gradient_all_reduce_names_that_rank(
         lg.points[:6] = [Point(n, op, 8, "WORLD", n, site, func="f") for n, (op, site) in enumerate(both)]
     found = _explain(div, ledgers)
     assert found is not None and found.kind == "collective_mismatch" and found.details["root_rank"] is None
+
+
+def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
+    """Held-out set 18: each epoch is 8 gradient all-reduces (the default group), then a metrics
+    all_reduce on its own group (:76) in a try block; on a quiet day rank 1's metric raised, the
+    except skipped the call, and rank 1 went on to the next epoch's gradient all-reduce while
+    rank 0 waits in :76. Each group numbers its own calls, so only each rank's own order of
+    calls across groups says who departed from the rounds every rank made."""
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+    from ddpdoctor.analysis.failed.wentpast import went_past_groups
+
+    def ledger(rank: int, epoch: list[tuple[str, str, str]], last: tuple[str, str, str]) -> Ledger:
+        calls = (epoch * 3 + [(GRAD_ALLREDUCE, "t.py:101", "WORLD")] * 8)[-30:] + [last]  # a tail window
+        points = [
+            Point(n, op, 8, group, n // 9, site, func="sync") for n, (op, site, group) in enumerate(calls)
+        ]
+        points[-1].in_flight = True
+        return Ledger(rank, points=points)
+
+    grad, metrics = (GRAD_ALLREDUCE, "t.py:101", "WORLD"), ("all_reduce", "t.py:76", "1")
+    epoch = [grad] * 8 + [metrics]
+
+    def judge(r0: tuple[str, str, str], r1: tuple[str, str, str], rounds: list = epoch) -> Finding | None:
+        return went_past_groups({0: ledger(0, rounds, r0), 1: ledger(1, rounds, r1)}, {})
+
+    found = judge(metrics, (GRAD_ALLREDUCE, "t.py:103", "WORLD"))  # a hang places it at the backward
+    assert found is not None and found.kind == "rank_only_collective" and found.ranks == [1], found
+    assert found.details["root_rank"] == 1 and found.details["place"] == "t.py:76"
+    said = " ".join(found.summary.split())
+    assert "rank 1 went past the all_reduce at t.py:76 in sync() (process group 1) this time" in said, said
+    assert "in each of 2 earlier round(s), every rank made that call after 8 gradient all-reduce(s)" in said
+    assert "rank 0 waits in all_reduce #30" in said and "t.py:76" in found.fix
+    assert judge(metrics, ("barrier", "t.py:90", "WORLD")).ranks == [1], (
+        "went elsewhere: departed all the same"
+    )
+    # Not a claim: both in one group's call (sequence numbers say it, elsewhere); rounds that end
+    # in different calls; a run never seen before; a rank not waiting.
+    assert judge(metrics, ("all_reduce", "t.py:76", "1")) is None
+    mixed = [grad] * 8 + [metrics] + [grad] * 8 + [("broadcast", "t.py:80", "1")]
+    assert judge(metrics, grad, mixed) is None, "after 8 gradient all-reduces came two different calls"
+    assert judge(metrics, grad, [grad] * 7 + [metrics]) is None, "8 in a row never happened before"
+    ledgers = {0: ledger(0, epoch, metrics), 1: ledger(1, epoch, grad)}
+    ledgers[1].points[-1].in_flight = False
+    assert went_past_groups(ledgers, {}) is None

@@ -158,18 +158,27 @@ def test_diagnose_json_prints_an_error_object_when_nothing_can_be_read(tmp_path:
 
 
 @pytest.mark.e2e
-def test_a_sync_skipped_on_another_group_is_not_judged_by_the_default_groups_numbers(tmp_path: Path) -> None:
+def test_a_sync_skipped_on_another_group_is_named_from_each_ranks_own_order(tmp_path: Path) -> None:
     """Held-out set 18: rank 1's except skips an all_reduce on a separate metrics group; rank 0
     waits in that group's #3, rank 1 in the default group's gradient all-reduce. Neither side
     is ordered by the other group's numbers: no uneven inputs on the waiting rank, no "already
-    issued it"; the hang names each side with its group. Which side is extra stays unsaid (the
-    case's own EXPECT is not met)."""
+    issued it". Each rank's own order of calls across groups is: 8 gradient all-reduces, then
+    the metrics call, three epochs running; rank 1 went past it, and is the root. The hang
+    names each side with its group, as the cause's consequence."""
     diag, code, error = _run_case(CASES["hang_fault_recall_quiet_day_heldout18"], tmp_path)
     assert diag is not None, error
     assert code == 124
     kinds = [f["kind"] for f in diag["findings"] if f["severity"] == "error"]
-    assert kinds == ["hang"], diag["findings"]
+    assert kinds == ["rank_only_collective", "hang"], diag["findings"]
+    cause = diag["findings"][0]
+    (place,) = CASES["hang_fault_recall_quiet_day_heldout18"].places
+    assert cause["details"]["root_rank"] == 1 and cause["details"]["place"] == place, cause
+    assert (
+        "in each of 3 earlier round(s), every rank made that call after 8 gradient all-reduce(s)"
+        in " ".join(cause["summary"].split())
+    )
     (hang,) = [f for f in diag["findings"] if f["kind"] == "hang"]
     said = " ".join(hang["summary"].split())
     assert hang["details"]["pattern"] == "groups_apart", hang
     assert "of process group" in said and "of the default group" in said and "already issued" not in said
+    assert said.startswith("(a consequence of rank_only_collective on rank 1)"), said

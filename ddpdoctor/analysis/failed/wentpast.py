@@ -78,13 +78,88 @@ def went_past(
         f"{own.describe()}, while "
         f"{others_text(points, root)}: something on rank {root} before that call (a return, a "
         "branch on its own data, an exception caught) skipped it",
-        fix=(
-            f"Make every rank call the {missed.op}() at {missed.site} every time: whatever let rank "
-            f"{root} go past it must not hold on one rank only. Contribute a neutral value (zeros) "
-            "instead of returning early, and decide from the reduced result, or decide the "
-            "condition from values every rank shares (all-reduce a flag first)."
-        ),
+        fix=_fix(missed, [root]),
         details={**evidence, "root_rank": root, "place": missed.site, "went_past": missed.describe()},
+    )
+
+
+def went_past_groups(ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
+    """The same question where the ranks wait in collectives of different process groups (each
+    group numbers its own calls, so sequence numbers cannot line them up): each rank's calls in
+    its own order, across groups, as runs of one call. Every rank's last run is the same call
+    the same number of times; every earlier such run, in every rank's history (at least twice),
+    was followed by one call; the ranks waiting in that call kept to it, and the ranks waiting
+    in another went past it."""
+    stuck = {r: lg.points[-1] for r, lg in ledgers.items() if lg.points and lg.points[-1].in_flight}
+    if len(stuck) < 2 or len(stuck) != sum(lg.ending.how != "never_started" for lg in ledgers.values()):
+        return None
+    if len({p.group for p in stuck.values()}) < 2:
+        return None
+    runs = {r: _runs([_key(p) + (p.group,) for p in ledgers[r].points[:-1]]) for r in stuck}
+    if any(not h for h in runs.values()) or len({h[-1] for h in runs.values()}) != 1:
+        return None
+    last = next(iter(runs.values()))[-1]
+    after = {r: [h[i + 1][0] for i in range(len(h) - 1) if h[i] == last] for r, h in runs.items()}
+    usual = {k for calls in after.values() for k in calls}
+    rounds = min(len(calls) for calls in after.values())
+    if len(usual) != 1 or rounds < 2:
+        return None
+    (then,) = usual
+    departed = sorted(r for r, p in stuck.items() if _key(p) + (p.group,) != then)
+    kept = {r: p for r, p in stuck.items() if r not in departed}
+    if not departed or not kept:
+        return None
+    missed = kept[min(kept)]
+    (op, _, group), times = last
+    where = f" in {missed.func}()" if missed.func and not missed.func.startswith("<") else ""
+    ranks = f"rank {departed[0]}" if len(departed) == 1 else f"ranks {', '.join(map(str, departed))}"
+    went = "; ".join(
+        f"rank {r} went straight on to {stuck[r].describe()}{_of(stuck[r].group)}" for r in departed
+    )
+    return Finding(
+        "rank_only_collective",
+        "error",
+        departed,
+        f"{ranks} went past the {missed.op} at {missed.site}{where}{_of(missed.group)} this time: in "
+        f"each of {rounds} earlier round(s), every rank made that call after {times} "
+        f"{_named(op, last[0][1])}(s){_of(group)}; now "
+        f"{went}, while "
+        + "; ".join(f"rank {r} waits in {p.describe()}{_of(p.group)}" for r, p in sorted(kept.items()))
+        + f": something on {ranks} before that call (a return, a branch on its own data, an exception "
+        "caught) skipped it",
+        fix=_fix(missed, departed),
+        details={
+            **evidence,
+            "root_rank": departed[0] if len(departed) == 1 else None,
+            "place": missed.site,
+            "went_past": missed.describe(),
+            "rounds": rounds,
+        },
+    )
+
+
+def _runs(keys: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], int]]:
+    """Consecutive equal calls as (call, how many times)."""
+    out: list[tuple[tuple[str, ...], int]] = []
+    for k in keys:
+        if out and out[-1][0] == k:
+            out[-1] = (k, out[-1][1] + 1)
+        else:
+            out.append((k, 1))
+    return out
+
+
+def _of(group: str) -> str:
+    return " (the default group)" if group == "WORLD" else f" (process group {group})"
+
+
+def _fix(missed: Point, roots: list[int]) -> str:
+    who = f"rank {roots[0]}" if len(roots) == 1 else f"ranks {', '.join(map(str, roots))}"
+    return (
+        f"Make every rank call the {missed.op}() at {missed.site} every time: whatever let {who} "
+        "go past it must not hold there only. Contribute a neutral value (zeros) instead of "
+        "returning early or skipping it in an except, and decide from the reduced result, or decide "
+        "the condition from values every rank shares (all-reduce a flag first)."
     )
 
 
