@@ -10,7 +10,7 @@ from typing import Any
 from ddpdoctor.analysis.failed.passes import batches
 from ddpdoctor.analysis.failed.points import Ledger
 from ddpdoctor.analysis.failed.rankonly import parted_at
-from ddpdoctor.analysis.failed.source import loop_left
+from ddpdoctor.analysis.failed.source import in_their_loop, loop_left
 from ddpdoctor.analysis.findings import Finding
 
 FIX_LEFT = (
@@ -23,8 +23,8 @@ FIX_LEFT = (
 def ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
     """Did this rank finish its data while another rank read more batches in the same pass, or
     was still in that pass with more batches in all (longer passes before it, or a longer one)?"""
-    if not ledger.passes:
-        return True  # no DataLoader seen: the ranks' own slicing; fewer steps is all we know
+    if not ledger.passes:  # no DataLoader seen: the ranks' own slicing; fewer steps is all we
+        return not _still_in_loop(ledger, others)  # know, unless its stack is in their loop
     mine = len(ledger.passes) - 1
     last = ledger.passes[mine]
     if not last.complete:
@@ -38,6 +38,18 @@ def ran_out(ledger: Ledger, others: list[Ledger]) -> bool:
         if in_it and batches(other.passes, other.passes[mine].loader, to_come=True) > had:
             return True
     return not any(len(o.passes) > mine for o in others)
+
+
+def _still_in_loop(root: Ledger, others: list[Ledger]) -> bool:
+    """The root's stack and the others' part in one function, and the root's line there lies in
+    the innermost loop that holds theirs: it waits inside the loop (a call in a branch of its
+    iteration), not after a loop it ran out of."""
+    stacks = {lg.rank: lg.stack for lg in (root, *others)}
+    parted = parted_at(stacks, [[root.rank], [o.rank for o in others]])
+    if parted is None:
+        return False
+    path, _func, at_root, at_others = parted
+    return bool(in_their_loop(path, at_root, at_others))
 
 
 def shares(root: Ledger, others: list[Ledger]) -> str:

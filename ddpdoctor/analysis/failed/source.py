@@ -186,6 +186,21 @@ def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, 
     return None
 
 
+def in_their_loop(path: str, line: int, other: int) -> bool | None:
+    """Whether ``line`` lies in the innermost loop holding ``other``, both in one function: a
+    rank at ``line`` has not left the loop the ranks at ``other`` still run. None without the
+    file, a loop, or one function holding both."""
+    theirs = _chain(path, other)
+    scope = _scope(path, theirs)
+    if scope is None or _scope(path, _chain(path, line)) is not scope:
+        return None
+    inner = theirs[theirs.index(scope) + 1 :] if scope in theirs else theirs
+    loops = [n for n in inner if isinstance(n, _LOOPS)]
+    if not loops:
+        return None
+    return loops[-1].lineno <= line <= (loops[-1].end_lineno or loops[-1].lineno)
+
+
 def _scope(path: str, chain: list[ast.AST]) -> ast.AST | None:
     """The innermost function in ``chain``, else the module; None without the file."""
     functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
