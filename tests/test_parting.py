@@ -276,6 +276,22 @@ def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
     assert loop_left(str(tmp_path / "gone.py"), "fit", 8, 11) is None
 
 
+def test_a_line_inside_the_loop_the_others_run_has_not_left_it(tmp_path: Path) -> None:
+    """A rank waiting at a line of the loop the others still run (a call in a branch of its
+    iteration: held-out set 22's rank-0-only barrier in a checkpoint helper, no DataLoader) has
+    not run out of data; at a line after that loop, it may have."""
+    from ddpdoctor.analysis.failed.source import in_their_loop
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(EARLY_STOP)
+    assert in_their_loop(path, 9, 8) is False, "the epoch loop's line: after the batch loop"
+    assert in_their_loop(path, 8, 8) is True
+    assert in_their_loop(path, 24, 23) is False and in_their_loop(path, 11, 8) is False
+    assert in_their_loop(path, 40, 8) is None, "another function"
+    assert in_their_loop(path, 2, 11) is None, "no loop holds theirs"
+    assert in_their_loop(str(tmp_path / "gone.py"), 8, 8) is None
+
+
 def _ledger(rank: int, calls: list[tuple[int, str, str, str]]) -> Ledger:
     points = [Point(seq, op, 16, "WORLD", 3, site, func=func) for seq, op, site, func in calls]
     points[-1].in_flight = True
@@ -421,6 +437,39 @@ def test_a_call_one_rank_went_past_into_its_gradient_all_reduce_names_that_rank(
     assert found is not None and found.kind == "collective_mismatch" and found.details["root_rank"] is None
 
 
+def test_a_call_one_rank_made_once_more_than_every_earlier_round_names_that_rank() -> None:
+    """Each round syncs two metrics with one all_reduce line (:99), then the next step's gradient
+    all-reduce; this time rank 1's dict had a third metric: it is in a third :99 while rank 0
+    went on to its gradient all-reduce. The extra call is rank 1's. With fewer than two earlier
+    rounds of the same shape on record, nothing is said."""
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+    from ddpdoctor.analysis.failed.wentpast import went_past_rounds
+
+    grad, metric = (GRAD_ALLREDUCE, "t.py:118"), ("all_reduce", "t.py:99")
+
+    def judge(rounds: list[tuple[str, str]], r0: tuple[str, str], r1: tuple[str, str]) -> Finding | None:
+        ledgers = {}
+        for rank, last in ((0, r0), (1, r1)):
+            calls = [*rounds, grad, grad, metric, metric, last]
+            points = [
+                Point(n, op, 4, "WORLD", n // 5, site, func="sync") for n, (op, site) in enumerate(calls)
+            ]
+            points[-1].died_in = True
+            ledgers[rank] = Ledger(rank, points=points)
+        return went_past_rounds(ledgers, {})
+
+    found = judge([grad, grad, metric, metric] * 2, grad, metric)
+    assert found is not None and found.ranks == [1] and found.details["root_rank"] == 1, found
+    said = " ".join(found.summary.split())
+    assert "rank 1 made the all_reduce at t.py:99 one more time than in any earlier round" in said, said
+    assert "every rank made it 2 time(s), then gradient all-reduce; now rank 1 made it a 3rd time" in said, (
+        said
+    )
+    assert "(the default group)" not in said and "fixed list" in found.fix
+    assert judge([], grad, metric) is None, "the first round: which count is the usual one is not on record"
+    assert judge([grad, grad, metric, metric, metric, grad, grad, metric, metric], grad, metric) is None
+
+
 def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     """Held-out set 18: each epoch is 8 gradient all-reduces (the default group), then a metrics
     all_reduce on its own group (:76) in a try block; on a quiet day rank 1's metric raised, the
@@ -428,7 +477,7 @@ def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     rank 0 waits in :76. Each group numbers its own calls, so only each rank's own order of
     calls across groups says who departed from the rounds every rank made."""
     from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
-    from ddpdoctor.analysis.failed.wentpast import went_past_groups
+    from ddpdoctor.analysis.failed.wentpast import went_past_rounds
 
     def ledger(rank: int, epoch: list[tuple[str, str, str]], last: tuple[str, str, str]) -> Ledger:
         calls = (epoch * 3 + [(GRAD_ALLREDUCE, "t.py:101", "WORLD")] * 8)[-30:] + [last]  # a tail window
@@ -442,7 +491,7 @@ def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     epoch = [grad] * 8 + [metrics]
 
     def judge(r0: tuple[str, str, str], r1: tuple[str, str, str], rounds: list = epoch) -> Finding | None:
-        return went_past_groups({0: ledger(0, rounds, r0), 1: ledger(1, rounds, r1)}, {})
+        return went_past_rounds({0: ledger(0, rounds, r0), 1: ledger(1, rounds, r1)}, {})
 
     found = judge(metrics, (GRAD_ALLREDUCE, "t.py:103", "WORLD"))  # a hang places it at the backward
     assert found is not None and found.kind == "rank_only_collective" and found.ranks == [1], found
@@ -450,7 +499,7 @@ def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     said = " ".join(found.summary.split())
     assert "rank 1 went past the all_reduce at t.py:76 in sync() (process group 1) this time" in said, said
     assert "in each of 2 earlier round(s), every rank made that call after 8 gradient all-reduce(s)" in said
-    assert "rank 0 waits in all_reduce #30" in said and "t.py:76" in found.fix
+    assert "rank 0 is in all_reduce #30" in said and "t.py:76" in found.fix
     assert judge(metrics, ("barrier", "t.py:90", "WORLD")).ranks == [1], (
         "went elsewhere: departed all the same"
     )
@@ -462,4 +511,4 @@ def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     assert judge(metrics, grad, [grad] * 7 + [metrics]) is None, "8 in a row never happened before"
     ledgers = {0: ledger(0, epoch, metrics), 1: ledger(1, epoch, grad)}
     ledgers[1].points[-1].in_flight = False
-    assert went_past_groups(ledgers, {}) is None
+    assert went_past_rounds(ledgers, {}) is None

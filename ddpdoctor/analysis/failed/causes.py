@@ -26,7 +26,7 @@ from ddpdoctor.analysis.failed.rankonly import (
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
-from ddpdoctor.analysis.failed.wentpast import went_past, went_past_groups
+from ddpdoctor.analysis.failed.wentpast import went_past, went_past_rounds
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
@@ -65,10 +65,11 @@ def ledger_causes(run: Run) -> Iterable[Finding]:
     ledgers = build(run)
     div = first_divergence(ledgers) or _left_first(ledgers)
     found = rank_only_logs(ledgers, div is not None, _evidence(ledgers, ledgers))
-    if found is None:  # ranks hung in different groups' calls: their own orders say who skipped
-        found = went_past_groups(ledgers, _evidence(ledgers, ledgers))
     if found is None and div is not None:
         found = _explain(div, ledgers)
+    if found is None or (found.kind == "collective_mismatch" and found.details.get("root_rank") is None):
+        # no root from the sequence numbers: each rank's own order of calls may say who departed
+        found = went_past_rounds(ledgers, _evidence(ledgers, ledgers)) or found
     if found is not None:
         yield found
     yield from rank_only_forwards(ledgers, found)

@@ -83,17 +83,17 @@ def went_past(
     )
 
 
-def went_past_groups(ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
-    """The same question where the ranks wait in collectives of different process groups (each
-    group numbers its own calls, so sequence numbers cannot line them up): each rank's calls in
-    its own order, across groups, as runs of one call. Every rank's last run is the same call
-    the same number of times; every earlier such run, in every rank's history (at least twice),
-    was followed by one call; the ranks waiting in that call kept to it, and the ranks waiting
-    in another went past it."""
-    stuck = {r: lg.points[-1] for r, lg in ledgers.items() if lg.points and lg.points[-1].in_flight}
+def went_past_rounds(ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Finding | None:
+    """The same question from each rank's own order of calls, where sequence numbers cannot
+    line the ranks up (calls of different process groups, each numbering its own) or say nothing
+    (every earlier round had both calls in it): each rank's calls, across groups, as runs of one
+    call. Every rank ended inside a call; every rank's last run before it is the same call the
+    same number of times; every earlier such run, in every rank's history (at least twice), was
+    followed by one call. The ranks that ended in that call kept to the rounds; a rank that made
+    the last run's call once more made an extra one, and a rank that ended in another went past
+    it."""
+    stuck = {r: lg.points[-1] for r, lg in ledgers.items() if lg.points and _unfinished(lg.points[-1])}
     if len(stuck) < 2 or len(stuck) != sum(lg.ending.how != "never_started" for lg in ledgers.values()):
-        return None
-    if len({p.group for p in stuck.values()}) < 2:
         return None
     runs = {r: _runs([_key(p) + (p.group,) for p in ledgers[r].points[:-1]]) for r in stuck}
     if any(not h for h in runs.values()) or len({h[-1] for h in runs.values()}) != 1:
@@ -109,33 +109,62 @@ def went_past_groups(ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Fi
     kept = {r: p for r, p in stuck.items() if r not in departed}
     if not departed or not kept:
         return None
-    missed = kept[min(kept)]
-    (op, _, group), times = last
-    where = f" in {missed.func}()" if missed.func and not missed.func.startswith("<") else ""
+    groups = len({p.group for p in stuck.values()}) > 1
+
+    def of(group: str) -> str:
+        return _of(group) if groups else ""
+
+    (op, site, group), times = last
     ranks = f"rank {departed[0]}" if len(departed) == 1 else f"ranks {', '.join(map(str, departed))}"
+    waits = "; ".join(f"rank {r} is in {p.describe()}{of(p.group)}" for r, p in sorted(kept.items()))
+    details = {**evidence, "root_rank": departed[0] if len(departed) == 1 else None, "rounds": rounds}
+    # One more of the same call: an extra one of theirs. One more gradient all-reduce is the
+    # next step's: they went past the call between.
+    extra = [r for r in departed if _key(stuck[r]) + (stuck[r].group,) == last[0] and op != GRAD_ALLREDUCE]
+    if extra and extra == departed:
+        call = stuck[departed[0]]
+        return Finding(
+            "rank_only_collective",
+            "error",
+            departed,
+            f"{ranks} made the {_named(op, site)}{of(group)} one more time than in any earlier round: "
+            f"in each of {rounds} earlier round(s) every rank made it {times} time(s), then "
+            f"{_named(then[0], then[1])}; now {ranks} made it a {_nth(times + 1)} time "
+            f"({call.describe()}), while {waits}: what {ranks} gave that call to do differed (a dict "
+            "or list of metrics of its own, a condition on its own data)",
+            fix=(
+                f"Make every rank call {op}() at {site} the same number of times: loop over a fixed "
+                "list of names (sorted, the same on every rank), and all-reduce a value every rank "
+                "has, zeros where one has none; or stack the values into one tensor and reduce once."
+            ),
+            details={**details, "place": call.site, "extra": call.describe()},
+        )
+    if extra:
+        return None  # some made one more, some went elsewhere: no one story
+    missed = kept[min(kept)]
+    where = f" in {missed.func}()" if missed.func and not missed.func.startswith("<") else ""
     went = "; ".join(
-        f"rank {r} went straight on to {stuck[r].describe()}{_of(stuck[r].group)}" for r in departed
+        f"rank {r} went straight on to {stuck[r].describe()}{of(stuck[r].group)}" for r in departed
     )
     return Finding(
         "rank_only_collective",
         "error",
         departed,
-        f"{ranks} went past the {missed.op} at {missed.site}{where}{_of(missed.group)} this time: in "
+        f"{ranks} went past the {missed.op} at {missed.site}{where}{of(missed.group)} this time: in "
         f"each of {rounds} earlier round(s), every rank made that call after {times} "
-        f"{_named(op, last[0][1])}(s){_of(group)}; now "
-        f"{went}, while "
-        + "; ".join(f"rank {r} waits in {p.describe()}{_of(p.group)}" for r, p in sorted(kept.items()))
-        + f": something on {ranks} before that call (a return, a branch on its own data, an exception "
-        "caught) skipped it",
+        f"{_named(op, site)}(s){of(group)}; now {went}, while {waits}: something on {ranks} before "
+        "that call (a return, a branch on its own data, an exception caught) skipped it",
         fix=_fix(missed, departed),
-        details={
-            **evidence,
-            "root_rank": departed[0] if len(departed) == 1 else None,
-            "place": missed.site,
-            "went_past": missed.describe(),
-            "rounds": rounds,
-        },
+        details={**details, "place": missed.site, "went_past": missed.describe()},
     )
+
+
+def _unfinished(p: Point) -> bool:
+    return p.in_flight or p.died_in or p.raised
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _runs(keys: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], int]]:
