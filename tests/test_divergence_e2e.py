@@ -84,6 +84,48 @@ def test_optimizer_steps_one_rank_skipped_name_it_as_the_root(tmp_path: Path) ->
     assert "all_reduce a skip flag" in f["fix"]
 
 
+def test_a_join_with_a_stateless_optimizer_is_healthy_though_the_step_counts_part(tmp_path: Path) -> None:
+    """Uneven shards under DDP's Join, SGD without momentum, a check after every optimizer step:
+    rank 0 shadows rank 1's four extra all-reduces each epoch, so in the second epoch rank 0's
+    step N is rank 1's step N + 4. The replicas are equal at every moment they share; checks
+    compared by the ranks' own step numbers compared different moments and cried divergence.
+    They are lined up by the gradient all-reduce each step begins with."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "join_sgd"), DDPDOCTOR_FINGERPRINT="1")
+    assert job.returncode == 0, job.stderr
+    found = diagnose_json(job.run_dir)["findings"]
+    assert not [f for f in found if f["severity"] in ("error", "warning")], found
+    steps = [[s for s, info in _fingerprints(job.run_dir, r) if info.get("at") == "step"] for r in (0, 1)]
+    assert len(steps[0]) == 16 and len(steps[1]) == 24 and steps[0][-1] == 15, steps  # 8+8 and 12+12
+
+
+def test_a_join_with_momentum_names_the_rank_whose_optimizer_fell_behind(tmp_path: Path) -> None:
+    """The same with momentum 0.9: rank 0 reduced gradients 4 times an epoch without stepping, its
+    momentum buffers fell behind, and after Join's re-sync the same averaged gradients move the
+    replicas apart. Checked every step, the weights are seen apart at a step both ranks took. On
+    the default interval (64) no check after the first falls on a step both took; the optimizer's
+    steps and its settings (noted at that first check) still say it, as a warning."""
+    job = run_doctor(
+        tmp_path, torchrun(2, JOBS / "divergence.py", "join_momentum"), DDPDOCTOR_FINGERPRINT="1"
+    )
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] in ("error", "warning")]
+    assert f["kind"] == "weights_diverged" and f["details"]["cause"] == "optimizer_steps_skipped", f
+    assert f["ranks"] == [0] and f["details"]["root_rank"] == 0, f
+    said = " ".join(f["summary"].split())
+    assert (
+        "the ranks made the same 24 gradient all-reduce(s), but their optimizers took different numbers"
+        in said
+    )
+    assert "(rank 0 16, the others 24)" in said and "Join" in f["fix"], said
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    job = run_doctor(sparse, torchrun(2, JOBS / "divergence.py", "join_momentum"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] in ("error", "warning")]
+    assert f["kind"] == "optimizer_state_behind" and f["severity"] == "warning" and f["ranks"] == [0], f
+    assert "Its optimizer keeps state (SGD (momentum 0.9))" in " ".join(f["summary"].split()), f
+
+
 def test_weights_one_rank_wrote_in_place_name_it_by_their_version_counters(tmp_path: Path) -> None:
     """Rank 1 alone puts its head's weights back to a saved copy under no_grad three times: every
     collective matched, every optimizer step was taken on both ranks. The head's two tensors'

@@ -8,6 +8,12 @@ autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
 skip_steps        rank 1 skips optimizer.step() at steps 3, 10 and 17 by its own decision
 rollback          rank 1 puts its head's weights back to a saved copy (under no_grad) at steps
                   5, 12 and 19 by its own decision
+join_sgd          each rank its own shard, rank 0's 8 batches to rank 1's 12, under DDP's Join
+                  context; SGD without momentum: rank 0 shadows rank 1's extra all-reduces and
+                  Join re-syncs the weights at its exit: healthy, though the ranks' step counts
+                  part (rank 0's step N is rank 1's N + 4 in the second epoch)
+join_momentum     the same with momentum 0.9: rank 0's momentum buffers fall behind, and the
+                  replicas part in the second epoch
 
 With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
 (the live test runs `ddpdoctor top` meanwhile).
@@ -44,6 +50,12 @@ def main(mode: str) -> None:
     data = TensorDataset(torch.randn(160, 16), torch.randint(0, 4, (160,)))
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
+    joined = mode.startswith("join_")
+    if joined:  # each rank its own shard, of its own length: uneven on purpose
+        g = torch.Generator().manual_seed(rank)
+        n = 64 if rank == 0 else 96
+        own = TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+        loader = DataLoader(own, batch_size=8)
     net = Net(bn=mode == "bn_no_broadcast")
     side = None
     if mode == "ckpt_before":
@@ -63,26 +75,32 @@ def main(mode: str) -> None:
         net.scale = nn.Parameter(torch.ones(4))
         side = nn.Linear(16, 4)
         params = list(model.parameters()) + list(side.parameters())
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.0 if mode == "join_sgd" else 0.9)
     saved = net.head.weight.detach().clone()  # the rollback's copy
     step = 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-                out = model(x) + (side(x) if side is not None else 0)
-                loss = nn.functional.cross_entropy(out.float(), y)
-            loss.backward()
-            if not (mode == "skip_steps" and rank == 1 and step % 7 == 3):  # a rank-local skip
-                opt.step()
-            if mode == "rollback" and rank == 1 and step % 7 == 5:  # a rank-local rollback
-                with torch.no_grad():
-                    net.head.weight.copy_(saved)
-            step += 1
-            while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
-                time.sleep(0.05)
+        with model.join(enable=joined):
+            step = train(mode, rank, model, opt, loader, side, net, saved, step)
     dist.destroy_process_group()
+
+
+def train(mode, rank, model, opt, loader, side, net, saved, step):  # noqa: ANN001, ANN201
+    for x, y in loader:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            out = model(x) + (side(x) if side is not None else 0)
+            loss = nn.functional.cross_entropy(out.float(), y)
+        loss.backward()
+        if not (mode == "skip_steps" and rank == 1 and step % 7 == 3):  # a rank-local skip
+            opt.step()
+        if mode == "rollback" and rank == 1 and step % 7 == 5:  # a rank-local rollback
+            with torch.no_grad():
+                net.head.weight.copy_(saved)
+        step += 1
+        while os.environ.get("RELEASE_FILE") and not os.path.exists(os.environ["RELEASE_FILE"]):
+            time.sleep(0.05)
+    return step
 
 
 if __name__ == "__main__":

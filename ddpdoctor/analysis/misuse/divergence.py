@@ -99,6 +99,7 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
     if len(run.ranks) < 2:
         return
     models = ddp_models(run)
+    seen = False  # weights found apart: what made them so is said there
     for (model, opt), series in sorted(collect(run).items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         found = compare(series)
         info = models[model] if 0 <= model < len(models) else {}
@@ -111,11 +112,14 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
         skip = set(unsynced)
         weights = [d for d in found if not d.buffer and d.name not in skip]
         if weights:
+            seen = True
             yield _weights(run, series, weights, model, label, registered)
         buffers = [d for d in found if d.buffer]
         if buffers and not info.get("options", {}).get("broadcast_buffers", True):
             owner = builder(run)  # the rank ``models`` came from
             yield _buffers(series, buffers, label, info, wrapped_at(owner, info) if owner else "")
+    if not seen and (behind := stepped.behind_finding(run)) is not None:
+        yield behind
 
 
 _NOT_SYNCED = {
@@ -234,6 +238,11 @@ def _weights(
     elif skipped:
         cause, fix, why = "optimizer_steps_skipped", stepped.FIX, stepped.why(skipped)
         odd = odd_ranks(head.groups, set(skipped))
+    elif (short := stepped.behind(run)) is not None:
+        cause, fix = "optimizer_steps_skipped", stepped.FIX_BEHIND
+        why = stepped.behind_text(*short) + ", so its optimizer state fell behind and the same averaged "
+        why += "gradients moved the replicas apart"
+        odd = sorted(short[0])
     elif (writes := written_in_place(series, found)) is not None:
         excess, written = writes
         odd, rest = sorted(excess), sorted(set(all_ranks) - set(excess))

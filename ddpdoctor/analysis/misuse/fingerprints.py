@@ -37,9 +37,32 @@ class Series:
     unsynced: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # name -> ranks
 
 
+def aligned_steps(run: Run) -> dict[int, dict[int, int]] | None:
+    """rank -> {its step: the step every rank shares}: each rank's steps lined up by the sequence
+    number of their first gradient all-reduce. A rank's step count is its own: one that ran out
+    of batches under a Join context shadows the others' all-reduces while its count stands
+    still, and from then on its step N is another rank's step N + k. The all-reduce each step
+    begins with is the same call on every rank. None where a rank recorded no gradient
+    all-reduce (buckets untimed, or none yet): the ranks' own counts are all there is."""
+    firsts: dict[int, dict[int, int]] = {}
+    for rank, trace in run.ranks.items():
+        red = trace.kind(schema.ALLREDUCE)
+        if not len(red):
+            return None
+        mine: dict[int, int] = {}
+        for step, seq in zip(red.step.tolist(), red.ints(2).tolist(), strict=True):
+            if seq >= 0 and (step not in mine or seq < mine[step]):
+                mine[step] = seq
+        firsts[rank] = mine
+    order = {seq: i for i, seq in enumerate(sorted({q for m in firsts.values() for q in m.values()}))}
+    return {rank: {step: order[seq] for step, seq in mine.items()} for rank, mine in firsts.items()}
+
+
 def collect(run: Run) -> dict[tuple[int, int | None], Series]:
-    """Every rank's fingerprints, by (model, optimizer)."""
+    """Every rank's fingerprints, by (model, optimizer); checks after optimizer steps keyed by
+    the step every rank shares (``aligned_steps``), where the gradient all-reduces say it."""
     out: dict[tuple[int, int | None], Series] = {}
+    shared = aligned_steps(run)
     for rank, trace in sorted(run.ranks.items()):
         names: dict[tuple[int, int | None], tuple[str, ...]] = {}
         for ts, step, info in trace.meta.get(schema.FINGERPRINT, []):
@@ -62,6 +85,10 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             versions = info.get("versions")
             if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
                 versions = None
+            if at == "step" and shared is not None:
+                step = shared.get(rank, {}).get(step, -1)
+                if step < 0:
+                    continue  # a step with no gradient all-reduce of its own: not comparable
             series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpdoctor.analysis.findings import rank_list
+from ddpdoctor.analysis.findings import Finding, rank_list
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -53,4 +53,104 @@ def why(skipped: dict[int, list[int]]) -> str:
     return (
         "; ".join(parts) + f": from the first skip, rank(s) {ranks} updated differently (every gradient "
         "was all-reduced, every collective matched; only the update differed)"
+    )
+
+
+FIX_BEHIND = (
+    "Give every rank the same number of batches, so that no rank joins early (a DistributedSampler "
+    "pads the shards; or drop the remainder). Where uneven inputs are meant (a Join context), keep "
+    "the optimizer state in step too: Join re-syncs the weights at its exit, not Adam's moments or "
+    "momentum buffers, so after each Join broadcast the optimizer state from a rank that stepped "
+    "every time (optimizer.state_dict(), dist.broadcast_object_list), or use an optimizer without "
+    "state (plain SGD)."
+)
+
+
+def behind(run: Run) -> tuple[dict[int, int], int, int] | None:
+    """({rank: its optimizer steps} of the ranks that took fewer, the most any rank took, the
+    gradient all-reduces each made) where every rank made as many gradient all-reduces as the
+    others (each matched its peers') but some took fewer optimizer steps: they reduced
+    gradients without stepping (a Join context shadows the all-reduces of a rank that ran out
+    of batches, with zeros, and that rank's optimizer does not step). Step numbers cannot show
+    it: such a rank's own count stands still while it shadows. Only for a job that finished: a
+    rank that failed mid-step leaves a step reduced and not taken, which is its failure's story."""
+    if run.exit_code:
+        return None
+    reduces = {r: len(t.kind(schema.ALLREDUCE)) for r, t in run.ranks.items()}
+    steps = {r: len(t.kind(schema.OPTIMIZER)) for r, t in run.ranks.items()}
+    if len(reduces) < 2 or len(set(reduces.values())) != 1 or not next(iter(reduces.values())):
+        return None
+    most = max(steps.values())
+    fewer = {r: n for r, n in steps.items() if n < most}
+    return (fewer, most, next(iter(reduces.values()))) if fewer and min(steps.values()) > 0 else None
+
+
+def behind_text(fewer: dict[int, int], most: int, reduces: int) -> str:
+    ranks = rank_list(sorted(fewer))
+    took = ", ".join(f"rank {r} {n}" for r, n in sorted(fewer.items()))
+    return (
+        f"the ranks made the same {reduces} gradient all-reduce(s), but their optimizers took different "
+        f"numbers of steps ({took}, the others {most}): rank(s) {ranks} reduced gradients without "
+        "stepping (a Join context does this to the rank that ran out of batches first: it shadows "
+        "the others' all-reduces and re-syncs the weights at its exit, not the optimizer state)"
+    )
+
+
+# An optimizer whose settings are only these, with momentum 0, keeps no state between steps.
+_STATELESS = {
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "nesterov",
+    "maximize",
+    "foreach",
+    "differentiable",
+    "fused",
+}
+
+
+def state_kept(run: Run, rank: int) -> str:
+    """What says the rank's optimizer keeps state between steps, from its recorded settings:
+    "Adam (betas)", "SGD (momentum 0.9)"; "" for one that keeps none or settings not on record."""
+    trace = run.ranks.get(rank)
+    for _ts, _step, info in trace.meta.get(schema.OPT_SETTINGS, []) if trace is not None else []:
+        for group in info.get("groups") or []:
+            if not isinstance(group, dict):
+                continue
+            extra = sorted(set(group) - _STATELESS)
+            momentum = group.get("momentum") or 0
+            if extra or momentum:
+                said = f"momentum {momentum}" if momentum else "betas" if "betas" in extra else extra[0]
+                return f"{info.get('type') or 'its optimizer'} ({said})"
+    return ""
+
+
+def behind_finding(run: Run) -> Finding | None:
+    """Ranks that reduced gradients without stepping while their optimizers keep state, where no
+    fingerprint check compared them at a step they shared (a Join re-syncs the weights at its
+    exit; between, the checks of a rank whose count stood still fall on other steps)."""
+    short = behind(run)
+    if short is None:
+        return None
+    fewer = short[0]
+    kept = {r: state_kept(run, r) for r in fewer}
+    if not all(kept.values()):
+        return None  # no state to fall behind: the same averaged gradients, the same steps
+    ranks = sorted(fewer)
+    return Finding(
+        "optimizer_state_behind",
+        "warning",
+        ranks,
+        f"{behind_text(*short)}. Its optimizer keeps state ({'; '.join(sorted(set(kept.values())))}), "
+        "which fell behind: the same averaged gradients then move the replicas apart until the weights "
+        "are synced again (no fingerprint check fell on a step every rank shared to show it)",
+        fix=FIX_BEHIND,
+        details={
+            "root_rank": ranks[0] if len(ranks) == 1 else None,
+            "optimizer_steps": fewer,
+            "most_steps": short[1],
+            "gradient_allreduces": short[2],
+            "state": kept,
+        },
     )
