@@ -50,8 +50,15 @@ def test_fingerprint_records_become_two_numbers_per_check_in_the_status() -> Non
         (schema.FINGERPRINT, 0, 0, 63, {"model": 0, "at": "step", "values": [1, 7, 4], "unsynced": [1]})
     )
     assert recent.status()["fingerprints"] == [
-        {"model": 0, "step": 0, "at": "step", "params": combine([1, 5]), "buffers": combine([3])},
-        {"model": 0, "step": 63, "at": "step", "params": combine([1]), "buffers": combine([4])},
+        {
+            "model": 0,
+            "step": 0,
+            "at": "step",
+            "params": combine([1, 5]),
+            "buffers": combine([3]),
+            "seq": None,
+        },
+        {"model": 0, "step": 63, "at": "step", "params": combine([1]), "buffers": combine([4]), "seq": None},
     ]
     assert len({combine([1, 5]), combine([5, 1]), combine([1, 5, 0]), combine([1, 4])}) == 4
     assert 0 <= combine([2**53 - 1] * 1000) < 2**53
@@ -334,8 +341,40 @@ def test_top_uses_the_runs_hang_timeout_and_defers_to_the_watchers_report(tmp_pa
     assert kinds == [("hang_reported", "ddpdoctor: HANG - the watcher's")]
 
 
-def _fp(step: int, params: int, buffers: int = 7, at: str = "step", model: int = 0) -> dict:
-    return {"model": model, "step": step, "at": at, "params": params, "buffers": buffers}
+def test_a_check_after_a_step_carries_that_steps_first_gradient_all_reduce() -> None:
+    """Under a Join a rank's step count stands still while it shadows the others' all-reduces:
+    the sequence number of the all-reduce each step begins with is what the ranks share."""
+    steps = RecentSteps(keep=4)
+    recent = RecentFingerprints(steps=steps)
+    names = {"names": ["w"], "n_params": 1}
+    for step, seqs in ((46, (145, 144)), (46, (148,)), (47, (184, 185))):  # buckets finish in any order
+        for q in seqs:
+            steps.allreduce((schema.ALLREDUCE, 0, 1, step, 0, 64, q))
+    recent.fingerprint((schema.FINGERPRINT, 0, 0, 47, {"model": 0, "at": "step", "values": [3], **names}))
+    recent.fingerprint((schema.FINGERPRINT, 0, 0, 47, {"model": 0, "at": "exit", "values": [3]}))
+    assert [(c["step"], c["at"], c["seq"]) for c in recent.status()["fingerprints"]] == [
+        (47, "step", 184),
+        (47, "exit", None),
+    ]
+    assert steps.first_seq(46) == 144 and steps.first_seq(12) is None
+
+
+def _fp(
+    step: int, params: int, buffers: int = 7, at: str = "step", model: int = 0, seq: int | None = None
+) -> dict:
+    return {"model": model, "step": step, "at": at, "params": params, "buffers": buffers, "seq": seq}
+
+
+def test_top_lines_the_ranks_checks_up_by_their_steps_first_all_reduce(tmp_path: Path) -> None:
+    """Rank 0 ran out of batches under a Join and shadowed 11 of rank 1's steps: its step 47 is
+    rank 1's 58 (both began with all-reduce #184). Equal there: quiet; rank 0's step 58 is
+    another moment, never compared. Different there: named, with rank 1's count."""
+    equal = {0: [_fp(47, 5, seq=184), _fp(58, 9, seq=217)], 1: [_fp(58, 5, seq=184)]}
+    assert _diverged(tmp_path, equal) == []
+    [f] = _diverged(tmp_path, {0: [_fp(47, 5, seq=184)], 1: [_fp(58, 6, seq=184)]})
+    assert f["ranks"] == [0, 1] and f["step"] == 58 and "at step 58, after its optimizer step" in f["text"]
+    # a status from before checks carried it: the ranks' own steps, as they were
+    assert [g["step"] for g in _diverged(tmp_path, {0: [_fp(58, 5, seq=184)], 1: [_fp(58, 6)]})] == [58]
 
 
 def _diverged(run_dir: Path, checks: dict[int, list[dict]]) -> list[dict]:

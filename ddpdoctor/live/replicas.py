@@ -22,9 +22,19 @@ from ddpdoctor.analysis.misuse.fingerprints import AT_ORDER, Key, odd_ranks, whe
 from ddpdoctor.probes.status import RankStatus
 
 
-def _checks(statuses: Mapping[int, RankStatus]) -> dict[int, dict[int, dict[Key, int]]]:
-    """model -> rank -> {check: the parameters' number}."""
-    out: dict[int, dict[int, dict[Key, int]]] = defaultdict(lambda: defaultdict(dict))
+def _checks(statuses: Mapping[int, RankStatus]) -> dict[int, dict[int, dict[Key, tuple[int, int]]]]:
+    """model -> rank -> {check: (the parameters' number, the rank's own step)}, each rank's in
+    the order it took them. A check after an optimizer step is keyed by the sequence number of
+    its step's first gradient all-reduce where every rank's status says it (the step every
+    rank shares: under a Join a rank's own count stands still while it shadows the others),
+    else by the rank's own step."""
+    out: dict[int, dict[int, dict[Key, tuple[int, int]]]] = defaultdict(lambda: defaultdict(dict))
+    by_seq = all(
+        isinstance(fp.get("seq"), int)
+        for st in statuses.values()
+        for fp in st.fingerprints or []
+        if fp.get("at") == "step"
+    )
     for rank, st in statuses.items():
         for fp in st.fingerprints or []:
             try:
@@ -32,7 +42,8 @@ def _checks(statuses: Mapping[int, RankStatus]) -> dict[int, dict[int, dict[Key,
             except (KeyError, TypeError, ValueError):
                 continue
             if at in AT_ORDER:
-                out[model][rank][(step, AT_ORDER[at], at)] = params
+                key = (int(fp["seq"]) if by_seq and at == "step" else step, AT_ORDER[at], at)
+                out[model][rank][key] = (params, step)
     return out
 
 
@@ -46,10 +57,12 @@ def weights_diverged(statuses: Mapping[int, RankStatus]) -> list[dict[str, Any]]
         common = set.intersection(*(set(checks) for checks in by_rank.values()))
         if not common:
             continue
-        key = max(common)
+        first = by_rank[min(by_rank)]
+        key = max(common, key=list(first).index)  # the latest: the checks are in the order taken
         groups: dict[int, list[int]] = defaultdict(list)
         for rank in sorted(by_rank):
-            groups[by_rank[rank][key]].append(rank)
+            groups[by_rank[rank][key][0]].append(rank)
+        step = max(checks[key][1] for checks in by_rank.values())  # a rank that never joined's
         if len(groups) < 2:
             continue
         ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
@@ -59,13 +72,13 @@ def weights_diverged(statuses: Mapping[int, RankStatus]) -> list[dict[str, Any]]
             if len(odd) < len(by_rank)
             else f"differ across ranks {rank_list(odd)} (no majority)"
         )
-        at = ("at " if key[2] == "step" else "") + when_checked(key)
+        at = ("at " if key[2] == "step" else "") + when_checked((step, *key[1:]))
         text = (
             f"DDP model #{model}: the parameters {who} {at}: the replicas no longer "
             "hold the same weights. `ddpdoctor diagnose` names the parameters and the cause."
         )
         out.append(
-            {"kind": "weights_diverged", "ranks": odd, "model": model, "step": key[0], "at": key[2],
+            {"kind": "weights_diverged", "ranks": odd, "model": model, "step": step, "at": key[2],
              "groups": ordered, "text": text}
         )  # fmt: skip
     return out

@@ -62,7 +62,7 @@ class _Liveness:
         node = os.environ.get("GROUP_RANK", "")  # torchrun's node rank: which node's watcher reads us
         self.node = int(node) if node.isdigit() else None
         self.recent = RecentSteps()
-        self.fingerprints = RecentFingerprints()
+        self.fingerprints = RecentFingerprints(steps=self.recent)
         self.seen_events = -1
         self.progress_wall = time.time()  # when the event count last moved
         self.exited = False

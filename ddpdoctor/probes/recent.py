@@ -42,6 +42,9 @@ class RecentSteps:
         self.sync: deque[tuple[int, int]] = deque(maxlen=keep)  # (step, last bucket wait µs)
         self._open: tuple[int, int, int] | None = None  # (step, ready ns, wait µs) of the newest step
         self.last_collective: tuple[str, int, int] | None = None  # (op, seq, end ns)
+        # (step, the sequence number of its first bucket all-reduce): the moment every rank's
+        # step shares, where a Join has made the ranks' own step counts part
+        self.firsts: deque[tuple[int, int]] = deque(maxlen=keep)
 
     # The newest events of each kind a flush must hand over: a collective and a buffer
     # broadcast only say which was last; forwards, enough to hold KEEP_STEPS training ones
@@ -70,6 +73,15 @@ class RecentSteps:
         if cur is None or t0 >= cur[1]:  # the bucket that got ready last decides the wait
             self._open = (step, t0, (t1 - t0) // 1000)
         self.last_collective = ("allreduce", int(seq), t1)
+        if self.firsts and self.firsts[-1][0] == step:
+            if seq < self.firsts[-1][1]:
+                self.firsts[-1] = (step, int(seq))
+        else:
+            self.firsts.append((step, int(seq)))
+
+    def first_seq(self, step: int) -> int | None:
+        """The sequence number ``step``'s first bucket all-reduce had, while it is kept."""
+        return next((seq for s, seq in reversed(self.firsts) if s == step), None)
 
     def collective(self, event: tuple) -> None:
         _, _, t1, _, op, _, _, _, seq = event[:9]
@@ -114,12 +126,14 @@ def combine(values: list[int]) -> int:
 
 
 class RecentFingerprints:
-    """Fed by the ``fingerprint`` writer tap: per DDP model, the last checks as
-    (step, at, parameters, buffers). Parameters DDP never registered (``unsynced``) are left out
-    of the parameters' number: their divergence is the analysis' gradients_not_synced."""
+    """Fed by the ``fingerprint`` writer tap: per DDP model, the last checks as (step, at,
+    parameters, buffers, the sequence number of the step's first gradient all-reduce).
+    Parameters DDP never registered (``unsynced``) are left out of the parameters' number:
+    their divergence is the analysis' gradients_not_synced."""
 
-    def __init__(self, keep: int = KEEP_CHECKS) -> None:
+    def __init__(self, keep: int = KEEP_CHECKS, steps: RecentSteps | None = None) -> None:
         self.keep = keep
+        self.steps = steps  # says each step's first gradient all-reduce, for the checks after it
         self.n_params: dict[int, int] = {}  # model -> parameters first in its values
         self.checks: dict[int, deque[list[Any]]] = {}
 
@@ -140,7 +154,8 @@ class RecentFingerprints:
         params = combine([v for i, v in enumerate(values[:n]) if i not in skip])
         buffers = combine(values[n:]) if len(values) > n else None
         checks = self.checks.pop(model, None) or deque(maxlen=self.keep)
-        checks.append([int(step), info.get("at"), params, buffers])
+        seq = self.steps.first_seq(int(step)) if self.steps is not None and info.get("at") == "step" else None
+        checks.append([int(step), info.get("at"), params, buffers, seq])
         self.checks[model] = checks  # last in order: the model checked most recently
         while len(self.checks) > KEEP_MODELS:
             del self.checks[next(iter(self.checks))]
@@ -149,7 +164,7 @@ class RecentFingerprints:
         """The field this adds to ``status-rank{R}.json``."""
         return {
             "fingerprints": [
-                {"model": m, "step": c[0], "at": c[1], "params": c[2], "buffers": c[3]}
+                {"model": m, "step": c[0], "at": c[1], "params": c[2], "buffers": c[3], "seq": c[4]}
                 for m, checks in list(self.checks.items())
                 for c in list(checks)
             ]
