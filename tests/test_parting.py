@@ -512,3 +512,30 @@ def test_a_call_on_another_group_one_rank_went_past_names_that_rank() -> None:
     ledgers = {0: ledger(0, epoch, metrics), 1: ledger(1, epoch, grad)}
     ledgers[1].points[-1].in_flight = False
     assert went_past_rounds(ledgers, {}) is None
+
+
+def test_ranks_that_part_inside_a_run_of_one_call_are_told_how_many_times_each_made_it() -> None:
+    """The first metrics sync of a job (held-out set 22): rank 1's dict had a third metric, so it
+    is in a third all_reduce at :99 while rank 0 made two and went on to its gradient all-reduce.
+    No earlier round says which count is right: no root, but the counts and the fix for them."""
+    from ddpdoctor.analysis.failed.causes import _explain
+    from ddpdoctor.analysis.failed.parting import Divergence
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+
+    def ledger(rank: int, calls: list[tuple[str, str]]) -> Ledger:
+        points = [
+            Point(n, op, 4, "WORLD", min(n, 14), site, func="sync") for n, (op, site) in enumerate(calls)
+        ]
+        points[-1].died_in = True
+        return Ledger(rank, points=points, last_step=14)
+
+    grad, metric = (GRAD_ALLREDUCE, "t.py:118"), ("all_reduce", "t.py:99")
+    ledgers = {0: ledger(0, [grad] * 14 + [metric, metric, grad]), 1: ledger(1, [grad] * 14 + [metric] * 3)}
+    div = Divergence("mismatch", None, [], {r: lg.points[-1] for r, lg in ledgers.items()}, {"seq": 16})
+    found = _explain(div, ledgers)
+    assert found is not None and found.kind == "collective_mismatch" and found.details["root_rank"] is None
+    said = " ".join(found.summary.split())
+    assert "a different number of times in a row (3 time(s) on rank(s) 1, 2 time(s) on rank(s) 0)" in said, (
+        said
+    )
+    assert "parted before this point" not in said and "fixed list of names" in found.fix

@@ -13,7 +13,7 @@ from typing import Any
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.leaving import FIX_LEFT, left_by, left_loop, ran_out, shares
 from ddpdoctor.analysis.failed.ledger import build, forward_site
-from ddpdoctor.analysis.failed.order import order_differs
+from ddpdoctor.analysis.failed.order import FIX_REPEATED, order_differs, repeated
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
 from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, Ledger, is_ddp
 from ddpdoctor.analysis.failed.rankonly import (
@@ -237,17 +237,21 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
             return past
         call = python[root]
         if call.site and any(call.site in {q.site for q in ledgers[r].points} for r in ddp):
-            # the others executed that line too: not a branch they skipped, the sequences
-            # parted earlier than anything on record here
+            # the others executed that line too: not a branch they skipped; they parted in a
+            # run of that call, or earlier than anything on record here
+            runs = repeated(points, ledgers, call)
             return Finding(
                 "collective_mismatch",
                 "error",
                 sorted(points),
                 f"the ranks issue different collectives at #{seq}: rank(s) {rank_list(python)} in "
-                f"{call.describe()} (a line the others execute too), while "
-                f"{others_text(points, root)}: their sequences of collectives parted before this "
-                "point (a step, a collective or a batch one side had and the other did not)",
-                fix=FIX_MISMATCH,
+                f"{call.describe()} (a line the others execute too), while {others_text(points, root)}"
+                + (
+                    runs
+                    or ": their sequences of collectives parted before this point (a step, a collective or "
+                    "a batch one side had and the other did not)"
+                ),
+                fix=FIX_REPEATED if runs else FIX_MISMATCH,
                 details={**details, "root_rank": None, "place": call.site},
             )
         return Finding(

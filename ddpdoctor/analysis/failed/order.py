@@ -35,7 +35,7 @@ from ddpdoctor.analysis.failed.source import (
     statement,
 )
 from ddpdoctor.analysis.failed.stacks import Frame
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, rank_list
 
 FIX_ORDER = (
     "Give that loop the same order on every rank: sort by something every rank holds alike (a "
@@ -221,3 +221,46 @@ def _loop_in(stack: list[Frame]) -> dict[str, str] | None:
                 out["from"] = ", ".join(f"{name}:{n.lineno} (`{statement(n)}`)" for n in fed)
         return out
     return None
+
+
+FIX_REPEATED = (
+    "Make every rank call the collective the same number of times: loop over a fixed list of names "
+    "(the same on every rank, in one order), and all-reduce a value for each on every rank, zeros "
+    "where a rank has none; or stack the values into one tensor and reduce it once."
+)
+
+
+def repeated(points: dict[int, Point], ledgers: dict[int, Ledger], call: Point) -> str:
+    """Where ranks part inside a run of one call (a loop of all_reduces over a dict of metrics):
+    ": the ranks made the all_reduce at :99 a different number of times in a row (...)", with
+    the loop it sits in on a rank still in it; "" where the counts agree. Which count is right,
+    one round cannot say (went_past_rounds does, from earlier rounds)."""
+    key = (call.op, call.site)
+    counts: dict[int, int] = {}
+    for r in points:
+        pts = ledgers[r].points
+        tail = pts if pts and (pts[-1].op, pts[-1].site) == key else pts[:-1]  # not the call it is in
+        n = 0
+        for q in reversed(tail):
+            if (q.op, q.site) != key:
+                break
+            n += 1
+        counts[r] = n
+    if len(set(counts.values())) < 2:
+        return ""
+    said = ", ".join(
+        f"{n} time(s) on rank(s) {rank_list([r for r in counts if counts[r] == n])}"
+        for n in sorted(set(counts.values()), reverse=True)
+    )
+    text = f": the ranks made the {call.op} at {call.site} a different number of times in a row ({said})"
+    inside = [r for r, p in points.items() if (p.op, p.site) == key and ledgers[r].stack]
+    found = _loop_in(ledgers[inside[0]].stack) if inside else None
+    if found is not None:
+        over = (
+            f", over `{found['set']}` ({found['place']})" if found.get("place") and found.get("set") else ""
+        )
+        text += (
+            f", in the loop at {found['loop']} (`{found['header']}`){over}: what that loop goes over "
+            "differs by rank (a dict or list of each rank's own: a key only some ranks have)"
+        )
+    return text
