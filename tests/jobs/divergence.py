@@ -8,6 +8,8 @@ autocast          bf16 autocast on CPU with gradient_as_bucket_view=True
 skip_steps        rank 1 skips optimizer.step() at steps 3, 10 and 17 by its own decision
 rollback          rank 1 puts its head's weights back to a saved copy (under no_grad) at steps
                   5, 12 and 19 by its own decision
+copy_after        rank 0 writes its head's weights in place (copy_ under no_grad) right after
+                  wrapping: no load_state_dict, only the version counter says which rank
 join_sgd          each rank its own shard, rank 0's 8 batches to rank 1's 12, under DDP's Join
                   context; SGD without momentum: rank 0 shadows rank 1's extra all-reduces and
                   Join re-syncs the weights at its exit: healthy, though the ranks' step counts
@@ -69,6 +71,9 @@ def main(mode: str) -> None:
     if mode == "autocast":
         options = {"gradient_as_bucket_view": True}
     model = DDP(net, **options)
+    if mode == "copy_after" and rank == 0:
+        with torch.no_grad():
+            net.head.weight.copy_(torch.randn_like(net.head.weight))
     params = list(model.parameters())
     if mode == "not_synced":
         net.head.requires_grad_(True)

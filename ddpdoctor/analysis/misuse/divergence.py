@@ -232,6 +232,13 @@ def _weights(
         cause, fix = "changed_after_wrapping", _FIX_LOAD
         why = "they were equal after DDP's constructor broadcast and changed before the first optimizer "
         why += "step ended: weights loaded or changed on some rank after wrapping"
+        writes = written_in_place(series, found)
+        if writes is not None and set(writes[0]) != set(all_ranks):  # whose counters say it wrote them
+            odd = sorted(writes[0])
+            moves = ", ".join(f"{n} on rank {r}" for r, n in sorted(writes[0].items()))
+            why += (
+                f" (rank(s) {rank_list(odd)}: the version counters moved beyond the optimizer step, {moves})"
+            )
     elif opt_odd:
         cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
         why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"

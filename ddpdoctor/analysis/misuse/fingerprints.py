@@ -147,7 +147,8 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
     between the last check where every rank agreed and the first where they did not. Every
     in-place write moves a parameter's version counter, an optimizer step's as much as a
     ``copy_`` under ``torch.no_grad()``; how far one optimizer step moves it is learnt from the
-    first interval between checks where every rank moved it alike. (each such rank's moves
+    first interval between checks where every rank moved it alike (before the difference, else
+    after it). (each such rank's moves
     beyond that, the parameters written); None where the counters were not recorded, the rate
     cannot be learnt, or no rank wrote more."""
     head = min(found, key=lambda d: d.first)
@@ -164,6 +165,8 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
             continue
         moved = {r: _moved(series, r, d.name, head.last_equal, head.first) for r in ranks}
         rate = _rate(series, ranks, d.name, [k for k in keys if k <= head.last_equal])
+        if rate is None:  # no interval before it (changed right after wrapping): one after it
+            rate = _rate(series, ranks, d.name, [k for k in keys if k >= head.first])
         if rate is None or any(n is None for n in moved.values()):
             return None
         steps = head.first[0] - head.last_equal[0]
