@@ -40,6 +40,12 @@ def test_branch_leaves_parameters_unused_on_some_steps(tmp_path: Path) -> None:
     assert f["details"]["parameters"] == ["aux.bias", "aux.weight"]
     assert f["details"]["steps"] == [3, 7]
     assert serious(found) == []
+    text = (JOBS / "misuse.py").read_text().splitlines()
+    line = next(i for i, t in enumerate(text, 1) if "self.aux(h) if use_aux" in t)
+    said = " ".join(f["summary"].split())
+    assert f"every use of self.aux (misuse.py:{line}) is under `self.aux(h) if use_aux else None`" in said, (
+        said
+    )
 
 
 def test_find_unused_parameters_on_a_fully_used_model(tmp_path: Path) -> None:

@@ -539,3 +539,62 @@ def test_ranks_that_part_inside_a_run_of_one_call_are_told_how_many_times_each_m
         said
     )
     assert "parted before this point" not in said and "fixed list of names" in found.fix
+
+
+MODEL = """
+import torch.nn as nn
+
+
+class Forecaster(nn.Module):
+    def forward(self, speed, reports):
+        out = self.head(speed)
+        if reports.sum() == 0:
+            return out
+        return out - self.incident(reports)
+
+
+class Gated(nn.Module):
+    def forward(self, x, long):
+        h = self.front(x)
+        if long:
+            h = h + self.context(h)
+        return self.out(h) + (self.aux(h) if self.training else 0)
+
+
+class TwoWays(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        if x.sum() < -1:
+            return self.b(x)
+        return self.c(x)
+"""
+
+
+def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> None:
+    """Parameters that got no gradient belong to a submodule some steps skip: an early return
+    under an if, an if holding every use, a conditional expression; a submodule used before
+    any branch, two ways out, or a class not in the file give no answer."""
+    from ddpdoctor.analysis.failed.source import skips_module
+
+    path = str(tmp_path / "model.py")
+    Path(path).write_text(MODEL)
+    found = skips_module(path, "Forecaster", "incident")
+    assert found is not None and (found["how"], found["line"], found["code"], found["use"]) == (
+        "return",
+        9,
+        "return out",
+        10,
+    )
+    assert found["test"] == "reports.sum() == 0" and found["forward"] == 6
+    assert skips_module(path, "Gated", "context") == {
+        "how": "guard", "line": 16, "code": "if long:", "test": "long", "use": 17, "forward": 14
+    }  # fmt: skip
+    aux = skips_module(path, "Gated", "aux")
+    assert aux is not None and aux["code"] == "self.aux(h) if self.training else 0", aux
+    assert skips_module(path, "Forecaster", "head") is None, "used before the branch"
+    assert skips_module(path, "TwoWays", "c") is None, "two returns before it: which one, unsaid"
+    assert (
+        skips_module(path, "Missing", "a") is None
+        and skips_module(str(tmp_path / "gone.py"), "Gated", "x") is None
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import os
 from functools import lru_cache
+from typing import Any
 
 _EXITS = (ast.Continue, ast.Break, ast.Return, ast.Raise)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
@@ -308,3 +309,60 @@ def _called(call: ast.Call) -> str:
     """The name a call calls: ``f`` of `f(...)` and of `obj.f(...)`; "" otherwise."""
     f = call.func
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
+    """Where ``cls.forward`` in ``path`` can leave ``self.<attr>`` unused: a ``return`` under an
+    ``if`` before its first use, or its every use under one ``if`` (no ``else`` using it). A
+    submodule whose parameters got no gradient on some steps was skipped by such a branch.
+    {"how": "return" or "guard", "line", "code", "test", "use", "forward"}: None without the
+    class, a use, or one such branch."""
+    tree = _tree(path) if os.path.isfile(path) else None
+    klass = (
+        next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        if tree
+        else None
+    )
+    forward = next(
+        (n for n in getattr(klass, "body", []) if isinstance(n, ast.FunctionDef) and n.name == "forward"),
+        None,
+    )
+    if forward is None:
+        return None
+    used = [
+        n
+        for n in ast.walk(forward)
+        if isinstance(n, ast.Attribute)
+        and n.attr == attr
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    ]
+    if not used:
+        return None
+    first = min(n.lineno for n in used)
+    ifs = [n for n in ast.walk(forward) if isinstance(n, ast.If)]
+    early: dict[ast.Return, ast.If] = {}  # a return before the first use -> its innermost if
+    for branch in ifs:
+        for stmt in branch.body:
+            for ret in ast.walk(stmt):
+                inner = ret not in early or early[ret].lineno < branch.lineno
+                if isinstance(ret, ast.Return) and ret.lineno < first and inner:
+                    early[ret] = branch
+    if len(early) == 1:
+        ((ret, branch),) = early.items()
+        return {"how": "return", "line": ret.lineno, "code": statement(ret), "test": ast.unparse(branch.test),
+                "use": first, "forward": forward.lineno}  # fmt: skip
+    if early:
+        return None
+    guards = []  # an if (its body) or a conditional expression (its value if true) holding every use
+    for node in ast.walk(forward):
+        body = node.body if isinstance(node, ast.If) else [node.body] if isinstance(node, ast.IfExp) else None
+        held = {id(m) for part in body or [] for m in ast.walk(part)}
+        if body is not None and all(id(u) in held for u in used):
+            guards.append((len(held), node))
+    if guards:
+        node = min(guards, key=lambda g: g[0])[1]
+        code = f"if {ast.unparse(node.test)}:" if isinstance(node, ast.If) else ast.unparse(node)
+        return {"how": "guard", "line": node.lineno, "code": code, "test": ast.unparse(node.test),
+                "use": first, "forward": forward.lineno}  # fmt: skip
+    return None

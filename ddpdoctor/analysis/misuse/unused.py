@@ -4,12 +4,15 @@ every parameter always gets a gradient (a graph walk per step for nothing)."""
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis.failed.ledger import build
+from ddpdoctor.analysis.failed.source import skips_module
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of, wrapped_at
 from ddpdoctor.analysis.slow.phases import step_times
@@ -79,8 +82,13 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
         "ddp_error": bool(errors),
         "find_unused_parameters": scope == "global",
     }
+    branch = _skipping_branch(run, params)
     if scope == "global":
-        yield _unused_found(params, steps, total_steps, trained, ranks, details, wrapped)
+        found = _unused_found(params, steps, total_steps, trained, ranks, details, wrapped)
+        if branch is not None:
+            found.summary += branch["text"]
+            found.details.setdefault("place", branch["place"])
+        yield found
         return
     where = f"at step(s) {_steps_text(steps)}" if steps else "before the crash"
     summary = (
@@ -88,7 +96,38 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     )
     if errors:
         summary += "; DDP then raised 'Expected to have finished reduction in the prior iteration'"
-    yield Finding("unused_parameters", "error", ranks, summary, fix=_FIX_UNUSED, details=details)
+    fix = _FIX_UNUSED
+    if branch is not None:
+        summary += branch["text"]
+        details["place"] = branch["place"]
+        fix = f"Start at {branch['place']}, the branch that leaves {branch['attr']} out on some steps. " + fix
+    yield Finding("unused_parameters", "error", ranks, summary, fix=fix, details=details)
+
+
+def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
+    """The branch of the model's forward that leaves the unused parameters' submodule out
+    (``source.skips_module``), in the user's files the run's records name."""
+    attrs = {n.split(".", 1)[0] for n in params if "." in n}
+    owners = [m for m in ddp_models(run) if set(params) <= set(m.get("param_names") or [])]
+    if len(attrs) != 1 or not owners:
+        return None
+    (attr,) = attrs
+    cls = str(owners[0].get("module", ""))
+    paths = sorted({path for lg in build(run).values() for path in lg.files.values() if path})
+    for path in paths:
+        found = skips_module(path, cls, attr)
+        if found is None:
+            continue
+        name = os.path.basename(path)
+        place = f"{name}:{found['line']}"
+        use = f"self.{attr} ({name}:{found['use']})"
+        if found["how"] == "guard":
+            how = f"every use of {use} is under `{found['code']}` ({place})"
+        else:
+            how = f"`{found['code']}` under `if {found['test']}:` ({place}) returns before {use}"
+        text = f"; in {cls}.forward ({name}:{found['forward']}), {how}"
+        return {"text": text, "place": place, "attr": f"self.{attr}"}
+    return None
 
 
 def _unused_found(
