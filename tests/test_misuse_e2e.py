@@ -46,6 +46,11 @@ def test_branch_leaves_parameters_unused_on_some_steps(tmp_path: Path) -> None:
     assert f"every use of self.aux (misuse.py:{line}) is under `self.aux(h) if use_aux else None`" in said, (
         said
     )
+    call = next(i for i, t in enumerate(text, 1) if "use_aux=not (" in t)
+    assert (
+        "and `use_aux` is `not (mode == 'branch' and step in BRANCH_STEPS)` where the model is called" in said
+    )
+    assert f["details"]["place"] == f"misuse.py:{call}", f["details"]
 
 
 def test_find_unused_parameters_on_a_fully_used_model(tmp_path: Path) -> None:

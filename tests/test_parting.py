@@ -588,7 +588,8 @@ def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> 
     )
     assert found["test"] == "reports.sum() == 0" and found["forward"] == 6
     assert skips_module(path, "Gated", "context") == {
-        "how": "guard", "line": 16, "code": "if long:", "test": "long", "use": 17, "forward": 14
+        "how": "guard", "line": 16, "code": "if long:", "test": "long", "use": 17, "forward": 14,
+        "params": ["self", "x", "long"],
     }  # fmt: skip
     aux = skips_module(path, "Gated", "aux")
     assert aux is not None and aux["code"] == "self.aux(h) if self.training else 0", aux
@@ -597,4 +598,22 @@ def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> 
     assert (
         skips_module(path, "Missing", "a") is None
         and skips_module(str(tmp_path / "gone.py"), "Gated", "x") is None
+    )
+
+
+def test_what_the_models_call_passes_for_a_forward_parameter(tmp_path: Path) -> None:
+    from ddpdoctor.analysis.failed.source import passed_to_module
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(
+        "out = model(x, use_aux=step < 4)\nout = model(x, step % 2 == 0)\ny = f(model(x, 1))\n"
+    )
+    params = ["self", "x", "use_aux"]
+    assert passed_to_module(path, 1, params, "use_aux") == "step < 4"
+    assert passed_to_module(path, 2, params, "use_aux") == "step % 2 == 0"
+    assert passed_to_module(path, 3, params, "use_aux") is None, (
+        "two calls on the line: whose argument, unsaid"
+    )
+    assert (
+        passed_to_module(path, 1, params, "self") is None and passed_to_module(path, 1, params, "z") is None
     )

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.failed.ledger import build
-from ddpdoctor.analysis.failed.source import skips_module
+from ddpdoctor.analysis.failed.source import passed_to_module, skips_module
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of, wrapped_at
 from ddpdoctor.analysis.slow.phases import step_times
@@ -100,7 +100,7 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     if branch is not None:
         summary += branch["text"]
         details["place"] = branch["place"]
-        fix = f"Start at {branch['place']}, the branch that leaves {branch['attr']} out on some steps. " + fix
+        fix = f"Start at {branch['place']}, which leaves {branch['attr']} out on some steps. " + fix
     yield Finding("unused_parameters", "error", ranks, summary, fix=fix, details=details)
 
 
@@ -126,6 +126,13 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
         else:
             how = f"`{found['code']}` under `if {found['test']}:` ({place}) returns before {use}"
         text = f"; in {cls}.forward ({name}:{found['forward']}), {how}"
+        for site in _forward_sites(run):  # the test is a parameter: what the model's call passed
+            spath, line = next((w for lg in build(run).values() if (w := lg.path_of(site))[0]), ("", 0))
+            passed = passed_to_module(spath, line, found["params"], found["test"]) if spath else None
+            if passed is not None:
+                text += f", and `{found['test']}` is `{passed}` where the model is called ({site})"
+                place = site
+                break
         return {"text": text, "place": place, "attr": f"self.{attr}"}
     return None
 
@@ -208,3 +215,13 @@ def find_unused_parameters_unneeded(run: Run) -> Iterable[Finding]:
             "models": [m.get("index", 0) for m in searching],
         },
     )
+
+
+def _forward_sites(run: Run) -> list[str]:
+    """The lines that called the model in training (grad-mode forwards), most used first."""
+    counts: dict[str, int] = defaultdict(int)
+    for lg in build(run).values():
+        for _step, grad, _training, site in lg.forwards:
+            if grad and site:
+                counts[site] += 1
+    return sorted(counts, key=lambda s: -counts[s])
