@@ -54,8 +54,8 @@ def _still_in_loop(root: Ledger, others: list[Ledger]) -> bool:
 
 def shares(root: Ledger, others: list[Ledger]) -> str:
     """What made the passes unequal, from the loaders' own lengths: "; its DataLoader (iterated
-    at train.py:82) gives 8 batches a pass, from 96 samples; rank 0's 9, from 108: the ranks'
-    datasets differ in length, ..." ("" where the lengths are not known or agree)."""
+    at train.py:82) gives 8 batches a pass, from 96 samples, rank 0's 9, from 108 samples: the
+    ranks' datasets differ in length (...)" ("" where the lengths are not known or agree)."""
     if not root.passes or root.passes[-1].expected is None:
         return ""
     i = len(root.passes) - 1

@@ -1,11 +1,13 @@
 """What the user's own code says around a line the ledger names: the branch (an ``if`` or an
 ``except``) that leaves a loop's iteration after a forward (where a rank skipped its backward),
-and the lines that decide whether a forward runs under ``no_sync()`` (a gradient accumulation
-schedule).
+the lines that decide whether a forward runs under ``no_sync()`` (a gradient accumulation
+schedule), the loop a waiting rank is still inside, and the branch of a model's ``forward`` that
+leaves a submodule out (its parameters then get no gradient).
 
 The trace says which forward ran without its gradient all-reduce; it cannot say which lines the
 rank then executed. The script itself can: read (when it is still on disk) and parsed, never
-run. Every answer is a list of lines, empty when the file is gone or the code has no such shape.
+run. Every answer is empty (None, or no lines) when the file is gone or the code has no such
+shape.
 """
 
 from __future__ import annotations

@@ -4,13 +4,17 @@ after the same call just before, the rank whose own history never had its call f
 one, while the other ranks' calls did, and whose history had the others' call in between (the
 call before, then theirs, then its own). Its early ``return`` or branch skipped the others'
 call; named only when every one of these holds. ``causes.py`` asks, from the ledgers' first
-divergence (``parting.py``)."""
+divergence (``parting.py``). Where sequence numbers name no root (calls of several process
+groups, each numbering its own; rounds that all had both calls), ``went_past_rounds`` asks the
+same of each rank's own order of calls, and names an extra call made once more than every
+earlier round made it."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Any
 
+from ddpdoctor.analysis.failed.order import FIX_REPEATED
 from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.rankonly import others_text
 from ddpdoctor.analysis.findings import Finding
@@ -132,11 +136,7 @@ def went_past_rounds(ledgers: dict[int, Ledger], evidence: dict[str, Any]) -> Fi
             f"{_named(then[0], then[1])}; now {ranks} made it a {_nth(times + 1)} time "
             f"({call.describe()}), while {waits}: what {ranks} gave that call to do differed (a dict "
             "or list of metrics of its own, a condition on its own data)",
-            fix=(
-                f"Make every rank call {op}() at {site} the same number of times: loop over a fixed "
-                "list of names (sorted, the same on every rank), and all-reduce a value every rank "
-                "has, zeros where one has none; or stack the values into one tensor and reduce once."
-            ),
+            fix=FIX_REPEATED,
             details={**details, "place": call.site, "extra": call.describe()},
         )
     if extra:

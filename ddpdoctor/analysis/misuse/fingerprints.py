@@ -148,9 +148,8 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
     in-place write moves a parameter's version counter, an optimizer step's as much as a
     ``copy_`` under ``torch.no_grad()``; how far one optimizer step moves it is learnt from the
     first interval between checks where every rank moved it alike (before the difference, else
-    after it). (each such rank's moves
-    beyond that, the parameters written); None where the counters were not recorded, the rate
-    cannot be learnt, or no rank wrote more."""
+    after it). (each such rank's moves beyond that, the parameters written); None where the
+    counters were not recorded, the rate cannot be learnt, or no rank wrote more."""
     head = min(found, key=lambda d: d.first)
     if head.last_equal is None:
         return None

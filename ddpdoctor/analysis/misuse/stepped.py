@@ -5,6 +5,10 @@ its own batch) leaves the replicas apart while every collective still matches: D
 all-reduced the gradients, so nothing hangs and nothing raises; only the update differs. Each
 rank's optimizer steps are in its trace (``optimizer`` events, one per ``optimizer.step()``),
 so the steps one rank skipped are facts, not a guess.
+
+A rank can also reduce gradients without stepping while its own step count stands still: under
+a Join context the rank that ran out of batches shadows the others' all-reduces. Then the
+counts themselves say it (``behind``): the same gradient all-reduces, fewer optimizer steps.
 """
 
 from __future__ import annotations

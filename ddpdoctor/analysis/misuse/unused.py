@@ -1,6 +1,7 @@
-"""Unused parameters: which parameters got no gradient, on which ranks and steps; a
-parameter no rank ever trains (hidden by find_unused_parameters=True); and the flag set where
-every parameter always gets a gradient (a graph walk per step for nothing)."""
+"""Unused parameters: which parameters got no gradient, on which ranks and steps, and the branch
+of the model's forward that left their submodule out (read from the source); a parameter no
+rank ever trains (hidden by find_unused_parameters=True); and the flag set where every
+parameter always gets a gradient (a graph walk per step for nothing)."""
 
 from __future__ import annotations
 
