@@ -96,6 +96,14 @@ def test_a_join_with_a_stateless_optimizer_is_healthy_though_the_step_counts_par
     assert not [f for f in found if f["severity"] in ("error", "warning")], found
     steps = [[s for s, info in _fingerprints(job.run_dir, r) if info.get("at") == "step"] for r in (0, 1)]
     assert len(steps[0]) == 16 and len(steps[1]) == 24 and steps[0][-1] == 15, steps  # 8+8 and 12+12
+    from ddpdoctor.analysis.misuse.fingerprints import collect
+    from ddpdoctor.trace.reader import load_run
+
+    (series,) = collect(load_run([job.run_dir])).values()
+    exits = [[k for k in series.checks[r] if k[2] == "exit"] for r in (0, 1)]
+    assert exits[0] == exits[1] == [(23, 2, "exit")], (
+        exits
+    )  # rank 0's final state is after rank 1's last step
 
 
 def test_a_join_with_momentum_names_the_rank_whose_optimizer_fell_behind(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ did at the last. ``divergence.py`` explains why; `top` (``live/replicas.py``) sh
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -37,14 +38,16 @@ class Series:
     unsynced: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # name -> ranks
 
 
-def aligned_steps(run: Run) -> dict[int, dict[int, int]] | None:
-    """rank -> {its step: the step every rank shares}: each rank's steps lined up by the sequence
-    number of their first gradient all-reduce. A rank's step count is its own: one that ran out
-    of batches under a Join context shadows the others' all-reduces while its count stands
-    still, and from then on its step N is another rank's step N + k. The all-reduce each step
-    begins with is the same call on every rank. None where a rank recorded no gradient
-    all-reduce (buckets untimed, or none yet): the ranks' own counts are all there is."""
+def aligned_steps(run: Run) -> tuple[dict[int, dict[int, int]], dict[int, int]] | None:
+    """({rank: {its step: the step every rank shares}}, {rank: the shared step of its last
+    gradient all-reduce}): each rank's steps lined up by the sequence number of their first
+    gradient all-reduce. A rank's step count is its own: one that ran out of batches under a
+    Join context shadows the others' all-reduces while its count stands still, and from then on
+    its step N is another rank's step N + k; its last all-reduce is the others' last. The
+    all-reduce each step begins with is the same call on every rank. None where a rank recorded
+    no gradient all-reduce (buckets untimed, or none yet): the ranks' own counts are all there is."""
     firsts: dict[int, dict[int, int]] = {}
+    lasts: dict[int, int] = {}
     for rank, trace in run.ranks.items():
         red = trace.kind(schema.ALLREDUCE)
         if not len(red):
@@ -54,15 +57,19 @@ def aligned_steps(run: Run) -> dict[int, dict[int, int]] | None:
             if seq >= 0 and (step not in mine or seq < mine[step]):
                 mine[step] = seq
         firsts[rank] = mine
-    order = {seq: i for i, seq in enumerate(sorted({q for m in firsts.values() for q in m.values()}))}
-    return {rank: {step: order[seq] for step, seq in mine.items()} for rank, mine in firsts.items()}
+        lasts[rank] = int(red.ints(2).max())
+    seqs = sorted({q for m in firsts.values() for q in m.values()})
+    order = {seq: i for i, seq in enumerate(seqs)}
+    shared = {rank: {step: order[seq] for step, seq in mine.items()} for rank, mine in firsts.items()}
+    return shared, {rank: bisect.bisect_right(seqs, last) - 1 for rank, last in lasts.items()}
 
 
 def collect(run: Run) -> dict[tuple[int, int | None], Series]:
-    """Every rank's fingerprints, by (model, optimizer); checks after optimizer steps keyed by
-    the step every rank shares (``aligned_steps``), where the gradient all-reduces say it."""
+    """Every rank's fingerprints, by (model, optimizer); checks after optimizer steps, and at
+    exit, keyed by the step every rank shares (``aligned_steps``), where the gradient
+    all-reduces say it."""
     out: dict[tuple[int, int | None], Series] = {}
-    shared = aligned_steps(run)
+    aligned = aligned_steps(run)
     for rank, trace in sorted(run.ranks.items()):
         names: dict[tuple[int, int | None], tuple[str, ...]] = {}
         for ts, step, info in trace.meta.get(schema.FINGERPRINT, []):
@@ -85,10 +92,12 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             versions = info.get("versions")
             if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
                 versions = None
-            if at == "step" and shared is not None:
-                step = shared.get(rank, {}).get(step, -1)
+            if at == "step" and aligned is not None:
+                step = aligned[0].get(rank, {}).get(step, -1)
                 if step < 0:
                     continue  # a step with no gradient all-reduce of its own: not comparable
+            elif at == "exit" and aligned is not None:  # its final state: after its last all-reduce
+                step = aligned[1].get(rank, step)
             series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):
