@@ -244,3 +244,37 @@ def test_a_loop_that_syncs_its_gradients_by_hand_is_placed_by_its_optimizer_step
     assert r1["step_text"] == "after 3 optimizer step(s), no DDP forward on record", r1
     (f,) = [f for f in doc["findings"] if f["kind"] == "rank_failure"]
     assert f["ranks"] == [1] and "failed first after 3 optimizer step(s)" in f["summary"], f
+
+
+def test_a_metric_key_of_one_ranks_own_is_counted_and_after_earlier_rounds_named(tmp_path: Path) -> None:
+    """Metrics all-reduced key by key, rank 1's dict one key longer. At the job's first sync no
+    earlier round says whose count is right: both counts and the loop, no root. At the fourth,
+    three rounds of two keys then the gradient all-reduce say it: rank 1's third call is extra."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "metric_keys.py", "first"), "--hang-timeout", "6",
+                     "--on-hang", "kill")  # fmt: skip
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "collective_mismatch"]
+    said = " ".join(f["summary"].split())
+    loop = next(
+        i for i, t in enumerate((JOBS / "metric_keys.py").read_text().splitlines(), 1) if "for value in" in t
+    )
+    assert "a different number of times in a row (3 time(s) on rank(s) 1, 2 time(s) on rank(s) 0)" in said, (
+        said
+    )
+    assert f"in the loop at metric_keys.py:{loop} (`for value in metrics.values():`)" in said, said
+    assert f["details"]["root_rank"] is None and "fixed list of names" in f["fix"]
+    later = tmp_path / "later"
+    later.mkdir()
+    job = run_doctor(
+        later, torchrun(2, JOBS / "metric_keys.py", "later"), "--hang-timeout", "6", "--on-hang", "kill"
+    )
+    errors = [f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] == "error"]
+    (f,) = [f for f in errors if f["kind"] == "rank_only_collective"]
+    said = " ".join(f["summary"].split())
+    assert f["ranks"] == [1] and f["details"]["root_rank"] == 1, f
+    assert (
+        "rank 1 made the all_reduce at metric_keys.py:" in said
+        and "one more time than in any earlier round" in said
+    )
+    assert "in each of 3 earlier round(s) every rank made it 2 time(s), then gradient all-reduce" in said, (
+        said
+    )
