@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,12 @@ def test_a_join_with_a_stateless_optimizer_is_healthy_though_the_step_counts_par
     assert exits[0] == exits[1] == [(23, 2, "exit")], (
         exits
     )  # rank 0's final state is after rank 1's last step
+    # `top` lines the checks up the same way: each step check in the status carries the sequence
+    # number its step's first gradient all-reduce had (test_live.py compares by it)
+    for rank in (0, 1):
+        status = json.loads((job.run_dir / f"status-rank{rank}.json").read_text())
+        seqs = [c["seq"] for c in status["fingerprints"] if c["at"] == "step"]
+        assert seqs and all(isinstance(q, int) for q in seqs) and seqs == sorted(set(seqs)), status
 
 
 def test_a_join_with_momentum_names_the_rank_whose_optimizer_fell_behind(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.trace import schema
@@ -45,6 +46,7 @@ class RecentSteps:
         # (step, the sequence number of its first bucket all-reduce): the moment every rank's
         # step shares, where a Join has made the ranks' own step counts part
         self.firsts: deque[tuple[int, int]] = deque(maxlen=keep)
+        self.on_first: Callable[[int, int], None] | None = None  # told each (step, seq) seen
 
     # The newest events of each kind a flush must hand over: a collective and a buffer
     # broadcast only say which was last; forwards, enough to hold KEEP_STEPS training ones
@@ -78,6 +80,8 @@ class RecentSteps:
                 self.firsts[-1] = (step, int(seq))
         else:
             self.firsts.append((step, int(seq)))
+        if self.on_first is not None:
+            self.on_first(step, int(seq))
 
     def first_seq(self, step: int) -> int | None:
         """The sequence number ``step``'s first bucket all-reduce had, while it is kept."""
@@ -134,6 +138,11 @@ class RecentFingerprints:
     def __init__(self, keep: int = KEEP_CHECKS, steps: RecentSteps | None = None) -> None:
         self.keep = keep
         self.steps = steps  # says each step's first gradient all-reduce, for the checks after it
+        # Checks whose step's all-reduces may still come: the C++ timer's bucket records reach
+        # the writer after the step's fingerprint record can. step -> those checks' records.
+        self._waiting: dict[int, list[list[Any]]] = {}
+        if steps is not None:
+            steps.on_first = self._first
         self.n_params: dict[int, int] = {}  # model -> parameters first in its values
         self.checks: dict[int, deque[list[Any]]] = {}
 
@@ -155,10 +164,20 @@ class RecentFingerprints:
         buffers = combine(values[n:]) if len(values) > n else None
         checks = self.checks.pop(model, None) or deque(maxlen=self.keep)
         seq = self.steps.first_seq(int(step)) if self.steps is not None and info.get("at") == "step" else None
-        checks.append([int(step), info.get("at"), params, buffers, seq])
+        record = [int(step), info.get("at"), params, buffers, seq]
+        checks.append(record)
+        if self.steps is not None and info.get("at") == "step":
+            self._waiting.setdefault(int(step), []).append(record)
+            while len(self._waiting) > KEEP_CHECKS * KEEP_MODELS:
+                del self._waiting[next(iter(self._waiting))]
         self.checks[model] = checks  # last in order: the model checked most recently
         while len(self.checks) > KEEP_MODELS:
             del self.checks[next(iter(self.checks))]
+
+    def _first(self, step: int, seq: int) -> None:
+        for record in self._waiting.get(step, ()):
+            if record[4] is None or seq < record[4]:
+                record[4] = seq
 
     def status(self) -> dict[str, Any]:
         """The field this adds to ``status-rank{R}.json``."""
