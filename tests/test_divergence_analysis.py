@@ -194,3 +194,21 @@ def test_an_optimizer_freed_is_compared_no_later_than_its_first_rank_freed_it(tm
 
     (f,) = _mine(_run(tmp_path, 2, lambda r, s: [s + (r == 1 and s >= 127), s, 5, 6], extra))
     assert f.details["cause"] == "diverged_during_training"
+
+
+def test_steps_are_lined_up_by_the_first_gradient_all_reduce_each_begins_with() -> None:
+    """Under Join rank 1's count stood still while it shadowed the all-reduces that began rank 0's
+    steps 2 and 3: its own step 2 began with the all-reduce of the fifth step every rank shares."""
+    import numpy as np
+
+    from ddpdoctor.analysis.misuse.fingerprints import Aligned
+
+    firsts = {
+        0: (np.array([0, 1, 2, 3]), np.array([10, 14, 18, 22])),
+        1: (np.array([0, 1, 2]), np.array([10, 14, 26])),
+    }
+    aligned = Aligned(firsts, {0: 25, 1: 29})
+    assert [aligned.step(0, s) for s in range(5)] == [0, 1, 2, 3, -1]
+    assert [aligned.step(1, s) for s in range(4)] == [0, 1, 4, -1]
+    assert aligned.step(7, 0) == -1 and aligned.last(0, -1) == 3 and aligned.last(1, -1) == 4
+    assert aligned.last(7, 9) == 9

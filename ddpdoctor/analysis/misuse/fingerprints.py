@@ -4,7 +4,6 @@ did at the last. ``divergence.py`` explains why; `top` (``live/replicas.py``) sh
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -38,30 +37,50 @@ class Series:
     unsynced: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # name -> ranks
 
 
-def aligned_steps(run: Run) -> tuple[dict[int, dict[int, int]], dict[int, int]] | None:
-    """({rank: {its step: the step every rank shares}}, {rank: the shared step of its last
-    gradient all-reduce}): each rank's steps lined up by the sequence number of their first
-    gradient all-reduce. A rank's step count is its own: one that ran out of batches under a
-    Join context shadows the others' all-reduces while its count stands still, and from then on
-    its step N is another rank's step N + k; its last all-reduce is the others' last. The
-    all-reduce each step begins with is the same call on every rank. None where a rank recorded
-    no gradient all-reduce (buckets untimed, or none yet): the ranks' own counts are all there is."""
-    firsts: dict[int, dict[int, int]] = {}
+class Aligned:
+    """Each rank's steps lined up by the sequence number of their first gradient all-reduce. A
+    rank's step count is its own: one that ran out of batches under a Join context shadows the
+    others' all-reduces while its count stands still, and from then on its step N is another
+    rank's step N + k; its last all-reduce is the others' last. The all-reduce each step begins
+    with is the same call on every rank. Held as arrays: a fingerprint check asks about one step,
+    and a run of a thousand ranks has ten million."""
+
+    def __init__(self, firsts: dict[int, tuple[np.ndarray, np.ndarray]], lasts: dict[int, int]) -> None:
+        seqs = np.unique(np.concatenate([q for _, q in firsts.values()]))
+        self._steps = {rank: (s, np.searchsorted(seqs, q)) for rank, (s, q) in firsts.items()}
+        self._lasts = {r: int(np.searchsorted(seqs, last, side="right")) - 1 for r, last in lasts.items()}
+
+    def step(self, rank: int, step: int) -> int:
+        """The step every rank shares for ``rank``'s own ``step``; -1 where that step made no
+        gradient all-reduce."""
+        steps, shared = self._steps.get(rank, (np.empty(0, np.int64), np.empty(0, np.int64)))
+        i = int(np.searchsorted(steps, step))
+        return int(shared[i]) if i < len(steps) and steps[i] == step else -1
+
+    def last(self, rank: int, default: int) -> int:
+        """The shared step of ``rank``'s last gradient all-reduce."""
+        return self._lasts.get(rank, default)
+
+
+def aligned_steps(run: Run) -> Aligned | None:
+    """The ranks' steps lined up (``Aligned``); None where a rank recorded no gradient
+    all-reduce (buckets untimed, or none yet): the ranks' own counts are all there is."""
+    firsts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     lasts: dict[int, int] = {}
     for rank, trace in run.ranks.items():
         red = trace.kind(schema.ALLREDUCE)
         if not len(red):
             return None
-        mine: dict[int, int] = {}
-        for step, seq in zip(red.step.tolist(), red.ints(2).tolist(), strict=True):
-            if seq >= 0 and (step not in mine or seq < mine[step]):
-                mine[step] = seq
-        firsts[rank] = mine
-        lasts[rank] = int(red.ints(2).max())
-    seqs = sorted({q for m in firsts.values() for q in m.values()})
-    order = {seq: i for i, seq in enumerate(seqs)}
-    shared = {rank: {step: order[seq] for step, seq in mine.items()} for rank, mine in firsts.items()}
-    return shared, {rank: bisect.bisect_right(seqs, last) - 1 for rank, last in lasts.items()}
+        seq = np.asarray(red.ints(2))
+        ok = seq >= 0
+        steps, seqs = np.asarray(red.step)[ok], seq[ok]
+        order = np.lexsort((seqs, steps))  # by step, then its all-reduces in order
+        steps, seqs = steps[order], seqs[order]
+        first = np.ones(len(steps), bool)
+        first[1:] = steps[1:] != steps[:-1]
+        firsts[rank] = (steps[first], seqs[first])
+        lasts[rank] = int(seq.max())
+    return Aligned(firsts, lasts)
 
 
 def collect(run: Run) -> dict[tuple[int, int | None], Series]:
@@ -69,6 +88,8 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
     exit, keyed by the step every rank shares (``aligned_steps``), where the gradient
     all-reduces say it."""
     out: dict[tuple[int, int | None], Series] = {}
+    if not any(trace.meta.get(schema.FINGERPRINT) for trace in run.ranks.values()):
+        return out
     aligned = aligned_steps(run)
     for rank, trace in sorted(run.ranks.items()):
         names: dict[tuple[int, int | None], tuple[str, ...]] = {}
@@ -93,11 +114,11 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
                 versions = None
             if at == "step" and aligned is not None:
-                step = aligned[0].get(rank, {}).get(step, -1)
+                step = aligned.step(rank, step)
                 if step < 0:
                     continue  # a step with no gradient all-reduce of its own: not comparable
             elif at == "exit" and aligned is not None:  # its final state: after its last all-reduce
-                step = aligned[1].get(rank, step)
+                step = aligned.last(rank, step)
             series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):
