@@ -2,8 +2,8 @@
 of ddpdoctor measured alternately, each measurement in a fresh process.
 
 Each measurement installs that checkout's probes in a 1-rank gloo process group and takes the
-median of 21 paired differences between a recorded and the original 1-element ``all_reduce``
-(5,000 calls each), in wall time and in the thread's CPU time (which other processes on a
+difference between a recorded and the original 1-element ``all_reduce`` as ``overhead.py``'s
+``PAIRED_BLOCKS`` does, in wall time and in the thread's CPU time (which other processes on a
 shared machine disturb far less). Alternating the checkouts, first one then the other leading,
 spreads the machine's drift over both.
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import run_as_script  # noqa: E402
+from overhead import PAIRED_BLOCKS, run_as_script  # noqa: E402
 
 MEASURE = """
 import json, os, statistics, tempfile, time
@@ -37,18 +37,16 @@ def bench(f, clock=time.perf_counter):
         f(t)
     return (clock() - t0) / n * 1e6
 rec, plain = dist.all_reduce, original(dist.all_reduce)
-for _ in range(3):
-    bench(rec); bench(plain)
-wall = [bench(rec) - bench(plain) for _ in range(21)]
-cpu = [bench(rec, time.thread_time) - bench(plain, time.thread_time) for _ in range(21)]
-result = {"wall_us": statistics.median(wall), "cpu_us": statistics.median(cpu), "plain_us": bench(plain)}
+wall = paired_blocks(rec, plain, t, time.perf_counter)
+cpu = paired_blocks(rec, plain, t, time.thread_time)
+result = {"wall_us": wall["median"], "cpu_us": cpu["median"], "plain_us": bench(plain)}
 print(json.dumps(result))
 """
 
 
 def measure(checkout: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
-    out = run_as_script(MEASURE, env)
+    out = run_as_script(PAIRED_BLOCKS + MEASURE, env)
     if out.returncode != 0:
         raise SystemExit(f"{checkout}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
