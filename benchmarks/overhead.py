@@ -178,7 +178,8 @@ def per_event_cost_us(n: int = 5000, pairs: int = 21) -> dict[str, Any]:
       kinds a DDP step records (forward, backward, the comm hook's bucket all-reduce);
     - ``forward_us``: the whole DDP forward probe (step counting, the group's sequence number,
       the call site, the live status, the record) around a small model's training forward,
-      recorded minus not (thread CPU): a hook event's cost among the forward's own Python,
+      recorded minus not (thread CPU, ``PAIRED_BLOCKS``' median and interval, 300 pairs): a hook
+      event's cost among the forward's own Python,
       where caches are cold, not a loop of recording calls alone; ``forward_eval_us`` the same
       under ``torch.no_grad()``. The model is made under the doctor, as a user's is: one made
       without it is one the probe never saw, and takes the Python path (about 8 µs; every
@@ -239,30 +240,29 @@ python = statistics.median(backward(python_hook) - backward(builtin) for _ in ra
 collector.ACTIVE = c  # a model made under the doctor, as a user's is: the probe knows it
 small = DDP(torch.nn.Linear(4, 4))  # the whole DDP forward probe, in the context of a forward
 xs = torch.randn(2, 4)
-def forwards(on, grad, steps=2000):
-    collector.ACTIVE = c if on else None
-    t0 = time.thread_time()
-    with torch.set_grad_enabled(grad):
-        for _ in range(steps):
-            small(xs)
+def on(x):
     collector.ACTIVE = c
-    return (time.thread_time() - t0) / steps * 1e6
+    small(x)
+def off(x):
+    collector.ACTIVE = None
+    small(x)
 in_c = ddp.IN_C.get("forward")
 forward = {{}}
 for grad in (True, False):
-    for on in (True, False) * 3:
-        forwards(on, grad)
-    before = in_c.recorded if in_c is not None else 0
-    forward[grad] = statistics.median(forwards(True, grad) - forwards(False, grad) for _ in range(15))
-    if in_c is not None and in_c.recorded - before != 15 * 2000:
-        raise SystemExit(f"forward_us timed the Python path: {{in_c.recorded - before}} of 30000 in C")
+    with torch.set_grad_enabled(grad):
+        on(xs), off(xs)  # the model's first forward of each mode learns it
+        before = in_c.recorded if in_c is not None else 0
+        forward[grad] = paired_blocks(on, off, xs, time.thread_time, pairs=300)
+    if in_c is not None and in_c.recorded - before != 301 * 100:
+        raise SystemExit(f"forward_us timed the Python path: {{in_c.recorded - before}} of 30100 in C")
 collector.ACTIVE = c
 figures = {{f"per_event_{{k}}_us": v for k, v in wall.items() if k != "median"}}
 figures.update({{f"per_event_cpu_{{k}}_us": v for k, v in cpu.items() if k in ("ci", "mean")}})
 print(json.dumps({{"per_event_us": wall["median"], "per_event_cpu_us": cpu["median"], **figures,
                   "probe_us": probe, "emit_us": emit,
-                  "bucket_us": bucket, "python_hook_bucket_us": python, "forward_us": forward[True],
-                  "forward_eval_us": forward[False]}}))
+                  "bucket_us": bucket, "python_hook_bucket_us": python,
+                  "forward_us": forward[True]["median"], "forward_ci_us": forward[True]["ci"],
+                  "forward_eval_us": forward[False]["median"], "forward_eval_ci_us": forward[False]["ci"]}}))
 """
     out = run_as_script(code)
     if out.returncode != 0:
