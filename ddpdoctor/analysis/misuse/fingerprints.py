@@ -80,7 +80,7 @@ def aligned_steps(run: Run) -> Aligned | None:
         first[1:] = steps[1:] != steps[:-1]
         firsts[rank] = (steps[first], seqs[first])
         lasts[rank] = int(seq.max())
-    return Aligned(firsts, lasts)
+    return Aligned(firsts, lasts) if firsts else None
 
 
 def collect(run: Run) -> dict[tuple[int, int | None], Series]:
