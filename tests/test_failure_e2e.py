@@ -199,7 +199,8 @@ def test_a_per_rank_break_in_a_function_the_others_are_in_is_named(tmp_path: Pat
     assert job.returncode == 124, job.stderr
     found = [f for f in diagnose_json(job.run_dir)["findings"] if f["severity"] == "error"]
     assert found[0]["kind"] == "rank_left_early" and found[0]["ranks"] == [1], found
-    assert "by the `break` under `if seen >= self.budget:` (budget.py:17)" in found[0]["summary"]
+    said = found[0]["summary"]
+    assert "by the `break` at budget.py:17, under `if seen >= self.budget:` (budget.py:16)" in said, said
 
 
 def test_a_batch_that_raises_is_placed_in_the_next_steps_data_wait(tmp_path: Path, write_script) -> None:

@@ -260,16 +260,20 @@ def test_the_way_out_of_the_loop_a_rank_left(tmp_path: Path) -> None:
 
     path = str(tmp_path / "train.py")
     Path(path).write_text(EARLY_STOP)
-    assert loop_left(path, "fit", 8, 11) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
-    assert loop_left(path, "fit_while", 17, 18) == (15, "`while not state.done:` ending")
+    stop = "`break` at train.py:10, under `if stopper.should_stop(evaluate(model)):` (train.py:9)"
+    assert loop_left(path, "fit", 8, 11) == (10, stop)
+    assert loop_left(path, "fit_while", 17, 18) == (15, "`while not state.done:` ending (train.py:15)")
     assert loop_left(path, "fit_plain", 23, 24) is None
     # a rank that has left the function (returned from it) left its every loop
-    assert loop_left(path, "fit", 8, None) == (10, "`break` under `if stopper.should_stop(evaluate(model)):`")
+    assert loop_left(path, "fit", 8, None) == (10, stop)
     assert loop_left(path, "fit_plain", 23, None) is None
     assert loop_left(path, "fit_two_ways", 29, 34) is None
     # a rank that left the function (held-out set 17) may have left by its loops' one `return`;
     # a rank still in the function did not, and two ways out give no answer
-    assert loop_left(path, "fit_target", 40, None) == (42, "`return` under `if loss < target:`")
+    assert loop_left(path, "fit_target", 40, None) == (
+        42,
+        "`return` at train.py:42, under `if loss < target:` (train.py:41)",
+    )
     assert loop_left(path, "fit_target", 40, 43) is None
     assert loop_left(path, "fit_two_returns", 48, None) is None
     assert loop_left(path, "train", 8, 11) is None  # the function there has another name: edited
@@ -617,3 +621,102 @@ def test_what_the_models_call_passes_for_a_forward_parameter(tmp_path: Path) -> 
     assert (
         passed_to_module(path, 1, params, "self") is None and passed_to_module(path, 1, params, "z") is None
     )
+
+
+VALIDATE = """\
+import torch.distributed as dist
+
+
+def global_mean(t):
+    dist.all_reduce(t)
+    return t
+
+
+def validate(model):
+    return global_mean(model.score())
+
+
+def main(model, rank):
+    for step in range(1, 100):
+        if step % 10 == 0:
+            global_mean(model.loss())
+        if step % 20 == 0:
+            if rank == 0:
+                validate(model)
+            dist.barrier()
+"""
+
+
+def test_a_helpers_collective_reached_from_a_rank_0_branch_is_the_extra_call(tmp_path: Path) -> None:
+    """Held-out set 23: every rank averages its loss through global_mean (:5); rank 0 alone also
+    validates through it, under `if rank == 0:`, and blocks there while rank 1 waits in the
+    barrier after the branch, a line rank 0 has not reached yet. Rank 0's call is the extra one,
+    named with the way to it, not rank 1's barrier as one rank 0 "skipped"."""
+    from ddpdoctor.analysis.failed.rankonly import rank_only_call
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(VALIDATE)
+    loss = (26, "all_reduce", "train.py:5", "global_mean")
+    r0 = _ledger(0, [loss, (27, "all_reduce", "train.py:5", "global_mean")])
+    r0.stack = [(path, 19, "main"), (path, 10, "validate"), (path, 5, "global_mean")]
+    r1 = _ledger(1, [loss, (27, "barrier", "train.py:20", "main")])
+    r1.stack = [(path, 20, "main")]
+    f = rank_only_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {})
+    assert f is not None and f.ranks == [0] and f.details["root_rank"] == 0, f
+    assert f.details["place"] == "train.py:19"
+    said = " ".join(f.summary.split())
+    assert (
+        "from validate() at train.py:10, from main() at train.py:19, inside `if rank == 0:` (train.py:18)"
+        in said
+    )
+    assert "never executed" not in said.split(";")[0] and "skipped" not in said
+    # Without the stacks, rank 1's barrier line is the only one new to the other side.
+    r0.stack, r1.stack = [], []
+    f = rank_only_call({0: r0.points[-1], 1: r1.points[-1]}, {0: r0, 1: r1}, {})
+    assert f is not None and f.details["root_rank"] == 1 and "skipped the barrier" in f.summary
+
+
+WROTE = """\
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def init_embeddings(model, vectors):
+    with torch.no_grad():
+        model.module.emb.weight.copy_(vectors)
+
+
+def main(net, rank, vectors, other):
+    model = DDP(net)
+    if rank == 0:
+        init_embeddings(model, vectors)
+    other.fill_(0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10):
+        model.module.emb.weight.copy_(vectors)
+"""
+
+
+def test_the_statement_that_wrote_a_parameter_after_wrapping(tmp_path: Path) -> None:
+    """Held-out sets 22 and 23: rank 0 copies vectors into an embedding after DDP's constructor
+    broadcast. The one statement after the wrapping (:11), before the loop, that writes
+    emb.weight: the call under `if rank == 0:` (:13), into the helper's copy_ (:7). A write to
+    another tensor, or inside the loop, is not it; neither is a parameter nothing there writes."""
+    from ddpdoctor.analysis.misuse.wrote import wrote_after_wrapping
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(WROTE)
+    found = wrote_after_wrapping(path, 11, ["emb.weight"])
+    assert found is not None and (found.line, found.under, found.write) == (
+        13,
+        (12, "if rank == 0:"),
+        (7, "model.module.emb.weight.copy_(vectors)"),
+    )
+    assert found.text(path, 11) == (
+        "`init_embeddings(model, vectors)` at train.py:13, under `if rank == 0:` (train.py:12), after the "
+        "model was wrapped at train.py:11; it writes them at train.py:7 "
+        "(`model.module.emb.weight.copy_(vectors)`)"
+    )
+    assert wrote_after_wrapping(path, 11, ["head.bias"]) is None
+    assert wrote_after_wrapping(path, 13, ["emb.weight"]) is None  # after :13, only the loop writes it
+    assert wrote_after_wrapping(str(tmp_path / "gone.py"), 11, ["emb.weight"]) is None

@@ -4,7 +4,6 @@ asks when a rank's ledger ends before the others'."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ddpdoctor.analysis.failed.passes import batches
@@ -89,8 +88,8 @@ def shares(root: Ledger, others: list[Ledger]) -> str:
 
 def left_by(root: Ledger, others: list[Ledger]) -> str:
     """How a rank left the training loop the others still run (it read no DataLoader, or left
-    its pass before the end), from the stacks and the source: "the `break` under `if stop:`
-    (train.py:98)", in the function where the stacks part or, when the root has left the
+    its pass before the end), from the stacks and the source: "the `break` at train.py:98, under
+    `if stop:` (train.py:97)", in the function where the stacks part or, when the root has left the
     function the others are in, in that one; "" (a ``for`` loop that ran out of its items, no
     stacks, no file)."""
     if (root.passes and root.passes[-1].complete) or not others:
@@ -108,7 +107,7 @@ def left_by(root: Ledger, others: list[Ledger]) -> str:
         if deeper is not None and all(o.stack == theirs for o in others):
             path, line, func = deeper
             found = loop_left(path, func, line, None)
-    return f"the {found[1]} ({os.path.basename(path)}:{found[0]})" if found else ""
+    return f"the {found[1]}" if found else ""
 
 
 def _left_function(root: Ledger, others: list[Ledger]) -> str:
@@ -123,7 +122,7 @@ def _left_function(root: Ledger, others: list[Ledger]) -> str:
     for path, line, func in reversed(theirs):
         found = loop_left(path, func, line, None)
         if found is not None:
-            return f"the {found[1]} ({os.path.basename(path)}:{found[0]})"
+            return f"the {found[1]}"
     return ""
 
 

@@ -37,7 +37,11 @@ def rank_only_call(
 ) -> Finding | None:
     """Ranks in different Python collectives at one sequence number: the call is rank-only when
     its line is one the other ranks never executed (the facts a 'skipped' or 'only rank 0 calls'
-    needs); when both lines or neither are, which side is extra is not on record."""
+    needs); when both lines or neither are, which side is extra is not on record. A side whose
+    stack is inside an ``if`` the other side went past, at an earlier line of the function both
+    are in, has not reached the other side's line yet: its never having executed that line says
+    nothing, and its own call, made inside that ``if``, is the extra one (a helper's collective
+    every rank calls elsewhere, reached from a rank-0-only branch)."""
     ops = {r: p.op for r, p in points.items()}
     if len(set(ops.values())) < 2 or any(not p.site for p in points.values()):
         return None
@@ -46,20 +50,30 @@ def rank_only_call(
         r: p for r, p in points.items()
         if all(p.site not in sites[o] for o in points if ops[o] != p.op)
     }  # fmt: skip
-    branch = ""
+    sides = [sorted(r for r in points if ops[r] == op) for op in sorted(set(ops.values()))]
+    stacks = {r: ledgers[r].stack for r in points}
+    branch, via = "", ""
     if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
         earlier = _earlier(only)
         if not earlier:  # the stacks and the source: which side is inside an if the other passed
-            sides = [sorted(r for r in points if ops[r] == op) for op in sorted(set(ops.values()))]
-            took = took_branch({r: ledgers[r].stack for r in points}, sides)
+            took = took_branch(stacks, sides)
             if took is not None:
                 earlier, branch = {r: points[r] for r in took[0]}, took[1]
         only = earlier
+    elif only and (took := took_branch(stacks, sides)) is not None and set(took[0]) != set(only):
+        only, branch = {r: points[r] for r in took[0]}, took[1]
     if not only or {ops[r] for r in only} == set(ops.values()):
         return None
     root = min(only)
     call = only[root]
     rest = sorted(r for r in points if r not in only)
+    place = call.site
+    if branch:  # the way from the branch to the call, where it went through the user's helpers
+        theirs = stacks[rest[0]]
+        callers = _below_parting(stacks[root], theirs)
+        via = "".join(f", from {func}() at {os.path.basename(path)}:{line}" for path, line, func in callers)
+        place = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else place
+    new = all(call.site not in sites[o] for o in rest)
     if call.op == NEW_GROUP:
         what = (
             f"rank(s) {rank_list(only)} created a process group (new_group at {call.site}) that "
@@ -67,17 +81,16 @@ def rank_only_call(
             "group"
         )
         fix = fix_for(Disagreement("op", "op", "", list(only), dict(ops)), call.op)
-    elif call.op == "barrier":
+    elif call.op == "barrier" and not branch:
         what = (
             f"rank(s) {rank_list(rest)} skipped the barrier at {call.site} that rank(s) "
             f"{rank_list(only)} wait in (they never executed that line)"
         )
         fix = FIX_BRANCH.format(op="dist.barrier")
     else:
-        what = (
-            f"rank(s) {rank_list(only)} called {call.describe()}, a line rank(s) {rank_list(rest)} "
-            "never executed"
-        )
+        what = f"rank(s) {rank_list(only)} called {call.describe()}{via}"
+        if new:
+            what += f", a line rank(s) {rank_list(rest)} never executed"
         if branch:
             what += f", inside {branch}, which rank(s) {rank_list(rest)} went past"
         fix = FIX_BRANCH.format(op=call.op)
@@ -89,12 +102,19 @@ def rank_only_call(
         fix=fix,
         details={
             "root_rank": root,
-            "place": call.site,
+            "place": place,
             "seq": call.seq,
             "points": {str(r): p.describe() for r, p in points.items()},
             "ranks": evidence,
         },
     )
+
+
+def _below_parting(stack: list[Frame], other: list[Frame]) -> list[Frame]:
+    """The frames of ``stack`` (outermost first) from where it parts from ``other`` down to, not
+    including, its innermost (the call's own line), innermost first."""
+    k = next((i for i, (x, y) in enumerate(zip(stack, other)) if x != y), min(len(stack), len(other)))
+    return stack[k:-1][::-1]
 
 
 def extra_call(

@@ -23,7 +23,7 @@ _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
 @lru_cache(maxsize=16)
-def _tree(path: str) -> ast.Module | None:
+def parsed(path: str) -> ast.Module | None:
     try:
         with open(path, encoding="utf-8") as fh:
             return ast.parse(fh.read(), filename=path)
@@ -31,9 +31,9 @@ def _tree(path: str) -> ast.Module | None:
         return None
 
 
-def _chain(path: str, line: int) -> list[ast.AST]:
+def holding(path: str, line: int) -> list[ast.AST]:
     """The nodes that hold ``line``, outermost first."""
-    tree = _tree(path) if os.path.isfile(path) else None
+    tree = parsed(path) if os.path.isfile(path) else None
     if tree is None:
         return []
     chain: list[ast.AST] = []
@@ -70,7 +70,7 @@ def exits_after(path: str, line: int) -> list[int]:
     the iteration (continue, break, return, raise), and the line that leaves: [its line, the
     exit's line], or []. An ``except`` counts: a step skipped because its loss raised is a
     branch the rank took alone."""
-    loops = [n for n in _chain(path, line) if isinstance(n, _LOOPS)]
+    loops = [n for n in holding(path, line) if isinstance(n, _LOOPS)]
     if not loops:
         return []
     for stmt in _walk_here(loops[-1]):
@@ -103,7 +103,7 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
     ``with`` that enters it, then where the names of its condition are assigned (and theirs,
     ``depth`` levels up), in the order they are read back from the ``with``; [] when the forward
     is under no ``no_sync()``."""
-    chain = _chain(path, line)
+    chain = holding(path, line)
     withs = [
         n
         for n in chain
@@ -143,8 +143,8 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
     rank at ``line`` made inside it. ``func`` is the function as the run's stack named it
     (py-spy: ``Class.method``): a file whose function there has another name was edited since,
     and gives no answer; so does a missing file or an ``if`` holding both lines."""
-    mine, theirs = _chain(path, line), _chain(path, other)
-    scope, where = _scope(path, mine), _scope(path, theirs)
+    mine, theirs = holding(path, line), holding(path, other)
+    scope, where = scope_of(path, mine), scope_of(path, theirs)
     if scope is None or where is not scope:
         return None
     name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
@@ -156,16 +156,17 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
 
 
 def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, str] | None:
-    """(the line, "`break` under `if <test>:`") of the way out of the loop that holds ``line``
+    """(the line, "`break` at train.py:98, under `if <test>:` (train.py:97)") of the way out of
+    the loop that holds ``line``
     but not ``other``, both lines in one function (``other`` None: a rank that has left the
     function, and so its every loop): a rank at ``other`` left the loop the ranks at ``line``
     still run. The one ``break`` of that loop's own iteration (or, for a rank that left the
     function, the one ``return`` of its loops' iterations), or a ``while`` loop's condition;
     None for a ``for`` loop without one (it ended when its items did), several ways out (which
     one, the trace cannot say), a missing or edited file."""
-    mine = _chain(path, line)
-    scope = _scope(path, mine)
-    if scope is None or (other is not None and _scope(path, _chain(path, other)) is not scope):
+    mine = holding(path, line)
+    scope = scope_of(path, mine)
+    if scope is None or (other is not None and scope_of(path, holding(path, other)) is not scope):
         return None
     name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
     if func.rsplit(".", 1)[-1] != name:
@@ -181,11 +182,15 @@ def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, 
     returns = [n for lp in left for n in _walk_here(lp) if isinstance(n, ast.Return)] if other is None else []
     if len(breaks) == 1 and not returns or len(returns) == 1 and not breaks:
         out = (breaks or returns)[0]
-        ifs = [n for n in _chain(path, out.lineno) if isinstance(n, ast.If) and n.lineno > loop.lineno]
-        under = f" under `if {ast.unparse(ifs[-1].test)}:`" if ifs else ""
-        return out.lineno, f"`{'break' if breaks else 'return'}`{under}"
+        ifs = [n for n in holding(path, out.lineno) if isinstance(n, ast.If) and n.lineno > loop.lineno]
+        file = os.path.basename(path)
+        under = f", under `if {ast.unparse(ifs[-1].test)}:` ({file}:{ifs[-1].lineno})" if ifs else ""
+        return out.lineno, f"`{'break' if breaks else 'return'}` at {file}:{out.lineno}{under}"
     if not breaks and not returns and isinstance(loop, ast.While):
-        return loop.lineno, f"`while {ast.unparse(loop.test)}:` ending"
+        return (
+            loop.lineno,
+            f"`while {ast.unparse(loop.test)}:` ending ({os.path.basename(path)}:{loop.lineno})",
+        )
     return None
 
 
@@ -193,9 +198,9 @@ def in_their_loop(path: str, line: int, other: int) -> bool | None:
     """Whether ``line`` lies in the innermost loop holding ``other``, both in one function: a
     rank at ``line`` has not left the loop the ranks at ``other`` still run. None without the
     file, a loop, or one function holding both."""
-    theirs = _chain(path, other)
-    scope = _scope(path, theirs)
-    if scope is None or _scope(path, _chain(path, line)) is not scope:
+    theirs = holding(path, other)
+    scope = scope_of(path, theirs)
+    if scope is None or scope_of(path, holding(path, line)) is not scope:
         return None
     inner = theirs[theirs.index(scope) + 1 :] if scope in theirs else theirs
     loops = [n for n in inner if isinstance(n, _LOOPS)]
@@ -204,10 +209,10 @@ def in_their_loop(path: str, line: int, other: int) -> bool | None:
     return loops[-1].lineno <= line <= (loops[-1].end_lineno or loops[-1].lineno)
 
 
-def _scope(path: str, chain: list[ast.AST]) -> ast.AST | None:
+def scope_of(path: str, chain: list[ast.AST]) -> ast.AST | None:
     """The innermost function in ``chain``, else the module; None without the file."""
     functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return functions[-1] if functions else (_tree(path) if chain else None)
+    return functions[-1] if functions else (parsed(path) if chain else None)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -217,7 +222,7 @@ def loop_over(path: str, func: str, line: int) -> tuple[int, str, ast.AST, ast.A
     """(its line, its header, what it iterates, the function) of the innermost ``for`` loop or
     comprehension that holds ``line`` in the function the stack names ``func``; None without
     one, or for a missing or edited file."""
-    chain = _chain(path, line)
+    chain = holding(path, line)
     scope = function_at(path, func, line)
     if scope is None:
         return None
@@ -260,7 +265,7 @@ def returned_by(path: str, assignment: ast.AST) -> ast.AST | None:
     """Where an assignment's value is a call of a function of the same file (`f(...)`,
     `self.f(...)`) with one ``return``: that return."""
     value = getattr(assignment, "value", None)
-    tree = _tree(path) if os.path.isfile(path) else None
+    tree = parsed(path) if os.path.isfile(path) else None
     if not isinstance(value, ast.Call) or tree is None:
         return None
     name = _called(value)
@@ -285,7 +290,7 @@ def argument(path: str, line: int, callee: ast.AST, name: str) -> ast.AST | None
     if name not in params:
         return None
     method = params[0] in ("self", "cls")
-    for node in [n for n in _chain(path, line) if isinstance(n, ast.stmt)][-1:]:
+    for node in [n for n in holding(path, line) if isinstance(n, ast.stmt)][-1:]:
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
             if _called(call) != callee.name:
                 continue
@@ -302,7 +307,7 @@ def argument(path: str, line: int, callee: ast.AST, name: str) -> ast.AST | None
 def function_at(path: str, func: str, line: int) -> ast.AST | None:
     """The function (or the module) holding ``line`` that the stack names ``func``; None for a
     missing or edited file."""
-    scope = _scope(path, _chain(path, line))
+    scope = scope_of(path, holding(path, line))
     name = "<module>" if isinstance(scope, ast.Module) else getattr(scope, "name", None)
     return scope if scope is not None and func.rsplit(".", 1)[-1] == name else None
 
@@ -319,7 +324,7 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
     submodule whose parameters got no gradient on some steps was skipped by such a branch.
     {"how": "return" or "guard", "line", "code", "test", "use", "forward", "params"} (the
     forward's parameters): None without the class, a use, or one such branch."""
-    tree = _tree(path) if os.path.isfile(path) else None
+    tree = parsed(path) if os.path.isfile(path) else None
     klass = (
         next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
         if tree
@@ -377,7 +382,7 @@ def passed_to_module(path: str, line: int, params: list[str], name: str) -> str 
     the line makes one call; None otherwise."""
     if name not in params[1:]:
         return None
-    stmts = [n for n in _chain(path, line) if isinstance(n, ast.stmt)][-1:]
+    stmts = [n for n in holding(path, line) if isinstance(n, ast.stmt)][-1:]
     calls = [c for st in stmts for c in ast.walk(st) if isinstance(c, ast.Call)]
     for call in calls:
         for kw in call.keywords:

@@ -16,6 +16,7 @@ statistics with ``broadcast_buffers=False`` differ by design (a note).
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -32,7 +33,8 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     when_checked,
     written_in_place,
 )
-from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at
+from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at, wrapped_file
+from ddpdoctor.analysis.misuse.wrote import wrote_after_wrapping
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -239,6 +241,9 @@ def _weights(
             why += (
                 f" (rank(s) {rank_list(odd)}: the version counters moved beyond the optimizer step, {moves})"
             )
+        if (wrote := _wrote(run, model, [d.name for d in found])) is not None:
+            place, text = wrote
+            why += f"; the script writes them after wrapping: {text}"
     elif opt_odd:
         cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
         why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"
@@ -322,6 +327,17 @@ def _weights(
             "ranks_by_value": head.groups,
         },
     )
+
+
+def _wrote(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
+    """(file:line, what it is) of the one statement after the model's wrapping, in the script,
+    that writes ``names`` (``wrote.py``)."""
+    owner, models = builder(run), ddp_models(run)
+    where = wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
+    found = wrote_after_wrapping(*where, names) if where is not None else None
+    if found is None or where is None:
+        return None
+    return f"{os.path.basename(where[0])}:{found.line}", found.text(*where)
 
 
 def _unreduced(run: Run, step: int) -> bool:

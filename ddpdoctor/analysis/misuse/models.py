@@ -37,6 +37,15 @@ def wrapped_at(trace: RankTrace, model: dict[str, Any]) -> str:
     return sites_of(trace).get(site, "") if isinstance(site, int) else ""
 
 
+def wrapped_file(trace: RankTrace, model: dict[str, Any]) -> tuple[str, int] | None:
+    """Where ``trace``'s rank wrapped ``model`` in DDP: the file's path as recorded, and the line."""
+    site = model.get("site")
+    for _, _, info in trace.meta.get(schema.SITE, []):
+        if isinstance(site, int) and info.get("id") == site and isinstance(info.get("line"), int):
+            return str(info.get("file")), int(info["line"])
+    return None
+
+
 def model_of(trace: RankTrace, record: dict[str, Any]) -> dict[str, Any]:
     """The model an ``unused`` record is about (the last built, for traces without the index)."""
     models = rank_models(trace)

@@ -1,0 +1,146 @@
+"""The lines that wrote a parameter after DDP wrapped the model, read from the user's script.
+
+The fingerprints say which parameters changed on which rank between DDP's constructor (which
+broadcast rank 0's weights) and the first optimizer step; the version counters say the rank
+wrote them in place. Neither says where. The script does, when it is still on disk: after the
+line that wrapped the model, in the same function and before its first loop, the statement that
+writes those parameters (an in-place method such as ``copy_``, an ``nn.init`` function, an
+assignment to ``.data``; the load probe records ``load_state_dict`` with its line), directly or
+through a function of the same file it calls. Parsed, never run; no answer unless exactly one
+statement there writes them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+
+from ddpdoctor.analysis.failed.source import holding, parsed, scope_of, statement
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclass
+class Wrote:
+    """A statement after the wrapping that writes the changed parameters."""
+
+    line: int  # the statement in the wrapping's function
+    code: str
+    under: tuple[int, str] | None  # the innermost ``if`` holding it there: (line, "if <test>:")
+    write: tuple[int, str] | None  # the write itself, where it is in a function the line calls
+
+    def text(self, path: str, wrapped: int) -> str:
+        name = os.path.basename(path)
+        said = f"`{self.code}` at {name}:{self.line}"
+        if self.under is not None:
+            said += f", under `{self.under[1]}` ({name}:{self.under[0]})"
+        said += f", after the model was wrapped at {name}:{wrapped}"
+        if self.write is not None:
+            said += f"; it writes them at {name}:{self.write[0]} (`{self.write[1]}`)"
+        return said
+
+
+def wrote_after_wrapping(path: str, wrapped: int, params: list[str]) -> Wrote | None:
+    """The one statement after ``wrapped`` (the DDP constructor's line), before the first loop
+    of that function, that writes any of ``params`` (dotted names as the model names them)."""
+    tree = parsed(path) if os.path.isfile(path) else None
+    scope = scope_of(path, holding(path, wrapped))
+    if tree is None or scope is None:
+        return None
+    body, at = _block_of(scope, wrapped)
+    if body is None:
+        return None
+    functions = {n.name: n for n in tree.body if isinstance(n, _DEFS)}
+    owners = {_owner(p) for p in params}
+    found: list[Wrote] = []
+    for stmt in body[at + 1 :]:
+        if isinstance(stmt, _LOOPS):
+            break
+        for node, under in _statements(stmt, None):
+            if _writes(node, owners):
+                found.append(Wrote(node.lineno, statement(node), under, None))
+                continue
+            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+            for name in (c.func.id for c in calls if isinstance(c.func, ast.Name)):
+                callee = functions.get(name)
+                inner = _write_in(callee, owners) if callee is not None else None
+                if inner is not None:
+                    found.append(Wrote(node.lineno, statement(node), under, (inner.lineno, statement(inner))))
+                    break
+    return found[0] if len(found) == 1 else None
+
+
+def _block_of(scope: ast.AST, line: int) -> tuple[list[ast.stmt] | None, int]:
+    """The statement list of ``scope`` (not nested deeper) holding ``line``, and its index."""
+    body = getattr(scope, "body", None)
+    if not isinstance(body, list):
+        return None, -1
+    for i, stmt in enumerate(body):
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
+            return body, i
+    return None, -1
+
+
+Under = tuple[int, str] | None  # the innermost ``if`` holding a statement: (line, "if <test>:")
+
+
+def _statements(node: ast.stmt, under: Under) -> list[tuple[ast.stmt, Under]]:
+    """``node`` and, inside its ``if``s and ``with``s, the statements it holds, each with the
+    innermost ``if`` holding it."""
+    if isinstance(node, ast.If):
+        here = (node.lineno, f"if {ast.unparse(node.test)}:")
+        return [s for child in (*node.body, *node.orelse) for s in _statements(child, here)]
+    if isinstance(node, (ast.With, ast.AsyncWith, ast.Try)):
+        return [s for child in node.body for s in _statements(child, under)]
+    return [(node, under)]
+
+
+def _write_in(function: ast.AST, owners: set[str]) -> ast.stmt | None:
+    """The one statement of ``function`` that writes a parameter of ``owners``."""
+    hits = [s for s in ast.walk(function) if isinstance(s, ast.stmt) and _writes(s, owners)]
+    hits = [s for s in hits if not any(s is not h and _holds(s, h) for h in hits)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _holds(outer: ast.stmt, inner: ast.stmt) -> bool:
+    return any(n is inner for n in ast.walk(outer))
+
+
+def _writes(stmt: ast.stmt, owners: set[str]) -> bool:
+    """``stmt`` itself (not a nested block) writes a parameter of ``owners`` (module names;
+    "" for the whole model): an in-place method on it, an ``nn.init`` function given it, an
+    assignment to its ``.data``."""
+    if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, *_DEFS)):
+        return False
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, target = node.func.attr, node.func.value
+            if method.endswith("_") and not method.startswith("_") and _mentions(target, owners):
+                return True
+            if "init" in _names(target) and node.args and _mentions(node.args[0], owners):
+                return True
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Attribute) and t.attr == "data" and _mentions(t.value, owners):
+                    return True
+    return False
+
+
+def _owner(param: str) -> str:
+    """The module that holds a parameter, by its last name: "emb" for "module.emb.weight"."""
+    parts = [p for p in param.split(".") if not p.isdigit()]
+    return parts[-2] if len(parts) > 1 else ""
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)} | {
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+    }
+
+
+def _mentions(node: ast.AST, owners: set[str]) -> bool:
+    """The expression reaches one of ``owners`` (a whole model: any expression)."""
+    names = _names(node)
+    return any(o == "" or o in names for o in owners)
