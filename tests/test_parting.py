@@ -720,3 +720,74 @@ def test_the_statement_that_wrote_a_parameter_after_wrapping(tmp_path: Path) -> 
     assert wrote_after_wrapping(path, 11, ["head.bias"]) is None
     assert wrote_after_wrapping(path, 13, ["emb.weight"]) is None  # after :13, only the loop writes it
     assert wrote_after_wrapping(str(tmp_path / "gone.py"), 11, ["emb.weight"]) is None
+
+
+MADE = """\
+import torch.distributed as dist
+
+
+def ink_profile(batch):
+    return batch.mean(dim=(0, 1, 2))
+
+
+def main(batches):
+    for x in batches:
+        prof = ink_profile(x)
+        dist.all_reduce(prof)
+        dist.all_reduce(x.sum())
+"""
+
+
+def test_where_a_collectives_tensor_got_its_size(tmp_path: Path) -> None:
+    """Held-out set 23: the ranks all-reduce a per-column profile of their padded batch, whose
+    width is each rank's own. The size was set where the tensor was made, one call down."""
+    from ddpdoctor.analysis.failed.made import tensor_made
+
+    path = str(tmp_path / "ocr.py")
+    Path(path).write_text(MADE)
+    assert tensor_made(path, 11, "all_reduce") == (
+        "its tensor `prof` is made at ocr.py:10 (`prof = ink_profile(x)`), which returns "
+        "`batch.mean(dim=(0, 1, 2))` (ocr.py:5)"
+    )
+    assert tensor_made(path, 12, "all_reduce") == ""  # made in the call itself
+    assert (
+        tensor_made(path, 11, "broadcast") == ""
+        and tensor_made(str(tmp_path / "gone.py"), 11, "all_reduce") == ""
+    )
+
+
+SHARDED = """\
+def shard_manifest(items, rank, world):
+    mine = items[rank::world]
+    mine = [it for it in mine if it["frames"] <= 90]
+    return mine
+
+
+def main(manifest, rank, world, model):
+    shard = shard_manifest(manifest, rank, world)
+    bs = 16
+    n_batches = len(shard) // bs
+    for b in range(n_batches):
+        model(shard[b * bs : (b + 1) * bs])
+"""
+
+
+def test_where_the_data_of_the_loop_a_rank_ran_out_of_was_made(tmp_path: Path) -> None:
+    """Held-out sets 22 and 23: ranks shard by hand, and a filter after the round-robin split (or
+    a hash split) leaves them different lengths. From the loop the other ranks are still in, back
+    through its function's assignments, into the shard function's lines that build what it returns."""
+    from ddpdoctor.analysis.failed.made import loop_data
+
+    path = str(tmp_path / "kws.py")
+    Path(path).write_text(SHARDED)
+    said = loop_data([(path, 12, "main")])
+    assert said.startswith("the loop at kws.py:11 (`for b in range(n_batches):`) iterates what kws.py:10 "), (
+        said
+    )
+    assert "kws.py:8 (`shard = shard_manifest(manifest, rank, world)`) made" in said
+    assert said.endswith(
+        "shard_manifest() makes it at kws.py:2 (`mine = items[rank::world]`), kws.py:3 "
+        "(`mine = [it for it in mine if it['frames'] <= 90]`)"
+    )
+    assert loop_data([(path, 8, "main")]) == ""  # not in a loop
+    assert loop_data([]) == "" and loop_data([(str(tmp_path / "gone.py"), 12, "main")]) == ""

@@ -13,9 +13,10 @@ from typing import Any
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.leaving import FIX_LEFT, left_by, left_loop, ran_out, shares
 from ddpdoctor.analysis.failed.ledger import build, forward_site
+from ddpdoctor.analysis.failed.made import loop_data, tensor_made
 from ddpdoctor.analysis.failed.order import FIX_REPEATED, order_differs, repeated
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
-from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, Ledger, is_ddp
+from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, Ledger, Point, is_ddp
 from ddpdoctor.analysis.failed.rankonly import (
     FIX_BRANCH,
     extra_call,
@@ -141,7 +142,7 @@ def _explain(div: Divergence, ledgers: dict[int, Ledger]) -> Finding | None:
             [root.rank],
             f"uneven inputs: rank {root.rank} ran out of batches after step {root.last_step} and "
             f"{'exited' if ending.how == 'clean_exit' else 'moved on'}{at}, while {where_others}: "
-            f"the extra steps' gradient all-reduce has no partner{shares(root, others)}",
+            f"the extra steps' gradient all-reduce has no partner{shares(root, others)}{_data(others)}",
             fix=FIX_UNEVEN,
             details=details,
         )
@@ -176,6 +177,23 @@ def _mismatch(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     return found
 
 
+def _data(others: list[Ledger]) -> str:
+    """ "; the loop at ... iterates what ... made": where the data of the loop the ranks that did
+    not run out are still in came from (``made.loop_data``), when they are at one line."""
+    stacks = {tuple(o.stack) for o in others}
+    made = loop_data(list(stacks.pop())) if len(stacks) == 1 else ""
+    return f"; {made}" if made else ""
+
+
+def _made(points: dict[int, Point], ledgers: dict[int, Ledger]) -> str:
+    """Where the tensor of a call every rank made from one line got its value (``made.py``)."""
+    sites = {p.site for p in points.values()}
+    if len(sites) != 1 or not (site := sites.pop()):
+        return ""
+    path, line = next((w for r in points if (w := ledgers[r].path_of(site))[0]), ("", 0))
+    return tensor_made(path, line, next(iter(points.values())).op) if path else ""
+
+
 def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
     points = {r: p for r, p in div.points.items() if p is not None}
     seq = div.evidence.get("seq")
@@ -203,6 +221,8 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         if div.evidence.get("changed"):
             text += f"; {div.evidence['changed']}"
         op = next(iter(points.values())).op
+        made = _made(points, ledgers) if div.evidence.get("differs") == "size" else ""
+        text += f"; {made}" if made else ""
         return Finding(
             "collective_mismatch",
             "error",
@@ -228,7 +248,7 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
                 [root],
                 f"uneven inputs: rank {root} ran out of batches after step {root_lg.last_step} and "
                 f"waits in {python[root].describe()}, while {others_text(points, root)}: that "
-                f"step's gradient all-reduce has no partner{shares(root_lg, others)}",
+                f"step's gradient all-reduce has no partner{shares(root_lg, others)}{_data(others)}",
                 fix=FIX_UNEVEN,
                 details={**details, "root_rank": root},
             )
