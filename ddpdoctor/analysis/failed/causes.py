@@ -178,8 +178,8 @@ def _mismatch(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
 
 
 def _data(others: list[Ledger]) -> str:
-    """ "; the loop at ... iterates what ... made": where the data of the loop the ranks that did
-    not run out are still in came from (``made.loop_data``), when they are at one line."""
+    """Where the data of the loop the ranks that did not run out are still in came from, when
+    they are at one line: "; the loop at ... iterates what ... made" (``made.loop_data``)."""
     stacks = {tuple(o.stack) for o in others}
     made = loop_data(list(stacks.pop())) if len(stacks) == 1 else ""
     return f"; {made}" if made else ""

@@ -14,10 +14,10 @@ from ddpdoctor.analysis.failed.stacks import Frame
 
 
 def tensor_made(path: str, line: int, op: str) -> str:
-    """ "its tensor `prof` is made at train.py:133 (`prof = ink_profile(x)`), which returns
-    `batch.mean(dim=(0, 1, 2))` (train.py:108)": the assignment above ``line``, in its function,
-    of the name the call of ``op`` there is given first, and the one ``return`` of the same-file
-    function that assignment calls."""
+    """The assignment above ``line``, in its function, of the name the call of ``op`` there is
+    given first, and the one ``return`` of the same-file function that assignment calls: "its
+    tensor `prof` is made at train.py:133 (`prof = ink_profile(x)`), which returns
+    `batch.mean(dim=(0, 1, 2))` (train.py:108)"."""
     chain = holding(path, line)
     scope = scope_of(path, chain)
     stmts = [n for n in chain if isinstance(n, ast.stmt)]
@@ -49,13 +49,13 @@ _MAX_STEPS = 6  # assignments followed back from a loop's iterable: a trail, not
 
 
 def loop_data(stack: list[Frame]) -> str:
-    """ "the loop at train.py:108 (`for x, y in loader:`) iterates what train.py:99 (`loader =
-    DataLoader(Utterances(shard))`), train.py:98 (`shard = shard_manifest(...)`) made, and
-    shard_manifest() makes it at train.py:77 (`mine = items[rank::world]`), train.py:78 (...)":
-    where the data of the loop a rank is still in (its stack, outermost first) was made. From
+    """Where the data of the loop a rank is still in (its stack, outermost first) was made: from
     the loop's iterable back through the assignments of its function, down into the one
     same-file function whose result they take, where the lines that build what it returns end
-    the trail; "" where the source cannot say."""
+    the trail; "" where the source cannot say. "the loop at train.py:108 (`for x, y in loader:`)
+    iterates what train.py:99 (`loader = DataLoader(Utterances(shard))`), train.py:98 (`shard =
+    shard_manifest(...)`) made, and shard_manifest() makes it at train.py:77 (`mine =
+    items[rank::world]`), train.py:78 (...)"."""
     if not stack:
         return ""
     path, line, func = stack[-1]
