@@ -13,10 +13,11 @@ from ddpdoctor.trace.synthetic import SyntheticJob, append_records, write_run
 NAMES = ["body.weight", "body.bias", "bn.running_mean", "bn.running_var"]
 
 
-def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2, versions=None):
+def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2, versions=None, grads=None):
     """A synthetic run whose ranks wrote fingerprints: ``values(rank, step) -> list``, checks at
     init, after steps 0, 63 and 127; ``extra(rank) -> [records]`` for more records;
-    ``versions(rank, step) -> list``, the parameters' version counters (none: a run before them)."""
+    ``versions(rank, step) -> list``, the parameters' version counters (none: a run before them);
+    ``grads(rank, step) -> list``, their gradients' likewise."""
     (run_dir,) = write_run(SyntheticJob(ranks=ranks, steps=130), tmp_path / "run")
     for rank in range(ranks):
         lines = []
@@ -24,6 +25,8 @@ def _run(tmp_path: Path, ranks: int, values, extra=None, names=NAMES, n_params=2
             info = {"model": 0, "at": at, "values": values(rank, step)}
             if versions is not None:
                 info["versions"] = versions(rank, step)
+            if grads is not None:
+                info["grad_versions"] = grads(rank, step)
             if i == 0:
                 info.update(names=names, n_params=n_params, numels=[64] * len(names))
             lines.append([schema.FINGERPRINT, 10_000 + 1000 * (step + 1), 0, step, info])
@@ -212,3 +215,27 @@ def test_steps_are_lined_up_by_the_first_gradient_all_reduce_each_begins_with() 
     assert [aligned.step(1, s) for s in range(4)] == [0, 1, 4, -1]
     assert aligned.step(7, 0) == -1 and aligned.last(0, -1) == 3 and aligned.last(1, -1) == 4
     assert aligned.last(7, 9) == 9
+
+
+def test_the_rank_that_wrote_its_reduced_gradients_is_the_root(tmp_path: Path) -> None:
+    """Held-out set 23: rank 0 clipped its gradients in a rank-0 logging helper, after DDP's
+    all-reduce, and stepped with them; both ranks ran the same optimizer steps, so the weights'
+    version counters moved alike. The gradients' counters did not, at the check that fell on a
+    clipped step: rank 0's moved once more (the clip's mul_). Counters alike say nothing."""
+
+    def drifts(r: int, s: int) -> list:
+        return [s + 10 + (r == 0 and s >= 63), s + 20 + (r == 0 and s >= 63), 5, 6]
+
+    def clipped(r: int, s: int) -> list:
+        return [1 + (r == 0 and s == 63), 1 + (r == 0 and s == 63)]
+
+    (f,) = _mine(_run(tmp_path / "a", 2, drifts, versions=lambda r, s: [s + 1, s + 1], grads=clipped))
+    assert f.ranks == [0] and f.details["root_rank"] == 0, f
+    assert f.details["cause"] == "gradients_written_on_rank"
+    said = " ".join(f.summary.split())
+    assert "rank(s) 0 wrote their gradients in place after DDP's all-reduce (step 63" in said, said
+    assert "get_total_norm" in f.fix
+    (f,) = _mine(
+        _run(tmp_path / "b", 2, drifts, versions=lambda r, s: [s + 1, s + 1], grads=lambda r, s: [1, 1])
+    )
+    assert f.details["root_rank"] is None and f.details["cause"] == "diverged_during_training"

@@ -261,6 +261,9 @@ class Fingerprints:
         # copy_ under no_grad), so ranks that ran the same steps moved it alike unless one wrote
         # the weights on its own (analysis/misuse/divergence.py)
         info["versions"] = [p._version for _, p in named[:n_params]]
+        # And each gradient's: after DDP's all-reduce every rank holds the same gradients, written
+        # alike; one a rank scaled or clipped in place on its own moved further there.
+        info["grad_versions"] = [-1 if p.grad is None else p.grad._version for _, p in named[:n_params]]
         self._submit([t for _, t in named], info)
 
     def _check_optimizer(self, optimizer: Any) -> None:

@@ -29,6 +29,7 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     Series,
     collect,
     compare,
+    grads_written,
     odd_ranks,
     when_checked,
     written_in_place,
@@ -80,6 +81,12 @@ _FIX_DRIFT = (
     "Make every rank apply the same update (no rank-dependent in-place changes to the weights, "
     "the same optimizer state everywhere); after changing weights on one rank, broadcast them: "
     "for t in model.module.state_dict().values(): dist.broadcast(t, src=0)."
+)
+_FIX_GRADS = (
+    "Change the gradients alike on every rank, or not at all, between backward() and "
+    "optimizer.step(): clip, scale or mask them on every rank at every step; where one rank only "
+    "wants their norm (for logging), read it without writing them: torch.nn.utils.get_total_norm("
+    "[p.grad for p in model.parameters() if p.grad is not None]), not clip_grad_norm_."
 )
 _FIX_FORWARD = (
     "Keep the forward from changing the weights in place: each rank changes them by its own "
@@ -255,6 +262,14 @@ def _weights(
         why = stepped.behind_text(*short) + ", so its optimizer state fell behind and the same averaged "
         why += "gradients moved the replicas apart"
         odd = sorted(short[0])
+    elif (grads := grads_written(series, found)) is not None:
+        odd, key = sorted(grads[0]), grads[1]
+        cause, fix = "gradients_written_on_rank", _FIX_GRADS
+        wrote = sorted({n for names in grads[0].values() for n in names})
+        why = f"rank(s) {rank_list(odd)} wrote their gradients in place after DDP's all-reduce "
+        why += f"({when_checked(key)}, the version counters of the gradients of {_sized(wrote, {}, 3)} "
+        why += "had moved further there than on the other ranks, where the reduced gradients are written "
+        why += "alike): a clip, a scale or a mask there alone, so those ranks stepped with other gradients"
     elif (writes := written_in_place(series, found)) is not None:
         excess, written = writes
         odd, rest = sorted(excess), sorted(set(all_ranks) - set(excess))

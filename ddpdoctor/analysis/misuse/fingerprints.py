@@ -22,6 +22,7 @@ class _Check:
     names: tuple[str, ...]
     values: list[int]
     versions: list[int] | None = None  # the parameters' version counters (runs since 2026-12-06)
+    grad_versions: list[int] | None = None  # their gradients' (-1: none), likewise
 
 
 @dataclass
@@ -110,20 +111,25 @@ def collect(run: Run) -> dict[tuple[int, int | None], Series]:
             current = names.get(key)
             if current is None or len(current) != len(values):
                 continue
-            versions = info.get("versions")
-            if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
-                versions = None
+            versions, grads = (_ints(info.get(k), len(current)) for k in ("versions", "grad_versions"))
             if at == "step" and aligned is not None:
                 step = aligned.step(rank, step)
                 if step < 0:
                     continue  # a step with no gradient all-reduce of its own: not comparable
             elif at == "exit" and aligned is not None:  # its final state: after its last all-reduce
                 step = aligned.last(rank, step)
-            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions)
+            series.checks[rank][(step, AT_ORDER[at], at)] = _Check(ts, current, values, versions, grads)
             for i in info.get("unsynced") or []:
                 if isinstance(i, int) and 0 <= i < len(current):
                     series.unsynced[current[i]].add(rank)
     return out
+
+
+def _ints(value: object, most: int) -> list[int] | None:
+    """A record's list of counters, or None where it holds none (a run before them) or another
+    kind of value."""
+    ok = isinstance(value, list) and len(value) <= most and all(type(v) is int for v in value)
+    return value if ok else None  # type: ignore[return-value]
 
 
 @dataclass
@@ -205,6 +211,34 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
                 excess[r] += n
         written += any(n > 0 for n in beyond.values())
     return (dict(excess), written) if excess else None
+
+
+def grads_written(series: Series, found: list[Divergence]) -> tuple[dict[int, list[str]], Key] | None:
+    """Which ranks wrote their gradients in place after DDP's all-reduce, at a check up to the
+    first where the parameters differed: there every rank held the same reduced gradients, each
+    written alike (the all-reduce's copy), so a gradient whose version counter moved further on
+    some ranks was scaled, clipped or masked there alone. ({rank: the parameters whose
+    gradients it wrote more}, the check); None where no check says (counters not recorded, equal,
+    or no check fell on a step where it happened)."""
+    head = min(found, key=lambda d: d.first)
+    names = {d.name for d in found if not d.buffer}
+    ranks = sorted(r for g in head.groups for r in g)
+    keys = sorted(set.intersection(*(set(series.checks[r]) for r in ranks)))
+    for key in (k for k in keys if k <= head.first and k[2] != "init"):
+        checks = {r: series.checks[r][key] for r in ranks}
+        if any(c.grad_versions is None or c.names != checks[ranks[0]].names for c in checks.values()):
+            continue
+        more: dict[int, list[str]] = defaultdict(list)
+        for i, name in enumerate(checks[ranks[0]].names[: len(checks[ranks[0]].grad_versions or [])]):
+            seen = {r: c.grad_versions[i] for r, c in checks.items() if c.grad_versions}
+            if name not in names or min(seen.values()) < 0 or len(set(seen.values())) == 1:
+                continue
+            for r, v in seen.items():
+                if v > min(seen.values()):
+                    more[r].append(name)
+        if more and len(more) < len(ranks):
+            return dict(more), key
+    return None
 
 
 def _moved(series: Series, rank: int, name: str, a: Key, b: Key) -> int | None:

@@ -20,6 +20,7 @@ from ddpdoctor.analysis.failed.source import holding, parsed, scope_of, statemen
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_FLAGS = {"requires_grad_", "share_memory_"}  # in-place methods that leave the values alone
 
 
 @dataclass
@@ -117,7 +118,8 @@ def _writes(stmt: ast.stmt, owners: set[str]) -> bool:
     for node in ast.walk(stmt):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             method, target = node.func.attr, node.func.value
-            if method.endswith("_") and not method.startswith("_") and _mentions(target, owners):
+            in_place = method.endswith("_") and not method.startswith("_") and method not in _FLAGS
+            if in_place and _mentions(target, owners):
                 return True
             if "init" in _names(target) and node.args and _mentions(node.args[0], owners):
                 return True
