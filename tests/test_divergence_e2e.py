@@ -177,6 +177,22 @@ def test_weights_one_rank_wrote_in_place_name_it_by_their_version_counters(tmp_p
     assert versions and all(isinstance(v, list) for v in versions)
 
 
+def test_gradients_one_rank_clipped_after_their_all_reduce_name_it_by_their_version_counters(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 clips its gradients at every step, after DDP's all-reduce, for the norm its log
+    wants; rank 1 does not. Both take every optimizer step, so the weights' counters move alike;
+    the gradients' counters moved once more on rank 0 at every check (held-out set 23)."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "clip_rank0"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["ranks"] == [0] and f["details"]["root_rank"] == 0, f
+    assert f["details"]["cause"] == "gradients_written_on_rank", f
+    assert "rank(s) 0 wrote their gradients in place after DDP's all-reduce" in " ".join(f["summary"].split())
+    grads = [info.get("grad_versions") for _, info in _fingerprints(job.run_dir, 0) if info.get("model") == 0]
+    assert any(isinstance(g, list) and g and min(g) >= 0 for g in grads), grads
+
+
 def test_a_setting_written_by_hand_on_one_rank_is_the_cause_from_its_last_note(tmp_path: Path) -> None:
     """Rank 0 alone raises SGD's momentum in a fine-tune phase (held-out set 15). No scheduler
     changed it and no step check fell between, so the note its optimizer wrote as main()

@@ -237,6 +237,14 @@ def _weights(
         cause, fix, why = "optimizer_settings_differ", settings.FIX, setting.text()
         place = setting.place
         odd = odd_ranks([ranks for _, ranks in setting.by_value], set())
+    elif (grads := grads_written(series, found)) is not None:
+        odd, key = sorted(grads[0]), grads[1]
+        cause, fix = "gradients_written_on_rank", _FIX_GRADS
+        wrote = sorted({n for names in grads[0].values() for n in names})
+        why = f"rank(s) {rank_list(odd)} wrote their gradients in place after DDP's all-reduce "
+        why += f"({when_checked(key)}, the version counters of the gradients of {_sized(wrote, {}, 3)} "
+        why += "had moved further there than on the other ranks, where the reduced gradients are written "
+        why += "alike): a clip, a scale or a mask there alone, so those ranks stepped with other gradients"
     elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0:
         cause, fix = "changed_after_wrapping", _FIX_LOAD
         why = "they were equal after DDP's constructor broadcast and changed before the first optimizer "
@@ -262,14 +270,6 @@ def _weights(
         why = stepped.behind_text(*short) + ", so its optimizer state fell behind and the same averaged "
         why += "gradients moved the replicas apart"
         odd = sorted(short[0])
-    elif (grads := grads_written(series, found)) is not None:
-        odd, key = sorted(grads[0]), grads[1]
-        cause, fix = "gradients_written_on_rank", _FIX_GRADS
-        wrote = sorted({n for names in grads[0].values() for n in names})
-        why = f"rank(s) {rank_list(odd)} wrote their gradients in place after DDP's all-reduce "
-        why += f"({when_checked(key)}, the version counters of the gradients of {_sized(wrote, {}, 3)} "
-        why += "had moved further there than on the other ranks, where the reduced gradients are written "
-        why += "alike): a clip, a scale or a mask there alone, so those ranks stepped with other gradients"
     elif (writes := written_in_place(series, found)) is not None:
         excess, written = writes
         odd, rest = sorted(excess), sorted(set(all_ranks) - set(excess))
