@@ -9,7 +9,16 @@ from __future__ import annotations
 import ast
 import os
 
-from ddpdoctor.analysis.failed.source import holding, loop_over, returned_by, scope_of, set_at, statement
+from ddpdoctor.analysis.failed.source import (
+    assigned_names,
+    holding,
+    loop_over,
+    names,
+    returned_by,
+    scope_of,
+    set_at,
+    statement,
+)
 from ddpdoctor.analysis.failed.stacks import Frame
 
 
@@ -66,7 +75,7 @@ def loop_data(stack: list[Frame]) -> str:
     file = os.path.basename(path)
     trail: list[ast.stmt] = []
     inner: tuple[str, list[ast.stmt]] | None = None
-    queue = [(name, at) for name in sorted(_read(it))]
+    queue = [(name, at) for name in sorted(names(it, read_only=True))]
     while queue and len(trail) < _MAX_STEPS and inner is None:
         name, before = queue.pop(0)
         node = set_at(scope, ast.Name(id=name, ctx=ast.Load()), before)
@@ -77,11 +86,11 @@ def loop_data(stack: list[Frame]) -> str:
         value = getattr(returned, "value", None)
         function = scope_of(path, holding(path, returned.lineno)) if returned is not None else None
         if value is not None and isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names = _read(value)
-            made = [a for a in ast.walk(function) if isinstance(a, ast.stmt) and _assigns(a) & names]
+            read = names(value, read_only=True)
+            made = [a for a in ast.walk(function) if isinstance(a, ast.stmt) and assigned_names(a) & read]
             inner = (function.name, sorted(made, key=lambda a: a.lineno) or [returned])
         else:
-            queue += [(n, node.lineno) for n in sorted(_read(getattr(node, "value", None)))]
+            queue += [(n, node.lineno) for n in sorted(names(getattr(node, "value", None), read_only=True))]
     if not trail:
         return ""
     said = f"the loop at {file}:{at} (`{header}`) iterates what "
@@ -91,18 +100,3 @@ def loop_data(stack: list[Frame]) -> str:
             f"{file}:{n.lineno} (`{statement(n)}`)" for n in inner[1]
         )
     return said
-
-
-def _read(node: ast.AST | None) -> set[str]:
-    """The names an expression reads."""
-    if node is None:
-        return set()
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
-
-def _assigns(stmt: ast.stmt) -> set[str]:
-    """The names an assignment statement sets."""
-    targets = getattr(stmt, "targets", None) or [getattr(stmt, "target", None)]
-    if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-        return set()
-    return {n.id for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}

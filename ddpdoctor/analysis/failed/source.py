@@ -82,18 +82,33 @@ def exits_after(path: str, line: int) -> list[int]:
     return []
 
 
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+def names(node: ast.AST | None, read_only: bool = False) -> set[str]:
+    """The plain names in ``node`` (``read_only``: those it reads, not those it binds)."""
+    if node is None:
+        return set()
+    return {
+        n.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and (not read_only or isinstance(n.ctx, ast.Load))
+    }
+
+
+def assigned_names(stmt: ast.AST) -> set[str]:
+    """The names a plain assignment statement (``=``, ``+=``, annotated) sets; none for others."""
+    if isinstance(stmt, ast.Assign):
+        return set().union(*(names(t) for t in stmt.targets))
+    if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)):
+        return names(stmt.target)
+    return set()
 
 
 def _assigned(function: ast.AST, name: str, before: int) -> ast.AST | None:
     """The last plain assignment of ``name`` in the function above line ``before``."""
     found = None
     for node in ast.walk(function):
-        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.lineno >= before:
+        if getattr(node, "lineno", before) >= before or name not in assigned_names(node):
             continue
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        if any(name in _names(t) for t in targets) and (found is None or node.lineno > found.lineno):
+        if found is None or node.lineno > found.lineno:
             found = node
     return found
 
@@ -123,7 +138,7 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
         ifs = [n for n in chain if isinstance(n, ast.If) and n.lineno < with_node.lineno]
         condition = ifs[-1].test if ifs else None
     lines = [with_node.lineno]
-    frontier = _names(condition) if condition is not None else set()
+    frontier = names(condition)
     seen: set[str] = set()
     for _ in range(depth):
         nxt: set[str] = set()
@@ -132,7 +147,7 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
             node = _assigned(functions[-1], name, with_node.lineno)
             if node is not None and node.lineno not in lines:
                 lines.append(node.lineno)
-                nxt |= _names(node.value) if getattr(node, "value", None) is not None else set()  # type: ignore[attr-defined]
+                nxt |= names(getattr(node, "value", None))
         frontier = nxt
     return lines
 
@@ -256,8 +271,7 @@ def fed_by(scope: ast.AST, assignment: ast.AST) -> list[ast.AST]:
     value = getattr(assignment, "value", None)
     if value is None:
         return []
-    read = {n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    found = [_assigned(scope, name, assignment.lineno) for name in sorted(read)]
+    found = [_assigned(scope, name, assignment.lineno) for name in sorted(names(value, read_only=True))]
     return sorted((n for n in found if n is not None), key=lambda n: n.lineno)
 
 
