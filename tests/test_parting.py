@@ -579,7 +579,7 @@ def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> 
     """Parameters that got no gradient belong to a submodule some steps skip: an early return
     under an if, an if holding every use, a conditional expression; a submodule used before
     any branch, two ways out, or a class not in the file give no answer."""
-    from ddpdoctor.analysis.failed.source import skips_module
+    from ddpdoctor.analysis.misuse.leftout import skips_module
 
     path = str(tmp_path / "model.py")
     Path(path).write_text(MODEL)
@@ -606,7 +606,7 @@ def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> 
 
 
 def test_what_the_models_call_passes_for_a_forward_parameter(tmp_path: Path) -> None:
-    from ddpdoctor.analysis.failed.source import passed_to_module
+    from ddpdoctor.analysis.misuse.leftout import passed_to_module
 
     path = str(tmp_path / "train.py")
     Path(path).write_text(

@@ -1,8 +1,9 @@
 """What the user's own code says around a line the ledger names: the branch (an ``if`` or an
 ``except``) that leaves a loop's iteration after a forward (where a rank skipped its backward),
 the lines that decide whether a forward runs under ``no_sync()`` (a gradient accumulation
-schedule), the loop a waiting rank is still inside, and the branch of a model's ``forward`` that
-leaves a submodule out (its parameters then get no gradient).
+schedule), the loop a waiting rank is still inside, the ``if`` one rank took and another went
+past, and where a name got its value. (A model's ``forward`` that leaves a submodule out:
+``misuse/leftout.py``.)
 
 The trace says which forward ran without its gradient all-reduce; it cannot say which lines the
 rank then executed. The script itself can: read (when it is still on disk) and parsed, never
@@ -15,7 +16,6 @@ from __future__ import annotations
 import ast
 import os
 from functools import lru_cache
-from typing import Any
 
 _EXITS = (ast.Continue, ast.Break, ast.Return, ast.Raise)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
@@ -330,83 +330,3 @@ def _called(call: ast.Call) -> str:
     """The name a call calls: ``f`` of `f(...)` and of `obj.f(...)`; "" otherwise."""
     f = call.func
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-
-
-def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
-    """Where ``cls.forward`` in ``path`` can leave ``self.<attr>`` unused: a ``return`` under an
-    ``if`` before its first use, or its every use under one ``if`` (no ``else`` using it). A
-    submodule whose parameters got no gradient on some steps was skipped by such a branch.
-    {"how": "return" or "guard", "line", "code", "test", "use", "forward", "params"} (the
-    forward's parameters): None without the class, a use, or one such branch."""
-    tree = parsed(path) if os.path.isfile(path) else None
-    klass = (
-        next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
-        if tree
-        else None
-    )
-    forward = next(
-        (n for n in getattr(klass, "body", []) if isinstance(n, ast.FunctionDef) and n.name == "forward"),
-        None,
-    )
-    if forward is None:
-        return None
-    used = [
-        n
-        for n in ast.walk(forward)
-        if isinstance(n, ast.Attribute)
-        and n.attr == attr
-        and isinstance(n.value, ast.Name)
-        and n.value.id == "self"
-    ]
-    if not used:
-        return None
-    first = min(n.lineno for n in used)
-    params = [a.arg for a in (*forward.args.posonlyargs, *forward.args.args)]
-    ifs = [n for n in ast.walk(forward) if isinstance(n, ast.If)]
-    early: dict[ast.Return, ast.If] = {}  # a return before the first use -> its innermost if
-    for branch in ifs:
-        for stmt in branch.body:
-            for ret in ast.walk(stmt):
-                inner = ret not in early or early[ret].lineno < branch.lineno
-                if isinstance(ret, ast.Return) and ret.lineno < first and inner:
-                    early[ret] = branch
-    if len(early) == 1:
-        ((ret, branch),) = early.items()
-        return {"how": "return", "line": ret.lineno, "code": statement(ret), "test": ast.unparse(branch.test),
-                "use": first, "forward": forward.lineno, "params": params}  # fmt: skip
-    if early:
-        return None
-    guards = []  # an if (its body) or a conditional expression (its value if true) holding every use
-    for node in ast.walk(forward):
-        body = node.body if isinstance(node, ast.If) else [node.body] if isinstance(node, ast.IfExp) else None
-        held = {id(m) for part in body or [] for m in ast.walk(part)}
-        if body is not None and all(id(u) in held for u in used):
-            guards.append((len(held), node))
-    if guards:
-        node = min(guards, key=lambda g: g[0])[1]
-        code = f"if {ast.unparse(node.test)}:" if isinstance(node, ast.If) else ast.unparse(node)
-        return {"how": "guard", "line": node.lineno, "code": code, "test": ast.unparse(node.test),
-                "use": first, "forward": forward.lineno, "params": params}  # fmt: skip
-    return None
-
-
-def passed_to_module(path: str, line: int, params: list[str], name: str) -> str | None:
-    """What the call of a model at ``line`` (``model(x, use_aux=...)``: the module's call, whose
-    forward takes ``params``, ``self`` first) passes for ``name``: by keyword, or by position where
-    the line makes one call; None otherwise."""
-    if name not in params[1:]:
-        return None
-    stmts = [n for n in holding(path, line) if isinstance(n, ast.stmt)][-1:]
-    calls = [c for st in stmts for c in ast.walk(st) if isinstance(c, ast.Call)]
-    for call in calls:
-        for kw in call.keywords:
-            if kw.arg == name:
-                return ast.unparse(kw.value)
-    index = params.index(name) - 1
-    if (
-        len(calls) == 1
-        and index < len(calls[0].args)
-        and not any(isinstance(a, ast.Starred) for a in calls[0].args)
-    ):
-        return ast.unparse(calls[0].args[index])
-    return None

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ddpdoctor.analysis.failed.ledger import build
-from ddpdoctor.analysis.failed.source import passed_to_module, skips_module
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
+from ddpdoctor.analysis.misuse.leftout import passed_to_module, skips_module
 from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of, wrapped_at
 from ddpdoctor.analysis.slow.phases import step_times
 from ddpdoctor.trace import schema
@@ -107,7 +107,7 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
 
 def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
     """The branch of the model's forward that leaves the unused parameters' submodule out
-    (``source.skips_module``), in the user's files the run's records name."""
+    (``leftout.skips_module``), in the user's files the run's records name."""
     attrs = {n.split(".", 1)[0] for n in params if "." in n}
     owners = [m for m in ddp_models(run) if set(params) <= set(m.get("param_names") or [])]
     if len(attrs) != 1 or not owners:
