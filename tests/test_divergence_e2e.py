@@ -193,6 +193,27 @@ def test_gradients_one_rank_clipped_after_their_all_reduce_name_it_by_their_vers
     assert any(isinstance(g, list) and g and min(g) >= 0 for g in grads), grads
 
 
+def test_every_backward_under_no_sync_is_the_cause_and_the_lines_that_decide_it_are_named(
+    tmp_path: Path,
+) -> None:
+    """An accumulation boundary test that never holds (held-out set 24): every backward runs
+    under no_sync(), DDP reduces nothing, and each rank steps on its own gradients. The step
+    count, which a forward after a synced one advances, never leaves step 0 while the optimizer
+    steps: the cause, not a write after wrapping (which the weights' first difference, before
+    the first step ended, looked like), and the script's lines that decide no_sync()."""
+    job = run_doctor(tmp_path, torchrun(2, JOBS / "divergence.py", "never_synced"))
+    assert job.returncode == 0, job.stderr
+    (f,) = [f for f in diagnose_json(job.run_dir)["findings"] if f["kind"] == "weights_diverged"]
+    assert f["details"]["cause"] == "stepped_without_sync", f
+    summary = " ".join(f["summary"].split())
+    assert "no gradient all-reduce preceded" in summary and "rank(s) 0-1" in summary, summary
+    source = (JOBS / "divergence.py").read_text().splitlines()
+    test = next(i for i, text in enumerate(source, 1) if "the test never holds there" in text)
+    assert f["details"]["place"] == f"divergence.py:{test}", f  # the with, its context, the test
+    assert f"divergence.py:{test + 2} <- divergence.py:{test + 1} <- divergence.py:{test}" in summary
+    assert "outside model.no_sync()" in f["fix"], f
+
+
 def test_a_setting_written_by_hand_on_one_rank_is_the_cause_from_its_last_note(tmp_path: Path) -> None:
     """Rank 0 alone raises SGD's momentum in a fine-tune phase (held-out set 15). No scheduler
     changed it and no step check fell between, so the note its optimizer wrote as main()

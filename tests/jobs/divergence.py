@@ -16,11 +16,14 @@ join_sgd          each rank its own shard, rank 0's 8 batches to rank 1's 12, un
                   part (rank 0's step N is rank 1's N + 4 in the second epoch)
 join_momentum     the same with momentum 0.9: rank 0's momentum buffers fall behind, and the
                   replicas part in the second epoch
+never_synced      a gradient accumulation boundary test that never holds: every backward runs
+                  under no_sync(), so DDP reduces nothing and each rank steps on its own gradients
 
 With RELEASE_FILE set, every rank waits after its first optimizer step until that file exists
 (the live test runs `ddpdoctor top` meanwhile).
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -93,7 +96,9 @@ def main(mode: str) -> None:
 def train(mode, rank, model, opt, loader, side, net, saved, step):  # noqa: ANN001, ANN201
     for x, y in loader:
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        boundary = mode != "never_synced" or (step + 1) % 4 == 4  # the test never holds there
+        ctx = contextlib.nullcontext() if boundary else model.no_sync()
+        with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
             out = model(x) + (side(x) if side is not None else 0)
             loss = nn.functional.cross_entropy(out.float(), y)
         loss.backward()

@@ -119,25 +119,26 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
     ``depth`` levels up), in the order they are read back from the ``with``; [] when the forward
     is under no ``no_sync()``."""
     chain = holding(path, line)
-    withs = [
-        n
-        for n in chain
-        if isinstance(n, (ast.With, ast.AsyncWith))
-        and any(
-            isinstance(a, ast.Attribute) and a.attr == "no_sync" for a in ast.walk(n.items[0].context_expr)
-        )
-    ]
     functions = [n for n in chain if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if not withs or not functions:
+    if not functions:
         return []
-    with_node = withs[-1]
-    expr = with_node.items[0].context_expr
+    # the with's context, or what the name it enters was last assigned (`ctx = ... no_sync()`)
+    contexts = []
+    for n in chain:
+        if isinstance(n, (ast.With, ast.AsyncWith)):
+            expr = n.items[0].context_expr
+            made = _assigned(functions[-1], expr.id, n.lineno) if isinstance(expr, ast.Name) else None
+            contexts.append((n, made, getattr(made, "value", None) if made is not None else expr))
+    withs = [c for c in contexts if _enters_no_sync(c[2])]
+    if not withs:
+        return []
+    with_node, made, expr = withs[-1]
     if isinstance(expr, ast.IfExp):
         condition: ast.AST | None = expr.test
     else:  # `if <not boundary>: with model.no_sync(): ...`
         ifs = [n for n in chain if isinstance(n, ast.If) and n.lineno < with_node.lineno]
         condition = ifs[-1].test if ifs else None
-    lines = [with_node.lineno]
+    lines = [with_node.lineno] + ([made.lineno] if made is not None else [])
     frontier = names(condition)
     seen: set[str] = set()
     for _ in range(depth):
@@ -145,11 +146,20 @@ def no_sync_schedule(path: str, line: int, depth: int = 3) -> list[int]:
         for name in sorted(frontier - seen):
             seen.add(name)
             node = _assigned(functions[-1], name, with_node.lineno)
-            if node is not None and node.lineno not in lines:
-                lines.append(node.lineno)
-                nxt |= names(getattr(node, "value", None))
+            if node is None or node.lineno in lines:
+                continue
+            lines.append(node.lineno)
+            nxt |= names(getattr(node, "value", None))
+            returned = returned_by(path, node)  # a boundary test of its own: the line that decides
+            if returned is not None and returned.lineno not in lines:
+                lines.append(returned.lineno)
         frontier = nxt
     return lines
+
+
+def _enters_no_sync(expr: ast.AST | None) -> bool:
+    found = ast.walk(expr) if expr is not None else ()
+    return any(isinstance(a, ast.Attribute) and a.attr == "no_sync" for a in found)
 
 
 def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str] | None:

@@ -227,6 +227,11 @@ def _weights(
     elif at_init:
         cause, fix = "not_broadcast", _FIX_LOAD
         why = "they already differed right after DDP's constructor (parameters DDP does not broadcast)"
+    elif unsynced := stepped.unsynced_steps(run):
+        cause, fix, why = "stepped_without_sync", stepped.FIX_UNSYNCED, stepped.unsynced_text(unsynced)
+        odd = odd_ranks(head.groups, set(unsynced))
+        place, decided = stepped.decided_at(run, unsynced)
+        why += decided
     elif (edited := _changed_in_forward(run, model)) and all(d.name in edited for d in found):
         cause = "changed_in_forward"
         fix = _FIX_FORWARD + (_FIX_MAX_NORM if any("max_norm" in edited[d.name] for d in found) else "")

@@ -13,9 +13,16 @@ counts themselves say it (``behind``): the same gradient all-reduces, fewer opti
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from dataclasses import dataclass
 
+import numpy as np
+
+from ddpdoctor.analysis.failed.ledger import sites_of
+from ddpdoctor.analysis.failed.source import no_sync_schedule
 from ddpdoctor.analysis.findings import Finding, rank_list
+from ddpdoctor.analysis.misuse.models import ddp_models
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -58,6 +65,90 @@ def why(skipped: dict[int, list[int]]) -> str:
         "; ".join(parts) + f": from the first skip, rank(s) {ranks} updated differently (every gradient "
         "was all-reduced, every collective matched; only the update differed)"
     )
+
+
+@dataclass
+class Unsynced:
+    """A rank's optimizer steps taken on gradients no all-reduce had produced."""
+
+    steps: int  # such optimizer steps
+    of: int  # all its optimizer steps
+    at: int  # the step number the first stood at
+    forwards: int  # training forwards at that step number
+    site: str  # the user's line of a forward there ("" unknown)
+
+
+def unsynced_steps(run: Run) -> dict[int, Unsynced]:
+    """rank -> its optimizer steps that no gradient all-reduce preceded, for the ranks that took
+    any. The probe numbers steps by the DDP forwards that follow a synced one, so an
+    ``optimizer.step()`` followed by a training forward of the same number stepped after backward
+    passes that all ran under ``no_sync()``: DDP had reduced nothing. One DDP model only: a
+    second model's forwards (a GAN's discriminator) run inside the first one's step."""
+    if len(ddp_models(run)) != 1:
+        return {}
+    out: dict[int, Unsynced] = {}
+    for rank, trace in run.ranks.items():
+        opt, fwd = trace.kind(schema.OPTIMIZER), trace.kind(schema.FORWARD)
+        if not len(opt) or not len(fwd):
+            continue
+        training = np.flatnonzero(fwd.ints(0) == 1)
+        f_ts, f_step = fwd.ts[training], fwd.step[training]
+        o_step = opt.step
+        # the next training forward after the step ended (a closure's forward runs inside it)
+        after = np.searchsorted(f_ts, opt.end, side="right")
+        has = after < len(f_ts)
+        same = np.zeros(len(opt), bool)
+        same[has] = f_step[after[has]] == o_step[has]
+        if not same.any():
+            continue
+        first = int(np.argmax(same))
+        at = int(o_step[first])
+        fields = fwd.fields[int(training[after[first]])]
+        site_id = fields[3] if len(fields) > 3 else None
+        site = sites_of(trace).get(site_id, "") if isinstance(site_id, int) else ""
+        out[rank] = Unsynced(int(same.sum()), len(opt), at, int((f_step == at).sum()), site)
+    return out
+
+
+def unsynced_text(unsynced: dict[int, Unsynced]) -> str:
+    """'no gradient all-reduce preceded 41 of the 42 optimizer steps of ranks 0-1 (from step 0,
+    which their 168 training forwards never left): ...', ranks with the same counts together."""
+    alike: dict[tuple[int, int, int, int], list[int]] = {}
+    for r, u in sorted(unsynced.items()):
+        alike.setdefault((u.steps, u.of, u.at, u.forwards), []).append(r)
+    parts = [
+        f"{steps} of the {of} optimizer steps of rank(s) {rank_list(ranks)} (from step {at}, which "
+        f"{'their' if len(ranks) > 1 else 'its'} {forwards} training forwards never left)"
+        for (steps, of, at, forwards), ranks in alike.items()
+    ]
+    return (
+        f"no gradient all-reduce preceded {'; '.join(parts)}: every backward before them ran under "
+        "no_sync() (the step count, which a forward after a synced one advances, stood still), so "
+        "each rank stepped with its own gradients"
+    )
+
+
+def decided_at(run: Run, unsynced: dict[int, Unsynced]) -> tuple[str, str]:
+    """(file:line, "; whether ... is decided at f:L <- f:L") of the lines that decide whether the
+    forward runs under no_sync() (``source.no_sync_schedule``); ("", "") where the script cannot say."""
+    rank = min(unsynced)
+    trace, site = run.ranks[rank], unsynced[rank].site
+    name, _, line = site.rpartition(":")
+    paths = (str(info.get("file")) for _, _, info in trace.meta.get(schema.SITE, []))
+    path = next((p for p in paths if os.path.basename(p) == name), "")
+    schedule = no_sync_schedule(path, int(line)) if path and line.isdigit() else []
+    if not schedule:
+        return "", ""
+    lines = [f"{name}:{n}" for n in schedule]
+    return lines[-1], "; whether a forward runs under no_sync() is decided at " + " <- ".join(lines)
+
+
+FIX_UNSYNCED = (
+    "Let the last micro-batch of every accumulation window run its forward and backward outside "
+    "model.no_sync(), so that DDP all-reduces the accumulated gradients before optimizer.step(); "
+    "check the test that decides the boundary (e.g. (micro_step + 1) % accum_steps == 0, the same "
+    "test that decides the optimizer step)."
+)
 
 
 FIX_BEHIND = (
