@@ -186,8 +186,9 @@ def test_the_side_inside_an_if_the_other_side_went_past_is_the_root(tmp_path: Pa
     one = [*top, (path, 17, "Trainer.fit")]
     assert branch_passed(path, "Trainer.fit", 14, 17) == (13, "if self.is_main:")
     assert branch_passed(path, "Trainer.fit", 17, 14) is None  # the barrier is in no if before
-    assert took_branch({0: zero, 1: one, 2: one}, [[0], [1, 2]]) == ([0], "`if self.is_main:` (train.py:13)")
-    assert took_branch({0: zero, 1: one}, [[1], [0]]) == ([0], "`if self.is_main:` (train.py:13)")
+    main = "`if self.is_main:` (train.py:13)"
+    assert took_branch({0: zero, 1: one, 2: one}, [[0], [1, 2]]) == ([0], main, "")
+    assert took_branch({0: zero, 1: one}, [[1], [0]]) == ([0], main, "")
     either = {0: [*top, (path, 21, "fit_either")], 1: [*top, (path, 23, "fit_either")]}
     assert took_branch(either, [[0], [1]]) is None  # if and else: both took a branch
     edited = {0: [*top, (path, 14, "Trainer.train")], 1: [*top, (path, 17, "Trainer.train")]}
@@ -195,6 +196,44 @@ def test_the_side_inside_an_if_the_other_side_went_past_is_the_root(tmp_path: Pa
     assert took_branch({0: zero, 1: one, 2: zero}, [[0], [1, 2]]) is None  # a side's ranks differ
     gone = [(str(tmp_path / "gone.py"), n, f) for _, n, f in zero]
     assert took_branch({0: gone, 1: [gone[0], (gone[0][0], 17, "Trainer.fit")]}, [[0], [1]]) is None
+
+
+HELPER_BRANCH = """
+import torch.distributed as dist
+
+def pull(table):
+    dist.broadcast(table, src=0)
+
+def encode(items, table):
+    for c in items:
+        if c < 0:
+            pull(table)
+    return items
+
+def evaluate(batches, table, stats):
+    for b in batches:
+        encode(b, table)
+    dist.all_reduce(stats)
+"""
+
+
+def test_a_helpers_branch_the_other_side_ran_past_names_the_side_that_took_it(tmp_path: Path) -> None:
+    """Rank 1 waits in a broadcast that a helper makes under a test of its own data (`if c < 0:`),
+    reached from evaluate()'s loop; rank 0 left that loop (it ran the helper, never took the
+    branch) and waits in the all_reduce after it: rank 1's call is the extra one (held-out set
+    24). While rank 0 is still at the loop's line, or the file was edited, nobody is blamed."""
+    from ddpdoctor.analysis.failed.rankonly import took_branch
+    from ddpdoctor.analysis.failed.source import went_past
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(HELPER_BRANCH)
+    one = [(path, 15, "evaluate"), (path, 10, "encode"), (path, 5, "pull")]
+    zero = [(path, 16, "evaluate")]
+    assert went_past(path, "evaluate", 15, 16) and not went_past(path, "evaluate", 16, 15)
+    assert took_branch({0: zero, 1: one}, [[0], [1]]) == ([1], "`if c < 0:` (train.py:9)", "train.py:10")
+    assert took_branch({0: [(path, 14, "evaluate")], 1: one}, [[0], [1]]) is None  # not past it
+    edited = [(path, 15, "evaluate"), (path, 10, "decode"), (path, 5, "pull")]
+    assert took_branch({0: zero, 1: edited}, [[0], [1]]) is None
 
 
 EARLY_STOP = """

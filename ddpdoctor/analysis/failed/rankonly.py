@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpdoctor.analysis.failed.points import Ledger, Point
 from ddpdoctor.analysis.failed.signature import NEW_GROUP, Disagreement, fix_for
-from ddpdoctor.analysis.failed.source import branch_passed
+from ddpdoctor.analysis.failed.source import branch_passed, if_holding, went_past
 from ddpdoctor.analysis.failed.stacks import Frame
 from ddpdoctor.analysis.findings import Finding, rank_list
 
@@ -52,16 +52,16 @@ def rank_only_call(
     }  # fmt: skip
     sides = [sorted(r for r in points if ops[r] == op) for op in sorted(set(ops.values()))]
     stacks = {r: ledgers[r].stack for r in points}
-    branch, via = "", ""
+    branch, via, under = "", "", ""
     if {ops[r] for r in only} == set(ops.values()):  # each side's line is new to the other
         earlier = _earlier(only)
         if not earlier:  # the stacks and the source: which side is inside an if the other passed
             took = took_branch(stacks, sides)
             if took is not None:
-                earlier, branch = {r: points[r] for r in took[0]}, took[1]
+                earlier, branch, under = {r: points[r] for r in took[0]}, took[1], took[2]
         only = earlier
     elif only and (took := took_branch(stacks, sides)) is not None and set(took[0]) != set(only):
-        only, branch = {r: points[r] for r in took[0]}, took[1]
+        only, branch, under = {r: points[r] for r in took[0]}, took[1], took[2]
     if not only or {ops[r] for r in only} == set(ops.values()):
         return None
     root = min(only)
@@ -72,7 +72,7 @@ def rank_only_call(
         theirs = stacks[rest[0]]
         callers = _below_parting(stacks[root], theirs)
         via = "".join(f", from {func}() at {os.path.basename(path)}:{line}" for path, line, func in callers)
-        place = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else place
+        place = under or (f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else place)
     new = all(call.site not in sites[o] for o in rest)
     if call.op == NEW_GROUP:
         what = (
@@ -93,7 +93,12 @@ def rank_only_call(
             what += f", a line rank(s) {rank_list(rest)} never executed"
         if branch:
             what += f", inside {branch}, which rank(s) {rank_list(rest)} went past"
-        fix = FIX_BRANCH.format(op=call.op)
+        # a helper's test (of the rank's own data, as often as of its rank): the general fix
+        fix = (
+            FIX_EXTRA.format(op=call.op, site=call.site, ranks=rank_list(only))
+            if under
+            else FIX_BRANCH.format(op=call.op)
+        )
     return Finding(
         "rank_only_collective",
         "error",
@@ -183,12 +188,15 @@ def others_text(points: dict[int, Point], root: int) -> str:
     return "; ".join(f"rank {r} was in {p.describe()}" for r, p in sorted(points.items()) if r != root)
 
 
-def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple[list[int], str] | None:
+def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple[list[int], str, str] | None:
     """Of two sides at different calls, each at a line the other never executed: (the side
     whose call is inside an ``if`` the other side went past, that ``if`` as "`if <test>:`
-    (file:line)"), from their stacks (outermost first) and the source. Below the calls both
-    stacks share, the two sides must be in one function at different lines, each side's ranks
-    at the same lines; else, or when the source cannot place the lines, None."""
+    (file:line)", the line under it where the side's stack goes on), from their stacks
+    (outermost first) and the source. Below the calls both stacks share, the two sides must be
+    in one function at different lines, each side's ranks at the same lines; else, or when the
+    source cannot place the lines, None. The ``if`` is in that function, or, where the other
+    side went past the line the side is at there, in a function that line called (a helper's
+    test of the rank's own data: the other side ran the helper and never took it)."""
     parted = parted_at(stacks, sides)
     if parted is None:
         return None
@@ -196,7 +204,17 @@ def took_branch(stacks: dict[int, list[Frame]], sides: list[list[int]]) -> tuple
     for inside, line, other in ((0, a, b), (1, b, a)):
         found = branch_passed(path, func, line, other)
         if found is not None:
-            return sorted(sides[inside]), f"`{found[1]}` ({os.path.basename(path)}:{found[0]})"
+            return sorted(sides[inside]), f"`{found[1]}` ({os.path.basename(path)}:{found[0]})", ""
+    for inside, line, other in ((0, a, b), (1, b, a)):
+        if not went_past(path, func, line, other):
+            continue
+        stack = stacks[sides[inside][0]]
+        below = stack[next(i for i, f in enumerate(stack) if f[0] == path and f[1] == line) + 1 :]
+        for fpath, fline, ffunc in below:
+            found = if_holding(fpath, ffunc, fline)
+            if found is not None:
+                name = os.path.basename(fpath)
+                return sorted(sides[inside]), f"`{found[1]}` ({name}:{found[0]})", f"{name}:{fline}"
     return None
 
 

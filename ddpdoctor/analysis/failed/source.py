@@ -170,14 +170,43 @@ def branch_passed(path: str, func: str, line: int, other: int) -> tuple[int, str
     and gives no answer; so does a missing file or an ``if`` holding both lines."""
     mine, theirs = holding(path, line), holding(path, other)
     scope, where = scope_of(path, mine), scope_of(path, theirs)
-    if scope is None or where is not scope:
-        return None
-    name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
-    if func.rsplit(".", 1)[-1] != name:
+    if scope is None or where is not scope or not _named(scope, func):
         return None
     inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
     ifs = [n for n in inner if isinstance(n, ast.If) and (n.end_lineno or n.lineno) < other]
     return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
+
+
+def went_past(path: str, func: str, line: int, other: int) -> bool:
+    """A rank at ``other`` went past ``line``, both lines in one function: the outermost statement
+    there that holds ``line`` and not ``other`` ends before ``other`` (a loop that rank left)."""
+    mine = holding(path, line)
+    scope = scope_of(path, mine)
+    if scope is None or scope_of(path, holding(path, other)) is not scope or not _named(scope, func):
+        return False
+    inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
+    apart = [
+        n for n in inner if isinstance(n, ast.stmt) and not n.lineno <= other <= (n.end_lineno or n.lineno)
+    ]
+    return bool(apart) and (apart[0].end_lineno or apart[0].lineno) < other
+
+
+def if_holding(path: str, func: str, line: int) -> tuple[int, str] | None:
+    """(the line, the test) of the innermost ``if`` of ``func`` (as the run's stack names it) whose
+    branches hold ``line``; None without one, or for a missing or edited file."""
+    chain = holding(path, line)
+    scope = scope_of(path, chain)
+    if scope is None or not _named(scope, func):
+        return None
+    inner = chain[chain.index(scope) + 1 :] if scope in chain else chain
+    ifs = [n for n in inner if isinstance(n, ast.If) and n.lineno < line]
+    return (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
+
+
+def _named(scope: ast.AST, func: str) -> bool:
+    """``scope`` is the function the stack calls ``func`` (py-spy: ``Class.method``)."""
+    name = "<module>" if isinstance(scope, ast.Module) else getattr(scope, "name", None)
+    return func.rsplit(".", 1)[-1] == name
 
 
 def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, str] | None:
@@ -193,8 +222,7 @@ def loop_left(path: str, func: str, line: int, other: int | None) -> tuple[int, 
     scope = scope_of(path, mine)
     if scope is None or (other is not None and scope_of(path, holding(path, other)) is not scope):
         return None
-    name = "<module>" if isinstance(scope, ast.Module) else scope.name  # type: ignore[attr-defined]
-    if func.rsplit(".", 1)[-1] != name:
+    if not _named(scope, func):
         return None
     inner = mine[mine.index(scope) + 1 :] if scope in mine else mine
     holds_other = [n for n in inner if other is not None and n.lineno <= other <= (n.end_lineno or 0)]
@@ -332,8 +360,7 @@ def function_at(path: str, func: str, line: int) -> ast.AST | None:
     """The function (or the module) holding ``line`` that the stack names ``func``; None for a
     missing or edited file."""
     scope = scope_of(path, holding(path, line))
-    name = "<module>" if isinstance(scope, ast.Module) else getattr(scope, "name", None)
-    return scope if scope is not None and func.rsplit(".", 1)[-1] == name else None
+    return scope if scope is not None and _named(scope, func) else None
 
 
 def _called(call: ast.Call) -> str:
