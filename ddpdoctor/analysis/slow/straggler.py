@@ -169,6 +169,16 @@ def _standout(typical: np.ndarray) -> np.ndarray:
     return typical - (lo + hi) / 2
 
 
+def host_starved(late_us: float, own_us: float, waited_us: float, threshold_us: float) -> bool:
+    """Late because it had no CPU, not because of its own work: the host's doing, when the
+    lateness, or the time its phases took beyond the others' (``own_us``: the two are medians
+    taken apart and differ by a few ms on a crowded host), is on time once its extra wait for a
+    CPU is taken away. A rank with more work than the others also waits longer for a CPU on a
+    crowded host: the wait stretches its work, it is not the cause. (Nor for a rank reading a
+    loader the others never read: its caller asks that first.)"""
+    return min(late_us, own_us) - waited_us <= threshold_us
+
+
 @large_detector
 def stragglers(run: Run) -> Iterable[Finding]:
     table = judged_table(run)
@@ -215,16 +225,14 @@ def stragglers(run: Run) -> Iterable[Finding]:
         reading = other_loader(run.ranks[rank], steps_list) if phase == "data_wait" else None
         if reading is not None:
             details["loader"] = reading
-        if sum(max(0.0, v) for v in excess.values()) < 0.5 * excess_ms * 1e3:
+        own = sum(max(0.0, v) for v in excess.values())
+        if own < 0.5 * excess_ms * 1e3:
             # The rank's own phases are no longer than the others': the "lateness" is noise in
             # when completions were observed (a descheduled callback thread), not a straggler.
             continue
         waited = median_cpu_wait_excess(table, row, late_steps)
-        # Late because it had no CPU, not because of its own work: the host's doing, when the
-        # lateness left once its extra wait for a CPU is taken away is on time. A rank with more
-        # work than the others also waits longer for a CPU on a crowded host: the wait stretches
-        # its work, it is not the cause (nor for a rank reading a loader the others never read).
-        starved = waited is not None and excess_ms * 1e3 - waited <= threshold and reading is None
+        late_us = excess_ms * 1e3
+        starved = waited is not None and reading is None and host_starved(late_us, own, waited, threshold)
         if waited is not None:
             details["cpu_wait_ms"] = round(waited / 1e3, 3)
         starving = (
@@ -233,6 +241,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
             else ""
         )
         lost_s = excess_ms * n_late / 1e3
+        went = "the run queue" if starved else where_time_went(phase, reading)
         if persistent:
             fix = _CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]
             details["lost_s"] = round(lost_s, 3)
@@ -254,7 +263,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} arrives last at the gradient sync in {n_late} of {len(table.steps)} "
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
-                f"{where_time_went(phase, reading)}{larger}{line_text(found) if found else ''}; the "
+                f"{went}{larger}{line_text(found) if found else ''}; the "
                 f"job would run {speedup:.2f}x faster if it kept up{_small(lost_s)}",
                 fix=LARGER_FIX + fix if larger else fix,
                 details=details,
@@ -281,7 +290,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 [rank],
                 f"rank {rank} was late at the gradient sync on {n_late} of {len(table.steps)} steps "
                 f"({shown}{'...' if n_late > 8 else ''}), by {excess_ms:.1f} ms{starving}, mostly in "
-                f"{where_time_went(phase, reading)}: {100 * cost:.0f} % of the job's time",
+                f"{went}: {100 * cost:.0f} % of the job's time",
                 fix=("" if costly or reading else "Occasional noise unless those steps matter; ")
                 + (_CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]),
                 details=details,
