@@ -75,13 +75,17 @@ def loop_data(stack: list[Frame]) -> str:
     file = os.path.basename(path)
     trail: list[ast.stmt] = []
     inner: tuple[str, list[ast.stmt]] | None = None
-    queue = [(name, at) for name in sorted(names(it, read_only=True))]
+    queue = [(name, at) for name in _read(it)]
     while queue and len(trail) < _MAX_STEPS and inner is None:
         name, before = queue.pop(0)
         node = set_at(scope, ast.Name(id=name, ctx=ast.Load()), before)
         if node is None or any(node is n for n in trail):
             continue
         trail.append(node)
+        for loop in _filled(scope, name, node.lineno, before):  # `parts = []`, then appended to
+            if len(trail) < _MAX_STEPS and not any(loop is n for n in trail):
+                trail.append(loop)
+                queue[:0] = [(n, loop.lineno) for n in _read(loop.iter)]  # how it is made: first
         returned = returned_by(path, node)
         value = getattr(returned, "value", None)
         function = scope_of(path, holding(path, returned.lineno)) if returned is not None else None
@@ -90,7 +94,7 @@ def loop_data(stack: list[Frame]) -> str:
             made = [a for a in ast.walk(function) if isinstance(a, ast.stmt) and assigned_names(a) & read]
             inner = (function.name, sorted(made, key=lambda a: a.lineno) or [returned])
         else:
-            queue += [(n, node.lineno) for n in sorted(names(getattr(node, "value", None), read_only=True))]
+            queue += [(n, node.lineno) for n in _read(getattr(node, "value", None))]
     if not trail:
         return ""
     said = f"the loop at {file}:{at} (`{header}`) iterates what "
@@ -100,3 +104,32 @@ def loop_data(stack: list[Frame]) -> str:
             f"{file}:{n.lineno} (`{statement(n)}`)" for n in inner[1]
         )
     return said
+
+
+def _read(node: ast.AST | None) -> list[str]:
+    """The names an expression reads, in the order the line reads them (a loader's dataset before
+    its generator): the trail follows the first first."""
+    walked = ast.walk(node) if node is not None else ()
+    found = [n for n in walked if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    return list(dict.fromkeys(n.id for n in sorted(found, key=lambda n: (n.lineno, n.col_offset))))
+
+
+_FILLS = {"append", "extend", "insert", "update", "add"}
+
+
+def _filled(scope: ast.AST, name: str, after: int, before: int) -> list[ast.stmt]:
+    """The loops of ``scope`` between lines ``after`` and ``before`` whose body fills ``name``
+    (``name.append(...)``, ``name[k] = ...``): what it holds is what they iterate."""
+    loops = []
+    for loop in ast.walk(scope):
+        if not isinstance(loop, (ast.For, ast.AsyncFor)) or not after < loop.lineno < before:
+            continue
+        for n in ast.walk(loop):
+            call = isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _FILLS
+            target = n.func.value if call else n.targets[0] if isinstance(n, ast.Assign) else None
+            if call is False and isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Name) and target.id == name:
+                loops.append(loop)
+                break
+    return loops
