@@ -173,6 +173,11 @@ def test_weights_one_rank_wrote_in_place_name_it_by_their_version_counters(tmp_p
     assert "rank(s) 1 wrote 1 of them in place beyond the optimizer steps every rank took" in said, said
     assert "account for: 3 on rank 1)" in said, said
     assert "head.weight" in said and "body.weight" not in f["details"]["parameters"], f
+    source = (JOBS / "divergence.py").read_text().splitlines()
+    call = next(i for i, text in enumerate(source, 1) if "step = train(" in text)
+    write = next(i for i, text in enumerate(source, 1) if "copy_(saved)" in text)
+    assert f["details"]["place"] == f"divergence.py:{call}", f  # the loop's call, into the write
+    assert f"writing at divergence.py:{write}" in said and f"Start at divergence.py:{call}" in f["fix"], f
     versions = [info["versions"] for _, info in _fingerprints(job.run_dir, 1) if info.get("model") == 0]
     assert versions and all(isinstance(v, list) for v in versions)
 

@@ -761,6 +761,48 @@ def test_the_statement_that_wrote_a_parameter_after_wrapping(tmp_path: Path) -> 
     assert wrote_after_wrapping(str(tmp_path / "gone.py"), 11, ["emb.weight"]) is None
 
 
+WRITTEN_LATER = """\
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class EMA:
+    def update(self, params):
+        for s, p in zip(self.shadow, params):
+            s.mul_(0.9).add_(p)
+
+    def copy_to(self, params):
+        for s, p in zip(self.shadow, params):
+            p.copy_(s)
+
+
+def main(net, rank, loader, ema):
+    model = DDP(net)
+    params = list(model.module.parameters())
+    model.module.head.weight.zero_()
+    for x in loader:
+        model(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ema.update(params)
+        if rank == 0:
+            ema.copy_to(params)
+"""
+
+
+def test_the_statements_in_the_loop_that_write_the_weights_under_a_condition(tmp_path: Path) -> None:
+    """Held-out sets 12 and 24: rank 0 swaps an average's weights into the model under `if rank
+    == 0:` (:24) through a method that copies into each parameter (:12). Not the write before the
+    loop (the weights would part at the first check), not the average's update of its own copy
+    at every step on every rank, not a library's clip of the gradients."""
+    from ddpdoctor.analysis.misuse.wrote import Wrote, written_later
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(WRITTEN_LATER)
+    swap = Wrote(24, "ema.copy_to(params)", (23, "if rank == 0:"), (12, "p.copy_(s)"))
+    assert written_later(path, 16) == [swap]
+    assert written_later(str(tmp_path / "gone.py"), 16) == []
+
+
 MADE = """\
 import torch.distributed as dist
 

@@ -320,7 +320,7 @@ def returned_by(path: str, assignment: ast.AST) -> ast.AST | None:
     tree = parsed(path) if os.path.isfile(path) else None
     if not isinstance(value, ast.Call) or tree is None:
         return None
-    name = _called(value)
+    name = called(value)
     defs = [
         n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
     ]
@@ -344,7 +344,7 @@ def argument(path: str, line: int, callee: ast.AST, name: str) -> ast.AST | None
     method = params[0] in ("self", "cls")
     for node in [n for n in holding(path, line) if isinstance(n, ast.stmt)][-1:]:
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-            if _called(call) != callee.name:
+            if called(call) != callee.name:
                 continue
             for kw in call.keywords:
                 if kw.arg == name:
@@ -363,7 +363,7 @@ def function_at(path: str, func: str, line: int) -> ast.AST | None:
     return scope if scope is not None and _named(scope, func) else None
 
 
-def _called(call: ast.Call) -> str:
+def called(call: ast.Call) -> str:
     """The name a call calls: ``f`` of `f(...)` and of `obj.f(...)`; "" otherwise."""
     f = call.func
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""

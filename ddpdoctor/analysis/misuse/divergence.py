@@ -35,7 +35,7 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     written_in_place,
 )
 from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at, wrapped_file
-from ddpdoctor.analysis.misuse.wrote import wrote_after_wrapping
+from ddpdoctor.analysis.misuse.wrote import written_later, wrote_after_wrapping
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -293,6 +293,10 @@ def _weights(
                 f"way {counters}: writes each rank decided alone (a reset, a re-draw or a rollback "
                 "decided on its own data)"
             )
+        if (later := _written_later(run, model)) is not None:
+            place, lines = later
+            why += f"; the script writes them under a condition at {lines}"
+            fix = f"Start at {lines}. " + fix
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT
         why = "a rank-dependent update changed them during training (every gradient was all-reduced)"
@@ -347,6 +351,26 @@ def _weights(
             "ranks_by_value": head.groups,
         },
     )
+
+
+def _written_later(run: Run, model: int) -> tuple[str, str] | None:
+    """(file:line, "f:L (`code`, under `if ...:`, writing at f:L), ...") of the statements after the model's
+    wrapping that write its weights under a condition (``wrote.written_later``), at most three."""
+    owner, models = builder(run), ddp_models(run)
+    where = wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
+    found = written_later(*where)[:_SHOWN] if where is not None else []
+    if not found or where is None:
+        return None
+    name = os.path.basename(where[0])
+    said = [
+        f"{name}:{w.line} (`{w.code}`{f', under `{w.under[1]}`' if w.under else ''}"
+        f"{f', writing at {name}:{w.write[0]}' if w.write else ''})"
+        for w in found
+    ]
+    return f"{name}:{found[0].line}", ", ".join(said)
+
+
+_SHOWN = 3
 
 
 def _wrote(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:

@@ -16,7 +16,7 @@ import ast
 import os
 from dataclasses import dataclass
 
-from ddpdoctor.analysis.failed.source import holding, parsed, scope_of, statement
+from ddpdoctor.analysis.failed.source import called, holding, parsed, scope_of, statement
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -73,6 +73,106 @@ def wrote_after_wrapping(path: str, wrapped: int, params: list[str]) -> Wrote | 
     return found[0] if len(found) == 1 else None
 
 
+def written_later(path: str, wrapped: int) -> list[Wrote]:
+    """The statements inside the loops after ``wrapped`` in its function (the weights parted
+    after training steps, not at the first check) that write the model's weights under a
+    condition, in line order: directly (``model.head.weight.copy_(...)``), or
+    through a same-file function or method they hand the model or its parameters to, which
+    writes in place (``ema.copy_to(params)``, whose ``p.copy_(s)`` writes them). A write every
+    rank makes at every step (an average's update of its own copy) holds no ``if`` and is left
+    out: the ranks' version counters say one rank wrote more, so the write is conditional."""
+    tree = parsed(path) if os.path.isfile(path) else None
+    scope = scope_of(path, holding(path, wrapped))
+    made = [n for n in holding(path, wrapped) if isinstance(n, ast.stmt)][-1:]
+    if tree is None or scope is None or not made:
+        return []
+    model = _names(made[0]) - {"DDP", "DistributedDataParallel", "nn", "parallel", "torch"}
+    aliases = model | {
+        t for n in ast.walk(scope) if isinstance(n, ast.Assign) and _names(n.value) & model
+        for target in n.targets for t in _names(target)
+    }  # fmt: skip
+    defs: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, _DEFS):
+            defs.setdefault(n.name, []).append(n)
+    found: list[Wrote] = []
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.stmt) or node.lineno <= wrapped or isinstance(node, _COMPOUND):
+            continue
+        chain = holding(path, node.lineno)
+        chain = chain[chain.index(scope) + 1 :] if scope in chain else chain
+        if not any(isinstance(n, _LOOPS) for n in chain):
+            continue  # before the loop: the weights would part at the first check, not later
+        ifs = [n for n in chain if isinstance(n, ast.If) and n.lineno < node.lineno]
+        under = (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
+        if _writes(node, aliases):
+            if under is not None:
+                found.append(Wrote(node.lineno, statement(node), under, None))
+            continue
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
+            callee = defs.get(called(call), [])
+            handed = [*call.args, *(k.value for k in call.keywords)]
+            if isinstance(call.func, ast.Attribute):
+                handed.append(call.func.value)
+            if len(callee) != 1 or not any(_names(a) & aliases for a in handed):
+                continue
+            inner = _in_place(callee[0])
+            if inner is not None and (under is not None or inner[1]):
+                found.append(
+                    Wrote(node.lineno, statement(node), under, (inner[0].lineno, statement(inner[0])))
+                )
+                break
+    return sorted(found, key=lambda w: w.line)
+
+
+_COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, *_DEFS, ast.ClassDef)
+
+
+def _in_place(function: ast.AST) -> tuple[ast.stmt, bool] | None:
+    """The first statement of ``function`` that writes a tensor in place (an in-place method of
+    a tensor, a ``reset_parameters()``, an ``nn.init`` function, a ``.data`` assignment; not a
+    library's in-place function such as ``nn.utils.clip_grad_norm_``, which writes gradients),
+    and whether an ``if`` of the function holds it."""
+
+    def visit(node: ast.AST, held: bool) -> tuple[ast.stmt, bool] | None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt) and not isinstance(child, _COMPOUND) and _writes_tensor(child):
+                return child, held
+            nested = isinstance(child, (*_DEFS, ast.ClassDef))
+            if isinstance(child, (ast.stmt, ast.excepthandler)) and not nested:
+                found = visit(child, held or isinstance(child, ast.If))
+                if found is not None:
+                    return found
+        return None
+
+    return visit(function, False)
+
+
+_LIBRARIES = {"torch", "nn", "F", "np", "numpy", "math", "functional"}
+
+
+def _writes_tensor(stmt: ast.stmt) -> bool:
+    if not _writes(stmt, {""}):
+        return False
+    receivers = [
+        c.func.value
+        for c in ast.walk(stmt)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr.endswith("_")
+    ]
+    roots = {_root(r) for r in receivers}
+    return (
+        not receivers
+        or any(r not in _LIBRARIES for r in roots)
+        or any("init" in _names(r) for r in receivers)
+    )
+
+
+def _root(node: ast.AST) -> str:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else ""
+
+
 def _block_of(scope: ast.AST, line: int) -> tuple[list[ast.stmt] | None, int]:
     """The statement list of ``scope`` (not nested deeper) holding ``line``, and its index."""
     body = getattr(scope, "body", None)
@@ -118,7 +218,9 @@ def _writes(stmt: ast.stmt, owners: set[str]) -> bool:
     for node in ast.walk(stmt):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             method, target = node.func.attr, node.func.value
-            in_place = method.endswith("_") and not method.startswith("_") and method not in _FLAGS
+            in_place = (method.endswith("_") and not method.startswith("_") and method not in _FLAGS) or (
+                method == "reset_parameters"
+            )
             if in_place and _mentions(target, owners):
                 return True
             if "init" in _names(target) and node.args and _mentions(node.args[0], owners):
