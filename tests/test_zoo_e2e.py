@@ -62,6 +62,9 @@ CI_SUBSET = (
     "weights_diverged_legal_clauses_heldout23",  # a copy_ on rank 0 after wrapping: the call and its line
     "collective_mismatch_ocr_lines_heldout23",  # sizes differ at one line: where the tensor was made
     "uneven_inputs_click_through_heldout23",  # shards made by hand: the lines that made them
+    "hang_protein_heldout24",  # a helper's broadcast under a test of its own data: the rank that took it
+    "diverge_galaxy_heldout24",  # rank 0's EMA swap in the loop: the statements that write the weights
+    "uneven_traffic_heldout24",  # a list filled in a loop over the rank's detectors: the sharding line
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)
