@@ -611,6 +611,20 @@ class TwoWays(nn.Module):
         if x.sum() < -1:
             return self.b(x)
         return self.c(x)
+
+
+class CodeLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.pos = nn.Embedding(9, 4)
+        self.extra = nn.Linear(4, 4)
+
+    def embed(self, idx):
+        return self.tok(idx) + self.extra(self.tok(idx))
+
+    def forward(self, idx):
+        return self.embed(idx)
 """
 
 
@@ -638,6 +652,11 @@ def test_the_branch_of_a_forward_that_leaves_a_submodule_out(tmp_path: Path) -> 
     assert aux is not None and aux["code"] == "self.aux(h) if self.training else 0", aux
     assert skips_module(path, "Forecaster", "head") is None, "used before the branch"
     assert skips_module(path, "TwoWays", "c") is None, "two returns before it: which one, unsaid"
+    # Made in __init__ and read by no other method (held-out set 24's position embedding); one a
+    # helper of the forward reads is used, the forward's own lines notwithstanding.
+    never = skips_module(path, "CodeLM", "pos")
+    assert never is not None and (never["how"], never["line"], never["use"]) == ("never", 40, 34), never
+    assert skips_module(path, "CodeLM", "extra") is None
     assert (
         skips_module(path, "Missing", "a") is None
         and skips_module(str(tmp_path / "gone.py"), "Gated", "x") is None

@@ -18,7 +18,8 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
     ``if`` before its first use, or its every use under one ``if`` (no ``else`` using it). A
     submodule whose parameters got no gradient on some steps was skipped by such a branch.
     {"how": "return" or "guard", "line", "code", "test", "use", "forward", "params"} (the
-    forward's parameters): None without the class, a use, or one such branch."""
+    forward's parameters): None without the class, a use, or one such branch. "never" where
+    ``__init__`` makes it and no other method reads it ("use": the line that made it)."""
     tree = parsed(path) if os.path.isfile(path) else None
     klass = (
         next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
@@ -31,18 +32,16 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
     )
     if forward is None:
         return None
-    used = [
-        n
-        for n in ast.walk(forward)
-        if isinstance(n, ast.Attribute)
-        and n.attr == attr
-        and isinstance(n.value, ast.Name)
-        and n.value.id == "self"
-    ]
-    if not used:
-        return None
-    first = min(n.lineno for n in used)
+    used = _uses(forward, attr)
     params = [a.arg for a in (*forward.args.posonlyargs, *forward.args.args)]
+    if not used:  # read by no method but the one that makes it: the forward leaves it out always
+        methods = [n for n in getattr(klass, "body", []) if isinstance(n, ast.FunctionDef)]
+        made = [u for m in methods if m.name == "__init__" for u in _uses(m, attr, ast.Store)]
+        if not made or any(_uses(m, attr) for m in methods if m.name != "__init__"):
+            return None
+        return {"how": "never", "line": forward.lineno, "code": "", "test": "", "use": made[0].lineno,
+                "forward": forward.lineno, "params": params}  # fmt: skip
+    first = min(n.lineno for n in used)
     ifs = [n for n in ast.walk(forward) if isinstance(n, ast.If)]
     early: dict[ast.Return, ast.If] = {}  # a return before the first use -> its innermost if
     for branch in ifs:
@@ -69,6 +68,19 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
         return {"how": "guard", "line": node.lineno, "code": code, "test": ast.unparse(node.test),
                 "use": first, "forward": forward.lineno, "params": params}  # fmt: skip
     return None
+
+
+def _uses(function: ast.AST, attr: str, ctx: type = ast.Load) -> list[ast.Attribute]:
+    """``self.<attr>`` in ``function``, read (or, ``ctx=ast.Store``, assigned)."""
+    return [
+        n
+        for n in ast.walk(function)
+        if isinstance(n, ast.Attribute)
+        and n.attr == attr
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and isinstance(n.ctx, ctx)
+    ]
 
 
 def passed_to_module(path: str, line: int, params: list[str], name: str) -> str | None:

@@ -89,6 +89,10 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
         if branch is not None:
             found.summary += branch["text"]
             found.details.setdefault("place", branch["place"])
+            if branch.get("never"):
+                found.fix = (
+                    f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + found.fix
+                )
         yield found
         return
     where = f"at step(s) {_steps_text(steps)}" if steps else "before the crash"
@@ -102,6 +106,8 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
         summary += branch["text"]
         details["place"] = branch["place"]
         fix = f"Start at {branch['place']}, which leaves {branch['attr']} out on some steps. " + fix
+        if branch.get("never"):
+            fix = f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + _FIX_UNUSED
     yield Finding("unused_parameters", "error", ranks, summary, fix=fix, details=details)
 
 
@@ -122,6 +128,10 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
         name = os.path.basename(path)
         place = f"{name}:{found['line']}"
         use = f"self.{attr} ({name}:{found['use']})"
+        if found["how"] == "never":
+            made = f"{name}:{found['use']}"
+            text = f"; {cls}.forward ({place}) never uses self.{attr}, which __init__ makes at {made}"
+            return {"text": text, "place": place, "attr": f"self.{attr}", "never": "yes"}
         if found["how"] == "guard":
             how = f"every use of {use} is under `{found['code']}` ({place})"
         else:
