@@ -1,4 +1,4 @@
-"""Optimizer steps a rank skipped that the others took.
+"""Optimizer steps a rank skipped that the others took, and steps no gradient all-reduce preceded.
 
 A rank-local decision to skip the update (a loss-spike guard on the rank's own loss, a check of
 its own batch) leaves the replicas apart while every collective still matches: DDP's backward
@@ -9,6 +9,10 @@ so the steps one rank skipped are facts, not a guess.
 A rank can also reduce gradients without stepping while its own step count stands still: under
 a Join context the rank that ran out of batches shadows the others' all-reduces. Then the
 counts themselves say it (``behind``): the same gradient all-reduces, fewer optimizer steps.
+
+And a rank can step on gradients DDP never reduced: every backward under ``no_sync()`` (an
+accumulation boundary that never holds). The step count, which a forward after a synced one
+advances, then stands still while the optimizer steps (``unsynced_steps``).
 """
 
 from __future__ import annotations
