@@ -237,6 +237,28 @@ def test_find_ranks_of_torchrun_from_the_launcher_or_any_rank_without_loader_wor
         ]
 
 
+def test_a_rank_blocked_at_every_look_that_ran_between_them_moved() -> None:
+    """A job of 5 ms sleeps between short steps (CI, 2026-12-06): all seven looks of each rank
+    found it in its sleep, so the stacks never changed and attach called a healthy job stuck.
+    Its main thread was blocked at every look and had used 27 % of a core meanwhile: it left the
+    sleep and came back. A thread blocked in one wait all along uses none; one spinning at one
+    line is active at the looks, and stays stuck (busy)."""
+    from ddpdoctor.live.attach import RankLooks
+    from ddpdoctor.live.procs import RankProc
+
+    def looks(active: bool, main_cpu: float) -> RankLooks:
+        frames = [{"file": "/job/train.py", "line": 41, "function": "main"}]
+        dump = {"method": "py-spy", "threads": [{"name": "MainThread", "active": active, "frames": frames}]}
+        proc = RankProc(0, 10, 0, 2, 2, ["python", "train.py"], "environment")
+        return RankLooks(proc, dumps=[dump] * 7, main_cpu=[(0.0, 1.0), (3.0, 1.0 + 3 * main_cpu)])
+
+    assert looks(active=False, main_cpu=0.27).moved, "slept at each look, ran between"
+    assert not looks(active=False, main_cpu=0.0).moved, "blocked in one wait all along"
+    assert not looks(active=True, main_cpu=1.0).moved, "spinning at one line: stuck, busy"
+    assert looks(active=False, main_cpu=0.03).moved, "100 ms sleeps a step: still steps"
+    assert not looks(active=False, main_cpu=0.001).moved, "a wait's own stirring is not a step"
+
+
 def test_find_ranks_of_mp_spawn_in_start_order() -> None:
     spawn = [
         "python",

@@ -7,8 +7,10 @@ broadcast, the autograd engine and the DataLoader name the sync point. The verdi
 watcher's own (analysis/hung/hang.py ``analyse``), so both say the same words for the same hang.
 
 One look cannot tell a hang from a slow step, so attach looks several times over ``watch_s``:
-a rank whose stack changed between looks is progressing; one whose stack stayed the same is
-stuck there (busy if its CPU time advanced: slow work or an endless loop; idle if it waits).
+a rank whose stack changed between looks is progressing, and so is one blocked at every look
+whose main thread still ran between them (a loop of short steps whose sleep every look found);
+one whose stack stayed the same is stuck there (busy if its CPU time advanced: slow work or an
+endless loop; idle if it waits).
 The run directory it writes (header-only traces, the stacks, ``hang-1/summary.json`` in the
 watcher's format when stuck) is one `diagnose` and `report` read like any other.
 """
@@ -23,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpdoctor.analysis.hung.hang import main_thread
+from ddpdoctor.analysis.hung.hang import main_thread, main_thread_of
 from ddpdoctor.live.procs import RankProc
 from ddpdoctor.supervisor.stacks import pyspy_path
 from ddpdoctor.trace.livephase import LivePhase
@@ -92,9 +94,19 @@ def phase_of(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def _cpu_s(pid: int) -> float | None:
+def _main_cpu_s(pid: int) -> float | None:
+    """The main thread's CPU seconds, to the nanosecond (schedstat), else to the clock tick."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        with open(f"/proc/{pid}/task/{pid}/schedstat", encoding="ascii") as fh:
+            return int(fh.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _cpu_s(pid, f"/proc/{pid}/task/{pid}/stat")
+
+
+def _cpu_s(pid: int, path: str = "") -> float | None:
+    """The process's CPU seconds (from ``path``, a thread's stat, where given)."""
+    try:
+        with open(path or f"/proc/{pid}/stat", encoding="ascii") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
@@ -110,6 +122,7 @@ class RankLooks:
     proc: RankProc
     dumps: list[dict[str, Any]] = field(default_factory=list)
     cpu: list[tuple[float, float | None]] = field(default_factory=list)  # (monotonic, cpu s)
+    main_cpu: list[tuple[float, float | None]] = field(default_factory=list)  # its main thread's
     native: str = ""
 
     @property
@@ -119,15 +132,39 @@ class RankLooks:
 
     @property
     def moved(self) -> bool:
-        keys = {_key(d) for d in self.dumps if d["method"]}
-        return len(keys) > 1
+        """Its stack changed between looks; or its main thread was blocked (a sleep, a wait) at
+        each look and still ran between them: it left the wait and came back, as a loop of short
+        steps does when every look finds it in its sleep. A thread blocked in one wait all along
+        runs nothing; one spinning at a line (a busy loop, a spin-wait) is active, not blocked."""
+        ok = [d for d in self.dumps if d["method"]]
+        if len({_key(d) for d in ok}) > 1:
+            return True
+        blocked = bool(ok) and not any(_main_active(d) for d in ok)
+        ran = _share(self.main_cpu)
+        return blocked and ran is not None and ran >= RAN_CPU_SHARE
 
     @property
     def cpu_share(self) -> float | None:
-        known = [(t, c) for t, c in self.cpu if c is not None]
-        if len(known) < 2 or known[-1][0] <= known[0][0]:
-            return None
-        return (known[-1][1] - known[0][1]) / (known[-1][0] - known[0][0])
+        return _share(self.cpu)
+
+
+# Of a core, by a main thread blocked at every look: it ran between them. A thread blocked in
+# one wait all along uses microseconds (each look's ptrace stop and resume); a loop that sleeps
+# 100 ms a step used 3 % here.
+RAN_CPU_SHARE = 0.005
+
+
+def _share(samples: list[tuple[float, float | None]]) -> float | None:
+    """CPU seconds per second between the first and the last sample."""
+    known = [(t, c) for t, c in samples if c is not None]
+    if len(known) < 2 or known[-1][0] <= known[0][0]:
+        return None
+    return (known[-1][1] - known[0][1]) / (known[-1][0] - known[0][0])
+
+
+def _main_active(dump: dict[str, Any]) -> bool:
+    """py-spy's word that the main thread was running (not blocked in a sleep or a wait)."""
+    return bool(main_thread_of(dump.get("threads") or []).get("active", True))
 
 
 LOOK_EVERY_S = 0.5
@@ -146,6 +183,7 @@ def look(ranks: list[RankProc], watch_s: float, every_s: float = LOOK_EVERY_S) -
                 time.sleep(max(0.0, start + watch_s * i / (n - 1) - time.monotonic()))
             for r in ranks:
                 out[r.rank].cpu.append((time.monotonic(), _cpu_s(r.pid)))
+                out[r.rank].main_cpu.append((time.monotonic(), _main_cpu_s(r.pid)))
             for rank, dump in zip(out, pool.map(lambda r: pyspy(r.pid), ranks)):
                 out[rank].dumps.append(dump)
     return out

@@ -25,16 +25,21 @@ Frame = dict[str, Any]  # {"file", "line", "function"}
 
 def main_thread(threads: list[dict[str, Any]]) -> list[Frame]:
     """The frames (innermost first) of the thread that runs the script."""
+    return list(main_thread_of(threads).get("frames") or [])
+
+
+def main_thread_of(threads: list[dict[str, Any]]) -> dict[str, Any]:
+    """The thread that runs the script, as a dump has it ({} without threads)."""
     if not threads:
-        return []
+        return {}
     for t in threads:
         if t.get("name") == "MainThread":
-            return list(t.get("frames") or [])
+            return t
     for t in threads:
         frames = t.get("frames") or []
         if frames and frames[-1].get("function") == "<module>":
-            return list(frames)
-    return list(threads[0].get("frames") or [])
+            return t
+    return threads[0]
 
 
 def user_frame(frames: list[Frame]) -> Frame | None:
