@@ -796,7 +796,7 @@ class EMA:
 
 
 def main(net, rank, loader, ema):
-    model = DDP(net)
+    model = DDP(net, device_ids=[rank])
     params = list(model.module.parameters())
     model.module.head.weight.zero_()
     for x in loader:
@@ -805,6 +805,12 @@ def main(net, rank, loader, ema):
         ema.update(params)
         if rank == 0:
             ema.copy_to(params)
+        if x is None:
+            tally(rank)
+
+
+def tally(r):
+    COUNTS.add_(r)
 """
 
 
@@ -812,7 +818,8 @@ def test_the_statements_in_the_loop_that_write_the_weights_under_a_condition(tmp
     """Held-out sets 12 and 24: rank 0 swaps an average's weights into the model under `if rank
     == 0:` (:24) through a method that copies into each parameter (:12). Not the write before the
     loop (the weights would part at the first check), not the average's update of its own copy
-    at every step on every rank, not a library's clip of the gradients."""
+    at every step on every rank, not a library's clip of the gradients, nor a helper handed the
+    rank the wrapper was given (`device_ids=[rank]`), which is not the model."""
     from ddpdoctor.analysis.misuse.wrote import Wrote, written_later
 
     path = str(tmp_path / "train.py")

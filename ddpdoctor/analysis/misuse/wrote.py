@@ -86,7 +86,12 @@ def written_later(path: str, wrapped: int) -> list[Wrote]:
     made = [n for n in holding(path, wrapped) if isinstance(n, ast.stmt)][-1:]
     if tree is None or scope is None or not made:
         return []
-    model = _names(made[0]) - {"DDP", "DistributedDataParallel", "nn", "parallel", "torch"}
+    # the wrapper's names and the module it wraps (`model = DDP(net, device_ids=[rank])`: not rank)
+    targets = getattr(made[0], "targets", [])
+    value = getattr(made[0], "value", None)
+    model = {t for target in targets for t in _names(target)}
+    if isinstance(value, ast.Call) and value.args:
+        model.add(_root(value.args[0]))
     aliases = model | {
         t for n in ast.walk(scope) if isinstance(n, ast.Assign) and _names(n.value) & model
         for target in n.targets for t in _names(target)
