@@ -105,9 +105,10 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     if branch is not None:
         summary += branch["text"]
         details["place"] = branch["place"]
-        fix = f"Start at {branch['place']}, which leaves {branch['attr']} out on some steps. " + fix
         if branch.get("never"):
-            fix = f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + _FIX_UNUSED
+            fix = f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + fix
+        else:
+            fix = f"Start at {branch['place']}, which leaves {branch['attr']} out on some steps. " + fix
     yield Finding("unused_parameters", "error", ranks, summary, fix=fix, details=details)
 
 
