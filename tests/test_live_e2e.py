@@ -172,6 +172,19 @@ def test_attach_to_a_healthy_job_reports_progress_twice(tmp_path: Path) -> None:
         assert job.proc.poll() is None, job.output
 
 
+def test_attach_to_a_job_that_sleeps_between_steps_reports_progress(tmp_path: Path) -> None:
+    """100 ms sleeps between tiny steps: nearly every look finds each rank in its sleep, at one
+    line, so the stacks hardly change (five of five attaches said "stuck" before 7d0587d). The
+    main threads, blocked at the looks, ran between them: the job progresses."""
+    with background(torchrun(2, STEADY, "--steps", "100000", "--step-s", "0.1"), tmp_path) as job:
+        wait_for(lambda: job.printed("training"), "the first step")
+        result = ddpdoctor("attach", str(job.pid), "--watch", "3", "--json", "--out", str(tmp_path / "a"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert report["state"] == "progressing" and report["pattern"] is None, report
+        assert job.proc.poll() is None, job.output
+
+
 def top_frame(run_dir: Path) -> dict:
     result = ddpdoctor("top", "--once", "--json", str(run_dir), timeout=60)
     assert result.returncode == 0, result.stderr
