@@ -53,6 +53,24 @@ def test_branch_leaves_parameters_unused_on_some_steps(tmp_path: Path) -> None:
     assert f["details"]["place"] == f"misuse.py:{call}", f["details"]
 
 
+def test_a_submodule_no_method_but_init_reads_is_named_with_the_forward(tmp_path: Path) -> None:
+    """Held-out set 24's code model makes a position embedding and never adds it, under
+    find_unused_parameters=True: never trained, and the forward that never reads it is named."""
+    code, found = findings(tmp_path, script="../zoo/unused_codecompletion_heldout24.py")
+    assert code == 0
+    (f,) = [f for f in found if f["kind"] == "unused_parameters"]
+    assert f["severity"] == "warning" and f["details"]["never_trained"] == ["pos_emb.weight"], f
+    text = (JOBS.parent / "zoo" / "unused_codecompletion_heldout24.py").read_text().splitlines()
+    forward = next(i for i, t in enumerate(text, 1) if "def forward(self, idx)" in t)
+    made = next(i for i, t in enumerate(text, 1) if "self.pos_emb = " in t)
+    said = " ".join(f["summary"].split())
+    name = "unused_codecompletion_heldout24.py"
+    never = f"CodeLM.forward ({name}:{forward}) never uses self.pos_emb, which __init__ makes at "
+    never += f"{name}:{made}"
+    assert never in said, said
+    assert f["fix"].startswith(f"Use self.pos_emb in the forward ({name}:{forward}) or remove it."), f["fix"]
+
+
 def test_find_unused_parameters_on_a_fully_used_model(tmp_path: Path) -> None:
     code, found = findings(tmp_path, "unneeded")
     assert code == 0
