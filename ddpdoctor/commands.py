@@ -161,8 +161,8 @@ def top(run_dirs: tuple[str, ...], once: bool, as_json: bool, interval: float) -
     default=3.0,
     show_default=True,
     metavar="SECONDS",
-    help="Look at the stacks several times over this long to tell stuck (no stack changes) "
-    "from slow; 0 looks once.",
+    help="Look at the stacks several times over this long to tell stuck (no stack changes, and "
+    "no main thread that waited at every look ran between them) from slow; 0 looks once.",
 )
 @click.option(
     "--out",
