@@ -1,23 +1,31 @@
-"""How much slower is a DDP job under ddpdoctor? Interleaved A/B runs, ratios of step times.
+"""How much slower is a DDP job under ddpdoctor? Interleaved A/B, within one run and across runs.
 
-For a compute-bound model (~10M parameters) and a tiny one, run the same 2-rank gloo job
-plain, under `ddpdoctor run`, with torch.profiler (CPU activities) and, with ``--python-hook``,
-with torch's own Python ``allreduce_hook`` (what any comm hook written in Python costs), with
-``--no-buckets`` under the doctor with ``DDPDOCTOR_BUCKET_TIMING=off``, with ``--timed`` with
-``=on`` (every bucket timed: the default, ``auto``, leaves a step that cannot carry it), and with
-``--python-timer`` under the doctor timing buckets with its Python hook (as where its C++ timer
-is not built), in interleaved order, and report the median step time of each mode relative to
-plain. Also reports the trace size per rank per step, and the per-event cost of a recorded
-collective measured in-process.
+Within one run (issue 25's figure): ``step_cost.py --ranks 2`` runs a 2-rank gloo job under
+``ddpdoctor run`` whose blocks of steps alternate between a model the doctor records with its
+defaults and the same model unrecorded, for a tiny model and a compute-bound one (~10M
+parameters); the host's drift falls on both arms alike.
+
+Across runs: the same 2-rank job run plain, under `ddpdoctor run`, with torch.profiler (CPU
+activities) and, with ``--python-hook``, with torch's own Python ``allreduce_hook`` (what any
+comm hook written in Python costs), with ``--no-buckets`` under the doctor with
+``DDPDOCTOR_BUCKET_TIMING=off``, with ``--timed`` with ``=on`` (every bucket timed: the default,
+``auto``, leaves a step that cannot carry it), and with ``--python-timer`` under the doctor
+timing buckets with its Python hook (as where its C++ timer is not built), in interleaved order,
+each mode's median step time relative to plain. This also counts what runs whether a step
+records or not (the supervisor, the writer thread, start-up), but its trials spread by about
+±15 % on a shared 2-core host (docs/overhead.md). Also reports the trace size per rank per
+step, and the per-event cost of a recorded collective measured in-process.
 
     python benchmarks/overhead.py [--trials 5] [--steps-big 30] [--steps-tiny 400] [--json]
 
 ``--json`` prints one line: per_event_us (median, with its interval), probe_us, emit_us per kind,
-bucket_us and python_hook_bucket_us (see ``per_event_cost_us``), tiny_ratio and big_ratio
-(doctor / plain median step), each trial's ratio, ``*_ratio_ci95`` (the ratio's 95 % interval
-from the paired trials) and ``*_target_met`` (true, false, or null when the interval straddles
-issue 25's target: the trials cannot tell), ``*_doctor_cpu_ratio`` (rank 0's CPU per
-step, all its threads, doctor / plain: the recording's CPU, which other jobs on a shared machine
+bucket_us and python_hook_bucket_us (see ``per_event_cost_us``); ``tiny_ratio`` and
+``big_ratio`` (within one run: recorded / plain median step), ``*_ratio_ci90`` (its 90 %
+interval), ``*_target_met`` (true, false, or null when the interval straddles issue 25's
+target), ``*_default_timer`` (whether the defaults timed the buckets); ``*_runs_ratio`` (across
+runs: doctor / plain median step), each trial's ratio, ``*_runs_ratio_ci95`` and
+``*_runs_target_met`` the same for those trials, ``*_doctor_cpu_ratio`` (rank 0's CPU per step,
+all its threads, doctor / plain: the recording's CPU, which other jobs on a shared machine
 disturb less than wall time), the trace size and the writer thread's duty cycle
 (``*_writer_duty``: its CPU seconds per second recorded, in rank 0).
 """
@@ -119,6 +127,21 @@ def run_once(mode: str, kind: str, steps: int, workdir: Path) -> tuple[float, fl
         end = read_trace(trace).meta.get(schema.END, [(0, 0, {})])[0][2]
         duty = end.get("writer_cpu_s", 0.0) / max(end.get("wall_s", 0.0), 1e-9)
     return median, cpu, trace_bytes, duty
+
+
+IN_RUN = {"tiny": ["--rounds", "300", "--steps", "40"], "big": ["--rounds", "20", "--steps", "5"]}
+
+
+def in_run(kind: str) -> dict[str, Any]:
+    """``step_cost.py --ranks 2``: one real 2-rank job under ``ddpdoctor run`` whose blocks of
+    steps alternate between a model the doctor records with its defaults and the same model
+    unrecorded, so the host's drift falls on both arms (``IN_RUN``: its rounds and steps)."""
+    cmd = [sys.executable, str(HERE / "step_cost.py"), "--ranks", "2", "--json", "--model", kind]
+    cmd += IN_RUN[kind]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"step_cost.py --ranks 2 --model {kind} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_as_script(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -287,6 +310,7 @@ def main() -> None:
         "--python-timer", action="store_true", help="add the doctor timing buckets with its Python hook"
     )
     parser.add_argument("--timed", action="store_true", help="add the doctor with DDPDOCTOR_BUCKET_TIMING=on")
+    parser.add_argument("--no-in-run", action="store_true", help="leave out the one-run alternation")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpdoctor-overhead-"))
     modes = ["plain", "doctor"] + ([] if args.no_profiler else ["profiler"])
@@ -297,6 +321,19 @@ def main() -> None:
     say = (lambda *a, **k: None) if args.json else print
     result: dict[str, object] = dict(per_event_cost_us())
     say(f"per-event cost: {json.dumps(result)}")
+    for kind in ("tiny", "big") if not args.no_in_run else ():
+        arms = in_run(kind)
+        ci = arms["default_ratio_ci90"]
+        met = verdict((ci[0], ci[1]), TARGETS[kind])
+        result[f"{kind}_ratio"], result[f"{kind}_ratio_ci90"] = arms["default_ratio"], ci
+        result[f"{kind}_target_met"], result[f"{kind}_default_timer"] = met, arms["default_timer"]
+        result[f"{kind}_plain_step_us"] = arms["plain_step_us"]
+        said = {True: "met", False: "not met", None: "unresolved"}[met]
+        say(
+            f"\n{kind} model, one 2-rank run under the doctor, its blocks alternating recorded and"
+            f" plain: {arms['default_ratio']:.3f}x (90 % interval {ci[0]:.3f}-{ci[1]:.3f}, buckets"
+            f" timed: {arms['default_timer']}), target {TARGETS[kind]}x {said}"
+        )
     for kind, steps in (("big", args.steps_big), ("tiny", args.steps_tiny)):
         results: dict[str, list[float]] = {m: [] for m in modes}
         cpus: dict[str, list[float]] = {m: [] for m in modes}
@@ -336,9 +373,9 @@ def main() -> None:
                 f"  doctor / plain, 95 % interval {interval[0]:.3f}-{interval[1]:.3f}: "
                 f"target {TARGETS[kind]}x {said}"
             )
-        result[f"{kind}_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
-        result[f"{kind}_ratio_ci95"] = [round(v, 4) for v in interval] if interval else None
-        result[f"{kind}_target_met"] = met
+        result[f"{kind}_runs_ratio"] = round(statistics.median(results["doctor"]) / base, 4)
+        result[f"{kind}_runs_ratio_ci95"] = [round(v, 4) for v in interval] if interval else None
+        result[f"{kind}_runs_target_met"] = met
         for mode in modes[2:]:
             result[f"{kind}_{mode}_ratio"] = round(statistics.median(results[mode]) / base, 4)
         for mode in modes[1:]:

@@ -385,6 +385,27 @@ def test_the_layers_benchmark_times_each_mode_as_it_says() -> None:
     assert all(isinstance(v, float) for v in result.values())
 
 
+def test_the_step_benchmark_alternates_its_arms_in_one_two_rank_run_under_the_doctor() -> None:
+    """benchmarks/step_cost.py --ranks 2 runs both ranks under ``ddpdoctor run -- torchrun``,
+    checks every arm is timed as it says before timing it (it exits otherwise), and prints rank
+    0's figures: the default arm's ratio with its interval, and which timer the defaults chose
+    (the C++ one on a tiny model's gradients where it is built, else none)."""
+    from ddpdoctor.probes import native
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost.py"
+    cmd = [sys.executable, str(script), "--ranks", "2", "--rounds", "2", "--steps", "3", "--json"]
+    proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ranks"] == 2 and result["model"] == "tiny"
+    built = native.module() is not None
+    arms = {"default", "python_timer", "untimed", "builtin_hook"} | ({"cpp_timer"} if built else set())
+    assert {k[: -len("_ratio")] for k in result if k.endswith("_ratio")} == arms
+    assert result["default_timer"] == ("cpp" if built else "none")  # a 1 ms step can't carry Python's
+    low, high = result["default_ratio_ci90"]
+    assert result["plain_step_us"] > 0 and low <= result["default_ratio"] <= high
+
+
 COUNTED_CHILD = """
 import sys
 case, mode, warmup, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
