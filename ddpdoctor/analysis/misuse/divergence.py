@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import settings, stepped
+from ddpdoctor.analysis.misuse.buffers import buffers_differ
 from ddpdoctor.analysis.misuse.fingerprints import (
     Divergence,
     Key,
@@ -31,6 +32,7 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     compare,
     grads_written,
     odd_ranks,
+    sized,
     when_checked,
     written_in_place,
 )
@@ -38,8 +40,6 @@ from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at, wr
 from ddpdoctor.analysis.misuse.wrote import written_later, wrote_after_wrapping
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
-
-_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _loads(run: Run, model: int, target: str) -> dict[int, list[tuple[int, int, str]]]:
@@ -64,12 +64,6 @@ def _changed_in_forward(run: Run, model: int) -> dict[str, str]:
                 owners = info.get("modules") or {}
                 out.update({n: str(owners.get(n, "")) for n in info.get("params", [])})
     return out
-
-
-def _sized(names: list[str], numels: dict[str, int], limit: int = 6) -> str:
-    shown = [f"{n} ({numels[n]:,} elements)" if n in numels else n for n in names[:limit]]
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(shown) + more
 
 
 _FIX_LOAD = (
@@ -126,7 +120,7 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
         buffers = [d for d in found if d.buffer]
         if buffers and not info.get("options", {}).get("broadcast_buffers", True):
             owner = builder(run)  # the rank ``models`` came from
-            yield _buffers(series, buffers, label, info, wrapped_at(owner, info) if owner else "")
+            yield buffers_differ(series, buffers, label, info, wrapped_at(owner, info) if owner else "")
     if not seen and (behind := stepped.behind_finding(run)) is not None:
         yield behind
 
@@ -182,7 +176,7 @@ def _not_synced(
             ranks,
             f"{label}: {len(names)} parameter(s) train on rank(s) {rank_list(ranks)} outside every "
             f"gradient bucket, so their gradients are never all-reduced: "
-            f"{_sized(names, series.numels)}{f' ({total:,} elements in all)' if len(names) > 1 else ''}: "
+            f"{sized(names, series.numels)}{f' ({total:,} elements in all)' if len(names) > 1 else ''}: "
             f"{why}{since}",
             fix=fix,
             details={
@@ -247,7 +241,7 @@ def _weights(
         cause, fix = "gradients_written_on_rank", _FIX_GRADS
         wrote = sorted({n for names in grads[0].values() for n in names})
         why = f"rank(s) {rank_list(odd)} wrote their gradients in place after DDP's all-reduce "
-        why += f"({when_checked(key)}, the version counters of the gradients of {_sized(wrote, {}, 3)} "
+        why += f"({when_checked(key)}, the version counters of the gradients of {sized(wrote, {}, 3)} "
         why += "had moved further there than on the other ranks, where the reduced gradients are written "
         why += "alike): a clip, a scale or a mask there alone, so those ranks stepped with other gradients"
     elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0:
@@ -310,7 +304,7 @@ def _weights(
     since = ("since " if head.first[2] == "step" else "") + when_checked(head.first)
     summary = (
         f"{label}: {len(names)} parameter(s) differ {who} {since} (equal "
-        f"{when_checked(head.last_equal)}): {_sized(names, series.numels)}: {why}"
+        f"{when_checked(head.last_equal)}): {sized(names, series.numels)}: {why}"
     )
     still = [d.name for d in found if d.still]
     if not still:
@@ -400,35 +394,3 @@ def _ts_bound(series: Series, key: Key, upper: bool = False) -> int:
     """The earliest (or latest) time any rank took the check ``key``."""
     times = [c[key].ts for c in series.checks.values() if key in c]
     return (max if upper else min)(times) if times else (2**62 if upper else -1)
-
-
-def _buffers(series: Series, found: list[Divergence], label: str, info: dict, site: str) -> Finding:
-    """Buffers DDP does not sync, in the user's torch's words: ``forward_sync_buffers`` where
-    the wrapper has it (``broadcast_buffers`` is its deprecated alias), at the line that built it."""
-    names = [d.name for d in found]
-    stats = all(n.rsplit(".", 1)[-1] in _BN_STATS for n in names)
-    ranks = sorted({r for d in found for g in d.groups for r in g})
-    what = "BatchNorm running statistics" if stats else "buffers"
-    knob = (
-        "forward_sync_buffers" if "forward_sync_buffers" in info.get("options", {}) else "broadcast_buffers"
-    )
-    built = f" (wrapped at {site})" if site else ""
-    return Finding(
-        "buffers_differ",
-        "info" if stats else "warning",
-        ranks,
-        f"{label}{built}: {len(names)} {what} differ across ranks since {when_checked(found[0].first)} "
-        f"({_sized(names, series.numels)}): {knob}=False keeps each rank's own"
-        + (": expected, evaluation on each rank uses its own statistics" if stats else ""),
-        fix=f"Expected with {knob}=False. For the same statistics everywhere use "
-        f"SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) or {knob}=True; evaluate "
-        "or save on one rank knowing its statistics are its own."
-        if stats
-        else f"Pass {knob}=True, or broadcast these buffers from rank 0 after changing them.",
-        details={
-            "model": series.model,
-            "buffers": names,
-            "since_step": found[0].first[0],
-            "place": site or None,
-        },
-    )

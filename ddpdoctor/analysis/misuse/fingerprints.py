@@ -281,3 +281,10 @@ def when_checked(key: Key | None) -> str:
     return {"init": "after DDP construction", "exit": f"at exit (step {step})"}.get(
         at, f"step {step}, after its optimizer step"
     )
+
+
+def sized(names: list[str], numels: dict[str, int], limit: int = 6) -> str:
+    """Tensor names with their sizes where known, the first ``limit`` of them."""
+    shown = [f"{n} ({numels[n]:,} elements)" if n in numels else n for n in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
