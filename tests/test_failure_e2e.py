@@ -136,6 +136,7 @@ def test_an_error_between_sync_points_is_placed_in_the_users_line(tmp_path: Path
     failure = next(f for f in doc["findings"] if f["kind"] == "rank_failure")
     assert "(save_fails.py:13 in <module>, inside serialization.py:" in failure["summary"], failure
     assert failure["fix"].startswith("Fix the RuntimeError that rank 1 raised at save_fails.py:13 in")
+    assert '(`torch.save(model.state_dict(), "no/such/dir/ckpt.pt")`)' in failure["fix"], failure  # the line
     assert "Others then: rank 0: at step 6, in its backward" in failure["summary"], failure
 
 

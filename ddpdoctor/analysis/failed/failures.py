@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpdoctor.analysis.failed.endings import is_consequence, last_step_started
-from ddpdoctor.analysis.failed.stacks import death_stack, frame_text, raised_where, recorded_place
+from ddpdoctor.analysis.failed.stacks import death_stack, frame_text, raised_where, recorded_place, user_code
 from ddpdoctor.analysis.findings import Finding, clip, detector, rank_list
 from ddpdoctor.analysis.hung.hang import hang_finding
 from ddpdoctor.analysis.misuse import frameworks
@@ -224,9 +224,10 @@ def rank_failure(run: Run) -> Iterable[Finding]:
             who = f"rank {rank}'s signal handler"
             details["place"] = recorded_place(frames[:handler])
             raised_at = f" at {frame_text(frames[handler])} while the rank ran {details['place'] or '?'}"
+        code = user_code(frames) if who == f"rank {rank}" else ""
         fix = (
             f"Fix the {error.get('type') or 'exception'} that {who} raised"
-            f"{raised_at.rstrip(')')} (traceback in "
+            f"{raised_at.rstrip(')')}{f' (`{code}`)' if code else ''} (traceback in "
             "the job's output and in this finding); the other ranks' errors are consequences of it."
         )
         if _loading(error):

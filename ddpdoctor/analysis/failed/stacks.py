@@ -3,6 +3,7 @@ signal killed it (faulthandler), or its exception's traceback."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import sysconfig
 from typing import TYPE_CHECKING, Any
@@ -116,6 +117,15 @@ def raised_where(frames: list[Any], handler: Any = None) -> str:
     if user is None or user is frames[-1]:
         return f" ({inner})"
     return f" ({frame_text(user)}, inside {inner})"
+
+
+def user_code(frames: list[Any]) -> str:
+    """The source of the user's innermost line in recorded frames (file, line, function),
+    outermost first, as the file on disk has it now; "" where it cannot be read."""
+    user = next((f for f in reversed(frames) if is_user_frame(str(list(f)[0]))), None)
+    if user is None or len(user) < 2 or not isinstance(user[1], int):
+        return ""
+    return linecache.getline(str(user[0]), user[1]).split("#")[0].strip()
 
 
 def recorded_place(frames: list[Any]) -> str:
