@@ -117,15 +117,20 @@ def test_missing_set_epoch(tmp_path: Path) -> None:
     (f,) = serious(found)
     assert f["kind"] == "missing_set_epoch"
     created = _line("misuse.py", "sampler = DistributedSampler(data, shuffle=True, seed=0)")
+    epochs = f"misuse.py:{_line('misuse.py', 'for epoch in range(2):')}"
     assert f["details"] == {
         "epoch": 0,
         "passes": 2,
         "ranks": [0, 1],
-        "place": f"misuse.py:{created}",  # the sampler that was never set_epoch'd
+        "place": epochs,  # where the call goes: the loop that begins each pass
         "loop": f"misuse.py:{_line('misuse.py', 'for x, y in loader:')}",
+        "epoch_loop": epochs,
         "same_batches": True,  # each epoch began with the same batches, not only the same epoch
         "set_epoch_elsewhere": None,
     }
+    assert f"created at misuse.py:{created}" in f["summary"]
+    assert f"the loop at {epochs} (`for epoch in range(2):`) begins each pass and never calls" in f["summary"]
+    assert f["fix"].startswith(f"Call sampler.set_epoch(epoch) first thing in the loop at {epochs}")
 
 
 def test_set_epoch_on_another_sampler_names_both(tmp_path: Path) -> None:

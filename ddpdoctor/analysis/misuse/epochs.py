@@ -3,9 +3,35 @@ shuffling sampler whose passes replay one order, and an epoch set that no new pa
 
 from __future__ import annotations
 
+import ast
+import os
 from typing import Any
 
+from ddpdoctor.analysis.failed.source import holding, statement
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.trace import schema
+from ddpdoctor.trace.rankfile import RankTrace
+
+
+def epoch_loop(trace: RankTrace, stack: list[str]) -> tuple[str, str] | None:
+    """("file:line", its first line) of the loop that holds the loader's pass: the innermost loop
+    around the line that began the pass (``stack``: "file:line func" of that line and the user's
+    lines that called it, innermost first), in the function of the first frame that has one;
+    the pass's own ``for`` is not it. None without the file or such a loop."""
+    sites = trace.meta.get(schema.SITE, [])
+    paths = {os.path.basename(str(i.get("file"))): str(i.get("file")) for _, _, i in sites}
+    for frame in stack:
+        name, _, line = frame.split(" ")[0].rpartition(":")
+        path = paths.get(name)
+        if path is None or not line.isdigit():
+            continue
+        chain = holding(path, int(line))
+        defs = [i for i, n in enumerate(chain) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        inside = chain[defs[-1] + 1 :] if defs else chain
+        loops = [n for n in inside if isinstance(n, (ast.For, ast.While)) and n.lineno < int(line)]
+        if loops:
+            return f"{name}:{loops[-1].lineno}", statement(loops[-1])
+    return None
 
 
 def no_epoch_finding(no_epoch: dict[int, dict[str, Any]]) -> Finding:
@@ -18,6 +44,14 @@ def no_epoch_finding(no_epoch: dict[int, dict[str, Any]]) -> Finding:
     fix = "Call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader."
     place = info.get("sampler_site") or info.get("site")
     calls, set_site = info.get("set_epoch_calls") or 0, info.get("set_epoch_site")
+    loop = info.get("epoch_loop")
+    if not calls and not elsewhere.get("site") and loop:  # never called: where the call goes
+        other = f"; the loop at {loop[0]} (`{loop[1]}`) begins each pass and never calls set_epoch"
+        fix = (
+            f"Call sampler.set_epoch(epoch) first thing in the loop at {loop[0]} (`{loop[1]}`), "
+            "before the DataLoader is iterated, with that loop's epoch number."
+        )
+        place = loop[0]
     if calls and set_site and info.get("one_epoch"):  # called, but not with each epoch
         place = set_site
         if calls == 1:
@@ -61,6 +95,7 @@ def no_epoch_finding(no_epoch: dict[int, dict[str, Any]]) -> Finding:
             "ranks": sorted(no_epoch),
             "place": place,
             "loop": info.get("site"),
+            "epoch_loop": loop[0] if loop else None,
             "same_batches": info["proven"],  # False: judged by the sampler's epoch alone
             "set_epoch_elsewhere": elsewhere or None,
         },

@@ -11,7 +11,7 @@ import numpy as np
 
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import reads
-from ddpdoctor.analysis.misuse.epochs import no_epoch_finding, replayed
+from ddpdoctor.analysis.misuse.epochs import epoch_loop, no_epoch_finding, replayed
 from ddpdoctor.analysis.slow.phases import StepGrid, step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.columns import distinct
@@ -88,6 +88,7 @@ def sampler_misuse(run: Run) -> Iterable[Finding]:
                         passes=len(infos),
                         proven=bool(reads.replayed([d for _, d in entries])),
                         one_epoch=len({i.get("epoch") for i in infos}) == 1,
+                        epoch_loop=epoch_loop(trace, list(info.get("stack") or [])),
                     )
         replay = reads.unread_epochs(trace, fed)
         if replay is not None and rank not in no_epoch:
