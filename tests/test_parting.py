@@ -898,3 +898,143 @@ def test_where_the_data_of_the_loop_a_rank_ran_out_of_was_made(tmp_path: Path) -
     )
     assert loop_data([(path, 8, "main")]) == ""  # not in a loop
     assert loop_data([]) == "" and loop_data([(str(tmp_path / "gone.py"), 12, "main")]) == ""
+
+
+FRAUD = """\
+import torch
+
+
+def load_days(paths):
+    parts = [torch.load(p) for p in paths]
+    return torch.cat(parts), torch.cat(parts)
+
+
+def main(day_files, model):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    my_days = day_files[rank::world]
+    x, y = load_days(my_days)
+    n_batches = len(x) // 64
+    for b in range(n_batches):
+        model(x[b * 64 : (b + 1) * 64])
+"""
+
+
+def test_the_trail_of_uneven_data_reaches_the_line_that_split_it_by_rank(tmp_path: Path) -> None:
+    """Held-out set 25: each rank loads the day files a rank-strided slice gives it through a
+    helper that never reads the rank. The trail goes from the loop into the helper, and names the
+    argument's assignment, the line that reads the rank, too; a trail whose lines read the rank
+    already (the helper slices by rank itself) is left as it was."""
+    from ddpdoctor.analysis.failed.made import loop_data
+
+    path = str(tmp_path / "fraud.py")
+    Path(path).write_text(FRAUD)
+    said = loop_data([(path, 15, "main")])
+    assert (
+        "fraud.py:12 (`x, y = load_days(my_days)`), fraud.py:11 (`my_days = day_files[rank::world]`) made"
+        in (said)
+    ), said
+    assert said.endswith("load_days() makes it at fraud.py:5 (`parts = [torch.load(p) for p in paths]`)")
+    kws = str(tmp_path / "kws.py")
+    Path(kws).write_text(SHARDED)
+    whole = loop_data([(kws, 12, "main")])
+    assert "kws.py:8 (`shard = shard_manifest(manifest, rank, world)`) made, and" in whole, whole
+
+
+COUNTS = """\
+import torch
+
+
+def recall(y, pred):
+    support = torch.bincount(y)
+    fixed = torch.bincount(y, minlength=10)
+    dist.all_reduce(support)
+    dist.all_reduce(fixed)
+"""
+
+
+def test_a_tensor_whose_size_the_data_sets_is_named_with_what_fixes_it(tmp_path: Path) -> None:
+    """Held-out set 25: per-class counts from `torch.bincount(y)` are as long as the largest
+    label a rank saw; the fix says minlength. One given minlength is sized by the code: nothing."""
+    from ddpdoctor.analysis.failed.made import sized_by_data
+
+    path = str(tmp_path / "counts.py")
+    Path(path).write_text(COUNTS)
+    said = sized_by_data(path, 7, "all_reduce")
+    assert said.startswith(
+        "`bincount` returns as many counts as the largest value it saw plus one: pass minlength="
+    )
+    assert said.endswith("(counts.py:5).")
+    assert sized_by_data(path, 8, "all_reduce") == "" and sized_by_data(path, 5, "all_reduce") == ""
+
+
+CHECKPOINTED = """\
+import torch.distributed as dist
+
+
+def main(model, opt, batches, evaluate):
+    best = float("inf")
+    for epoch in range(8):
+        for x in batches:
+            model(x).sum().backward()
+            opt.step()
+        loss = evaluate()
+        if loss < best:
+            best = loss
+            dist.barrier()
+"""
+
+
+def test_a_call_every_rank_made_on_a_schedule_that_one_rank_went_past_is_not_uneven_inputs(
+    tmp_path: Path,
+) -> None:
+    """Held-out set 25: a barrier under `if loss < best:`, the loss each rank's own. For seven
+    epochs of four steps every rank improved and made it after the same steps; in the eighth rank
+    0 made it after step 31, on schedule, while rank 1 went on to step 32's gradient all-reduce.
+    Rank 0's round was as long as every earlier one, so it did not run out of batches: rank 1
+    went past the barrier, and the `if` that holds it is named. Where rank 0 reaches the barrier
+    early (after step 29), the schedule says nothing and this is not said."""
+    from ddpdoctor.analysis.failed.causes import _explain
+    from ddpdoctor.analysis.failed.parting import Divergence
+    from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE
+
+    path = _script(tmp_path, "t.py", CHECKPOINTED)
+
+    def ledger(rank: int, last: tuple[str, int]) -> Ledger:
+        points: list[Point] = []
+        for epoch in range(7):
+            for step in range(4 * epoch, 4 * epoch + 4):
+                points.append(Point(len(points), GRAD_ALLREDUCE, 8, "WORLD", step, "t.py:8", func="main"))
+            points.append(Point(len(points), "barrier", 0, "WORLD", 4 * epoch + 3, "t.py:13", func="main"))
+        for step in range(28, 28 + (last[1] - 28 if last[0] == "barrier" else 4)):
+            points.append(Point(len(points), GRAD_ALLREDUCE, 8, "WORLD", step, "t.py:8", func="main"))
+        op, step = last
+        points.append(
+            Point(len(points), op, 8, "WORLD", step, "t.py:13" if op == "barrier" else "t.py:8", func="main")
+        )
+        points[-1].in_flight = True
+        return Ledger(rank, points=points, last_step=step, files={"t.py": str(path)})
+
+    def judge(waits_after: int) -> Finding | None:
+        ledgers = {0: ledger(0, ("barrier", waits_after)), 1: ledger(1, (GRAD_ALLREDUCE, 32))}
+        seq = ledgers[0].points[-1].seq
+        for lg in ledgers.values():
+            lg.points[-1].seq = seq
+        div = Divergence("mismatch", None, [], {r: lg.points[-1] for r, lg in ledgers.items()}, {"seq": seq})
+        return _explain(div, ledgers)
+
+    found = judge(31)
+    assert found is not None and found.kind == "rank_only_collective" and found.ranks == [1], found
+    assert found.details["root_rank"] == 1 and found.details["every_steps"] == 4
+    said = " ".join(found.summary.split())
+    assert said.startswith(
+        "rank 1 went past the barrier at t.py:13 in main() this time: in each of the 7 "
+    ), said
+    assert (
+        "every 4 steps (after steps 3, 7, 11, ... 27); now rank 0 made it on schedule, after step 31" in said
+    )
+    assert "the `if loss < best:` (t.py:11) holding it decided differently on rank 1" in said
+    assert (
+        "Not uneven inputs" in said and "`if loss < best:` (t.py:11) decides on each rank's own" in found.fix
+    )
+    early = judge(29)
+    assert early is None or "went past" not in early.summary, early

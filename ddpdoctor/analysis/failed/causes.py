@@ -13,7 +13,7 @@ from typing import Any
 from ddpdoctor.analysis.failed.forwards import forward_cause, rank_only_forwards
 from ddpdoctor.analysis.failed.leaving import FIX_LEFT, left_by, left_loop, ran_out, shares
 from ddpdoctor.analysis.failed.ledger import build, forward_site
-from ddpdoctor.analysis.failed.made import loop_data, tensor_made
+from ddpdoctor.analysis.failed.made import loop_data, sized_by_data, tensor_made
 from ddpdoctor.analysis.failed.order import FIX_REPEATED, order_differs, repeated
 from ddpdoctor.analysis.failed.parting import Divergence, first_divergence
 from ddpdoctor.analysis.failed.points import BUFFERS, FORWARD, Ledger, Point, is_ddp
@@ -27,7 +27,7 @@ from ddpdoctor.analysis.failed.rankonly import (
 from ddpdoctor.analysis.failed.signature import disagreement, fix_for
 from ddpdoctor.analysis.failed.skipped import accumulation_differs, skipped_sync
 from ddpdoctor.analysis.failed.stacks import death_stack, user_frame
-from ddpdoctor.analysis.failed.wentpast import went_past, went_past_rounds
+from ddpdoctor.analysis.failed.wentpast import went_past, went_past_rounds, went_past_schedule
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.trace.reader import Run
 
@@ -185,13 +185,15 @@ def _data(others: list[Ledger]) -> str:
     return f"; {made}" if made else ""
 
 
-def _made(points: dict[int, Point], ledgers: dict[int, Ledger]) -> str:
-    """Where the tensor of a call every rank made from one line got its value (``made.py``)."""
+def _made(points: dict[int, Point], ledgers: dict[int, Ledger]) -> tuple[str, str]:
+    """Where the tensor of a call every rank made from one line got its value, and what fixes
+    its size where a call that sizes it by the data made it (``made.py``)."""
     sites = {p.site for p in points.values()}
     if len(sites) != 1 or not (site := sites.pop()):
-        return ""
+        return "", ""
     path, line = next((w for r in points if (w := ledgers[r].path_of(site))[0]), ("", 0))
-    return tensor_made(path, line, next(iter(points.values())).op) if path else ""
+    op = next(iter(points.values())).op
+    return (tensor_made(path, line, op), sized_by_data(path, line, op)) if path else ("", "")
 
 
 def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
@@ -221,14 +223,15 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         if div.evidence.get("changed"):
             text += f"; {div.evidence['changed']}"
         op = next(iter(points.values())).op
-        made = _made(points, ledgers) if div.evidence.get("differs") == "size" else ""
+        made, sizing = _made(points, ledgers) if div.evidence.get("differs") == "size" else ("", "")
         text += f"; {made}" if made else ""
+        fix = fix_for(differ, op) if differ is not None and differ.field != "op" else FIX_MISMATCH
         return Finding(
             "collective_mismatch",
             "error",
             sorted(points),
             f"{text} ({said})",
-            fix=fix_for(differ, op) if differ is not None and differ.field != "op" else FIX_MISMATCH,
+            fix=f"{sizing} {fix}" if sizing else fix,
             details={**details, "root_rank": div.root, "differs": div.evidence.get("differs")},
         )
     if forward_side and len(forward_side) < len(points):
@@ -237,6 +240,9 @@ def _mismatch_cause(div: Divergence, ledgers: dict[int, Ledger]) -> Finding:
         root = min(python)
         root_lg, others = ledgers[root], [ledgers[r] for r in ddp]
         ahead = all(o.last_step > root_lg.last_step for o in others)
+        skipped = went_past_schedule(points, ledgers, sorted(python), details)
+        if skipped is not None:
+            return skipped
         left = left_by(root_lg, others) if ahead else ""
         if left:
             waits = f"waits in {python[root].describe()}"

@@ -11,6 +11,7 @@ import os
 
 from ddpdoctor.analysis.failed.source import (
     assigned_names,
+    called,
     holding,
     loop_over,
     names,
@@ -22,29 +23,60 @@ from ddpdoctor.analysis.failed.source import (
 from ddpdoctor.analysis.failed.stacks import Frame
 
 
+def _made_at(path: str, line: int, op: str) -> tuple[ast.Name, ast.stmt] | None:
+    """(the name the call of ``op`` at ``line`` is given first, its assignment above the line in
+    the same function), or None."""
+    chain = holding(path, line)
+    scope = scope_of(path, chain)
+    stmts = [n for n in chain if isinstance(n, ast.stmt)]
+    if scope is None or not stmts:
+        return None
+    calls = [c for c in ast.walk(stmts[-1]) if isinstance(c, ast.Call) and c.args and called(c) == op]
+    if len(calls) != 1 or not isinstance(calls[0].args[0], ast.Name):
+        return None
+    arg = calls[0].args[0]
+    assignment = set_at(scope, arg, line)
+    return (arg, assignment) if assignment is not None else None
+
+
+# Calls whose result's length is set by the values in the data, not by the code: the same line
+# gives each rank a tensor of another size. What fixes the size, for the fix.
+DATA_SIZED = {
+    "bincount": "`bincount` returns as many counts as the largest value it saw plus one: pass "
+    "minlength=<the number of classes> so that every rank counts every class",
+    "unique": "`unique` returns the values each rank happens to hold: count over a fixed range "
+    "instead (bincount with minlength=<the number of values>)",
+    "nonzero": "`nonzero` returns as many indices as the rank's data has: reduce a fixed-size "
+    "mask or count instead, or pad to one length",
+    "masked_select": "`masked_select` returns as many values as the rank's mask selects: reduce a "
+    "fixed-size sum and count instead, or pad to one length",
+}
+
+
+def sized_by_data(path: str, line: int, op: str) -> str:
+    """What fixes the size of the tensor given to ``op`` at ``line``, where its assignment calls
+    one of ``DATA_SIZED`` without fixing the size (``minlength``); "" otherwise."""
+    found = _made_at(path, line, op)
+    if found is None:
+        return ""
+    for call in ast.walk(found[1]):
+        if not isinstance(call, ast.Call):
+            continue
+        name = called(call)
+        if name in DATA_SIZED and not any(k.arg == "minlength" for k in call.keywords):
+            return f"{DATA_SIZED[name]} ({os.path.basename(path)}:{found[1].lineno})."
+    return ""
+
+
 def tensor_made(path: str, line: int, op: str) -> str:
     """The assignment above ``line``, in its function, of the name the call of ``op`` there is
     given first, and the one ``return`` of the same-file function that assignment calls: "its
     tensor `prof` is made at train.py:133 (`prof = ink_profile(x)`), which returns
     `batch.mean(dim=(0, 1, 2))` (train.py:108)"."""
-    chain = holding(path, line)
-    scope = scope_of(path, chain)
-    stmts = [n for n in chain if isinstance(n, ast.stmt)]
-    if scope is None or not stmts:
+    found = _made_at(path, line, op)
+    if found is None:
         return ""
-    calls = [
-        c
-        for c in ast.walk(stmts[-1])
-        if isinstance(c, ast.Call)
-        and c.args
-        and (c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")) == op
-    ]
-    if len(calls) != 1 or not isinstance(calls[0].args[0], ast.Name):
-        return ""
-    arg = calls[0].args[0]
-    assignment = set_at(scope, arg, line)
-    if assignment is None:
-        return ""
+    arg, assignment = found
     file = os.path.basename(path)
     said = f"its tensor `{arg.id}` is made at {file}:{assignment.lineno} (`{statement(assignment)}`)"
     returned = returned_by(path, assignment)
@@ -93,6 +125,7 @@ def loop_data(stack: list[Frame]) -> str:
             read = names(value, read_only=True)
             made = [a for a in ast.walk(function) if isinstance(a, ast.stmt) and assigned_names(a) & read]
             inner = (function.name, sorted(made, key=lambda a: a.lineno) or [returned])
+            trail += _split_by_rank(scope, node, trail + inner[1])
         else:
             queue += [(n, node.lineno) for n in _read(getattr(node, "value", None))]
     if not trail:
@@ -104,6 +137,50 @@ def loop_data(stack: list[Frame]) -> str:
             f"{file}:{n.lineno} (`{statement(n)}`)" for n in inner[1]
         )
     return said
+
+
+def _split_by_rank(scope: ast.AST, via: ast.stmt, trail: list[ast.stmt]) -> list[ast.stmt]:
+    """Where no line of the trail reads the rank: the assignment of an argument ``via`` hands the
+    function it calls that does (`my_days = day_files[rank::world]`, then `load_days(my_days)`):
+    the line that gives each rank its own part, where the parts' sizes come from."""
+    ranks = _rank_names(scope)
+    if any(_reads_rank(n, ranks) for n in trail):
+        return []
+    calls = [c for c in ast.walk(via) if isinstance(c, ast.Call)]
+    args = [a for c in calls for a in [*c.args, *(k.value for k in c.keywords)]]
+    found: list[ast.stmt] = []
+    for name in _read(ast.Tuple(elts=args, ctx=ast.Load())):
+        node = set_at(scope, ast.Name(id=name, ctx=ast.Load()), via.lineno)
+        if node is not None and _reads_rank(node, ranks) and not any(node is n for n in trail + found):
+            found.append(node)
+    return found
+
+
+_RANKS = {"rank", "global_rank"}  # a rank by its usual name, as a parameter or a global
+
+
+def _rank_names(scope: ast.AST) -> set[str]:
+    """The names ``scope`` gives the rank: assigned from a ``get_rank()`` call (a tuple's own
+    element where several are assigned at once), and the usual names."""
+    out = set(_RANKS)
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        paired = isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+        pairs = zip(target.elts, value.elts, strict=False) if paired else [(target, value)]
+        for t, v in pairs:
+            if isinstance(t, ast.Name) and _calls(v, "get_rank"):
+                out.add(t.id)
+    return out
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    return any(isinstance(c, ast.Call) and called(c) == name for c in ast.walk(node))
+
+
+def _reads_rank(stmt: ast.AST, ranks: set[str]) -> bool:
+    return bool(set(_read(stmt)) & ranks) or _calls(stmt, "get_rank")
 
 
 def _read(node: ast.AST | None) -> list[str]:

@@ -11,13 +11,15 @@ earlier round made it."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from typing import Any
 
 from ddpdoctor.analysis.failed.order import FIX_REPEATED
 from ddpdoctor.analysis.failed.points import GRAD_ALLREDUCE, Ledger, Point
 from ddpdoctor.analysis.failed.rankonly import others_text
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.failed.source import if_holding
+from ddpdoctor.analysis.findings import Finding, rank_list
 
 Key = tuple[str, str]  # (op, site): one call of the program
 
@@ -84,6 +86,75 @@ def went_past(
         "branch on its own data, an exception caught) skipped it",
         fix=_fix(missed, [root]),
         details={**evidence, "root_rank": root, "place": missed.site, "went_past": missed.describe()},
+    )
+
+
+def went_past_schedule(
+    points: dict[int, Point], ledgers: dict[int, Ledger], waiting: list[int], evidence: dict[str, Any]
+) -> Finding | None:
+    """Ranks (``waiting``) in a call that every rank made at the same steps in each earlier round,
+    a fixed number of steps apart, now made again on that schedule, while the other ranks went on
+    to a later step without it: they went past it this time. Their rounds were as long as every
+    earlier one, so this is no rank running out of batches; the ``if`` that holds the call (from
+    the source) decided differently on them."""
+    calls = {_key(points[r]) for r in waiting}
+    went = {r: p for r, p in points.items() if r not in waiting}
+    if len(calls) != 1 or not went:
+        return None
+    call = points[waiting[0]]
+    if not call.site:
+        return None
+    key = calls.pop()
+    done = {
+        r: tuple(
+            p.step
+            for p in ledgers[r].points
+            if p.group == "WORLD" and 0 <= p.seq < call.seq and _key(p) == key and not _unfinished(p)
+        )
+        for r in points
+    }
+    steps = next(iter(done.values()))
+    if len(set(done.values())) != 1 or len(steps) < 2:
+        return None
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    period = gaps.pop() if len(gaps) == 1 else 0
+    due = steps[-1] + period
+    late = any(p.step <= due for p in went.values())
+    if period <= 0 or late or any(points[r].step != due for r in waiting):
+        return None
+    departed = sorted(went)
+    ranks = f"rank {departed[0]}" if len(departed) == 1 else f"ranks {', '.join(map(str, departed))}"
+    path, line = ledgers[waiting[0]].path_of(call.site)
+    test = if_holding(path, call.func, line) if path else None
+    shown = ", ".join(map(str, steps[:3])) + (f", ... {steps[-1]}" if len(steps) > 3 else "")
+    where = f" in {call.func}()" if call.func and not call.func.startswith("<") else ""
+    said = f"`{test[1]}` ({os.path.basename(path)}:{test[0]})" if test else ""
+    on = "; ".join(f"rank {r} went on to {p.describe()} without it" for r, p in sorted(went.items()))
+    fix = (
+        f"The test {said} decides on each rank's own values: decide it from values every rank "
+        "shares (all_reduce them first, e.g. the metric averaged over ranks), or make the "
+        f"{call.op}() at {call.site} on every rank, outside the `if`."
+        if said
+        else _fix(call, departed)
+    )
+    return Finding(
+        "rank_only_collective",
+        "error",
+        departed,
+        f"{ranks} went past the {call.op} at {call.site}{where} this time: in each of the {len(steps)} "
+        f"earlier rounds every rank made it after the same steps, every {period} steps (after steps "
+        f"{shown}); now {'rank' if len(waiting) == 1 else 'ranks'} {rank_list(waiting)} made it on "
+        f"schedule, after step {due} (#{call.seq}), while {on}"
+        + (f"; the {said} holding it decided differently on {ranks}" if said else "")
+        + ". Not uneven inputs: every round so far was as long on every rank",
+        fix=fix,
+        details={
+            **evidence,
+            "root_rank": departed[0] if len(departed) == 1 else None,
+            "place": call.site,
+            "went_past": call.describe(),
+            "every_steps": period,
+        },
     )
 
 
