@@ -209,6 +209,28 @@ def test_periodic_work_is_timed_once_not_once_per_bucket() -> None:
     assert f.details["ms_each"] == pytest.approx(40.0, rel=0.1)
 
 
+def test_periodic_work_compares_only_steps_every_rank_numbered_alike() -> None:
+    """Under a Join context the rank that ran out of batches shadows the others' last all-reduces
+    with no steps of its own, so its step 28 is another rank's step 40: the gradient buckets'
+    sequence numbers differ. Held-out set 25's healthy twin (28 and 40 batches an epoch) read as
+    "every 28 steps rank 0 spends 22 ms in its own code". Steps whose last buckets the ranks
+    numbered differently are not compared: here rank 1's beat after step 10 is left out, and one
+    late step is no beat."""
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.trace import schema
+    from ddpdoctor.trace.columns import Events
+    from ddpdoctor.trace.simulate import Slowdown, simulate_run
+
+    run = simulate_run(world=2, steps=40, slow=Slowdown(1, "backward", 40.0, {6, 15, 24, 33}))
+    ar = run.ranks[1].events[schema.ALLREDUCE]
+    steps = ar.step.tolist()
+    fields = [(f[0], f[1], f[2] + 100 * (s >= 10)) for f, s in zip(ar.fields, steps, strict=True)]
+    run.ranks[1].events[schema.ALLREDUCE] = Events(
+        np.asarray(ar.ts), np.asarray(ar.dur), np.asarray(steps), fields
+    )
+    assert [f for f in diagnose(run).findings if f.kind == "periodic_rank_work"] == []
+
+
 def test_periodic_lateness_spent_waiting_for_a_cpu_is_the_hosts_not_rank_only_work() -> None:
     """Late every 9th step only because the rank sat in the run queue (a crowded host) is not
     work of its own; late with some of it spent waiting still is, and says how much."""

@@ -111,14 +111,23 @@ def _most_common(values: np.ndarray) -> tuple[int, int]:
 
 def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
     """(ranks, (ranks, steps) µs each rank spent blocked in sync points per training step: the
-    gradient all-reduce's last bucket and every Python collective), over the steps all share."""
+    gradient all-reduce's last bucket and every Python collective), over the steps all share.
+
+    A step number names the same step on every rank only while their step counts keep pace:
+    under a Join context the rank that ran out of batches shadows the others' remaining
+    all-reduces without steps of its own, and its next step number is another rank's earlier
+    step. Where every rank's last gradient bucket of a step carries a sequence number and they
+    differ, the step is not one step across the ranks: its waits are left out (zero)."""
     ranks = sorted(run.ranks)
     waits: np.ndarray | None = None  # as long as the first rank's row; cut to the shortest
     n = 0
+    first: np.ndarray | None = None  # the first rank's last bucket's sequence number per step
+    apart: np.ndarray | None = None  # steps whose numbers differ from it on some rank
     for i, r in enumerate(ranks):
         trace = run.ranks[r]
         coll = trace.kind(schema.COLLECTIVE)
-        parts = [(coll.step, coll.dur), _last_buckets(trace)]
+        bucket_steps, bucket_durs, bucket_seqs = _last_buckets(trace)
+        parts = [(coll.step, coll.dur), (bucket_steps, bucket_durs)]
         steps = np.concatenate([p[0] for p in parts]).astype(np.int64)
         durs = np.concatenate([p[1] for p in parts]).astype(np.float64)
         keep = steps >= 0
@@ -127,11 +136,22 @@ def sync_waits(run: Run) -> tuple[list[int], np.ndarray] | None:
         row = np.bincount(steps[keep], weights=durs[keep])
         if waits is None:  # written in place, row by row: one matrix, not a list and its stack
             waits, n = np.empty((len(ranks), len(row))), len(row)
+            apart = np.zeros(len(row), dtype=bool)
         n = min(n, len(row))
         waits[i, :n] = row[:n]
-    if waits is None or n < MIN_STEPS:
+        seq = np.full(len(row), -1, dtype=np.int64)
+        known = bucket_steps >= 0
+        seq[bucket_steps[known]] = bucket_seqs[known]
+        if first is None:
+            first = seq
+        else:
+            m = min(len(first), len(seq), len(apart))
+            apart[:m] |= (seq[:m] != first[:m]) & (seq[:m] >= 0) & (first[:m] >= 0)
+    if waits is None or apart is None or n < MIN_STEPS:
         return None
-    return ranks, waits[:, :n]
+    waits = waits[:, :n]
+    waits[:, apart[:n]] = 0.0
+    return ranks, waits
 
 
 def own_cpu_wait(run: Run, ranks: list[int], row: int, steps: np.ndarray) -> np.ndarray:
@@ -142,13 +162,14 @@ def own_cpu_wait(run: Run, ranks: list[int], row: int, steps: np.ndarray) -> np.
     return np.clip(np.nan_to_num(cpu_wait_excess(delay, row), nan=0.0), 0.0, None)
 
 
-def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
-    """(step, µs) of each step's last gradient bucket: the one the step waits for. The buckets'
-    all-reduces overlap the backward and each other; summing them counts one wait many times."""
+def _last_buckets(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, µs, sequence number) of each step's last gradient bucket: the one the step waits
+    for. The buckets' all-reduces overlap the backward and each other; summing them counts one
+    wait many times."""
     ar = trace.kind(schema.ALLREDUCE)
     steps = ar.step
     last = last_buckets(steps, ar.ints(0, default=0))
-    return steps[last], ar.dur[last].astype(np.float64)
+    return steps[last], ar.dur[last].astype(np.float64), ar.ints(2, default=-1)[last].astype(np.int64)
 
 
 @detector
