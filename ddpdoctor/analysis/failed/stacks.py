@@ -125,7 +125,8 @@ def user_code(frames: list[Any]) -> str:
     user = next((f for f in reversed(frames) if is_user_frame(str(list(f)[0]))), None)
     if user is None or len(user) < 2 or not isinstance(user[1], int):
         return ""
-    return linecache.getline(str(user[0]), user[1]).split("#")[0].strip()
+    line = linecache.getline(str(user[0]), user[1]).strip()
+    return line.split("  #")[0] if not line.startswith("#") else ""  # an inline comment, PEP 8's way
 
 
 def recorded_place(frames: list[Any]) -> str:
