@@ -150,12 +150,16 @@ def main() -> int | None:
     dist.destroy_process_group()
     if not show:
         return None
-    if args.json:
+    show_result(result, args.json or args.child)  # a rank's result goes to the launcher whole
+    return None
+
+
+def show_result(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(result), flush=True)
-        return None
+        return
     for key, value in result.items():
         print(f"{key}: {value}")
-    return None
 
 
 def median_interval(diffs: list[float], draws: int = 1000) -> tuple[float, float]:
@@ -183,8 +187,8 @@ def batches(batch: int, width: int) -> Any:
 
 
 def launch(argv: list[str], quiet: bool) -> int:
-    """``--ranks 2``: this script as both ranks of a job under ``ddpdoctor run``; rank 0's lines
-    are printed, and the job's exit status returned."""
+    """``--ranks 2``: this script as both ranks of a job under ``ddpdoctor run``; rank 0's result
+    is shown, the doctor's run dir named, and the job's exit status returned."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -197,11 +201,12 @@ def launch(argv: list[str], quiet: bool) -> int:
         PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
     )
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{") or (": " in ln and not quiet)]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]  # rank 0's result
     if done.returncode != 0 or not lines:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         return done.returncode or 1
-    print("\n".join(lines[-1:] if quiet else lines))
+    show_result(json.loads(lines[-1]), quiet)
+    print(f"run dir: {out}", file=sys.stderr)
     return 0
 
 
