@@ -194,3 +194,25 @@ def test_last_bucket_of_each_step_whatever_the_layout() -> None:
             step, index = step[keep], index[keep]
         top = [np.flatnonzero((step == s) & (index == index[step == s].max()))[0] for s in np.unique(step)]
         assert last_buckets(step, index).tolist() == top
+
+
+def test_the_table_compares_only_steps_every_rank_numbered_alike() -> None:
+    """Under a Join context the rank that ran out of batches shadows the others' last all-reduces
+    with no steps of its own, so its step 28 is another rank's step 40: the gradient buckets'
+    sequence numbers differ. Steps whose last buckets the ranks numbered differently are not
+    one step across them and stay out of the straggler table, as out of the periodic rule."""
+    from ddpdoctor.analysis.slow.synctable import sync_table
+    from ddpdoctor.trace import schema
+    from ddpdoctor.trace.columns import Events
+
+    run = simulate_run(world=2, steps=40)
+    ar = run.ranks[1].events[schema.ALLREDUCE]
+    steps = ar.step.tolist()
+    fields = [(f[0], f[1], f[2] + 100 * (s >= 25)) for f, s in zip(ar.fields, steps, strict=True)]
+    run.ranks[1].events[schema.ALLREDUCE] = Events(
+        np.asarray(ar.ts), np.asarray(ar.dur), np.asarray(steps), fields
+    )
+    table = sync_table(run)
+    assert table is not None
+    assert table.steps.min() <= 2 and table.steps.max() == 24
+    assert sync_table(simulate_run(world=2, steps=40)).steps.max() == 39  # numbered alike: all kept

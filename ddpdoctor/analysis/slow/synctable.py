@@ -66,6 +66,7 @@ def _rank_rows(
         last = last_buckets(step, ar.ints(0, default=0))
         ready, has_ar = grid.put(step[last], ar.ts[last])
         last_dur, _ = grid.put(step[last], ar.dur[last])
+        seq, _ = grid.put(step[last], ar.ints(2, default=-1)[last] + 1.0)  # 0: not known
     prev_end, has_prev = np.roll(end, 1), np.roll(has_bwd, 1)
     has_prev[0] = False  # the step before the grid
     waits, opt = trace.kind(schema.DATA_WAIT), trace.kind(schema.OPTIMIZER)
@@ -78,6 +79,7 @@ def _rank_rows(
     parts["other"] = np.maximum(0.0, (ready - prev_end) - sum(parts.values()))
     parts["last_dur"] = last_dur
     parts["cpu_wait"] = cpu_wait(trace, grid)
+    parts["seq"] = np.zeros(grid.n) if untimed else seq
     return has_fwd & has_bwd & has_prev & has_ar, parts
 
 
@@ -85,7 +87,13 @@ def sync_table(run: Run) -> SyncTable | None:
     """Lateness and phase split for every step all ranks share; None without bucket timings.
 
     The (ranks, steps) matrices are float32 (µs: exact below 16 s): at 1,024 ranks x 10,000
-    steps each is 40 MB. Ranks are folded in one at a time, so nothing per rank is kept."""
+    steps each is 40 MB. Ranks are folded in one at a time, so nothing per rank is kept.
+
+    A step number names the same step on every rank only while their step counts keep pace:
+    under a Join context the rank that ran out of batches shadows the others' remaining
+    all-reduces without steps of its own, and its next step number is another rank's earlier
+    step. A step whose last gradient bucket the ranks numbered differently (its all-reduce's
+    sequence number) is not one step across them, and is left out of the table."""
     run = device_timed(run)  # device spans when the ranks recorded them
     ranks = sorted(run.ranks)
     if len(ranks) < 2:
@@ -95,6 +103,7 @@ def sync_table(run: Run) -> SyncTable | None:
     matrices = {name: np.empty((len(ranks), grid.n), np.float32) for name in (*PHASES, "last_dur")}
     waits = None  # cpu_wait, allocated at the first rank whose kernel said (NaN rows before it)
     common = np.ones(grid.n, bool)
+    first_seq: np.ndarray | None = None  # the first rank's last bucket's number, + 1, per step
     # Buckets untimed on some rank (DDPDOCTOR_BUCKET_TIMING): every rank's arrival is then
     # taken at the start of its backward, so that all are measured alike; a rank slow inside
     # its backward is not seen.
@@ -105,6 +114,11 @@ def sync_table(run: Run) -> SyncTable | None:
             return None
         complete, values = rows
         common &= complete
+        seq = values["seq"]
+        if first_seq is None:
+            first_seq = seq
+        else:
+            common &= (seq == first_seq) | (seq == 0) | (first_seq == 0)
         for name, m in matrices.items():
             m[i] = values[name]
         if waits is None and not np.isnan(values["cpu_wait"]).all():
