@@ -357,6 +357,16 @@ def test_the_overhead_benchmark_says_unresolved_when_its_trials_spread_past_the_
     assert ratio_interval([1.0], [1.0]) is None and verdict(None, 1.03) is None
 
 
+def test_the_overhead_benchmark_accounts_a_step_by_its_events_and_its_writer_thread() -> None:
+    """Where the A/B cannot resolve a 64 ms step, the benchmark adds up its parts: 5 events at
+    2 µs and a writer thread at 0.3 % of a core cost a 64 ms step 0.0156 % plus 0.3 %."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from overhead import accounted_ratio
+
+    assert accounted_ratio(5, 2.0, 0.003, 64_000.0) == pytest.approx(1.0 + 10 / 64_000 + 0.003)
+    assert accounted_ratio(5, 2.0, 0.0, 1_000.0) == pytest.approx(1.01)  # a tiny step: the events
+
+
 def test_the_gap_benchmark_times_recorded_and_plain_calls_at_each_gap() -> None:
     """benchmarks/per_event_gap.py runs as documented and prints one JSON object: a row per gap,
     whose plain call takes at least the busy wait before it."""
