@@ -244,6 +244,20 @@ def test_a_straggler_with_larger_batches_is_told_so_with_the_samplers_fix(tmp_pa
     assert (sizes["elements"], sizes["others"]) == (8 * 1024 * 64 + 8, 8 * 4 * 64 + 8)  # inputs, labels
     assert f"its batches are {sizes['ratio']:.1f}x larger" in f["summary"] and sizes["ratio"] > 250
     assert f["fix"].startswith("Its batches hold more")
+    assert "in the first batches of each pass" in f["summary"]
+
+
+def test_a_straggler_whose_loop_makes_its_own_larger_batches_is_told_so_too(tmp_path: Path) -> None:
+    """The same job with no DataLoader (the loop cuts each rank's shard itself): the DDP forward
+    probe counts its inputs at sampled steps, so the finding still says the batches differ."""
+    code, found = findings(tmp_path, "longer", "1024", "--steps=60", "--own-batches", script="straggler.py")
+    assert code == 0
+    (f,) = serious(found)
+    assert (f["kind"], f["ranks"]) == ("straggler", [1]) and f["details"]["phase"] in ("forward", "backward")
+    sizes = f["details"]["batch_elements"]
+    assert (sizes["elements"], sizes["others"]) == (8 * 1024 * 64, 8 * 4 * 64)  # the forward's input
+    assert "in its forwards' inputs at sampled steps" in f["summary"]
+    assert f["fix"].startswith("Its batches hold more")
 
 
 @pytest.mark.parametrize("job", ["healthy", "counted_train", "straggler_none"])

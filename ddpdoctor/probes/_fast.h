@@ -71,7 +71,8 @@ typedef union {
     X(events, "events recorded so far: the counter liveness watches move")             \
     X(last_step_ns, "entry of the last training forward")                              \
     X(max_step_ns, "the slowest step seen")                                            \
-    X(optimizer_t0, "the running optimizer step's start, 0 when none")
+    X(optimizer_t0, "the running optimizer step's start, 0 when none")                 \
+    X(inputs_at, "the next training step whose inputs the Python path counts (data.py)")
 #define STATE_OBJECTS(X)                                                               \
     X(disabled, "the probes switched off")                                             \
     X(writer, "the trace writer")                                                      \

@@ -172,6 +172,11 @@ static PyObject *forward_call(DdpProbe *self, PyObject *const *argv, size_t narg
     int train = training ? PyObject_IsTrue(training) : -1;
     Py_XDECREF(training);
     if (train < 0) goto broken;
+    if (grad && state == pace && s->step + 1 >= s->inputs_at) { /* a step whose inputs are counted */
+        int accumulating = PyObject_IsTrue(s->accumulating);
+        if (accumulating < 0) goto broken;
+        if (!accumulating) goto slow;
+    }
 
     /* Nothing unusual: the step's bookkeeping, as the Python path does it. */
     int new_step = 0;

@@ -54,6 +54,7 @@ class Collector(_State):
         # next micro-batch (gradient accumulation), not a new step.
         self.accumulating = False
         self.optimizer_t0 = 0
+        self.inputs_at = 0  # the next training step whose forward inputs are counted (data.py)
         self.optimizer_outer: Any = None  # weakref to the optimizer whose step began (optimizer.py)
         self.in_bucket_hook = False  # inside a gradient bucket's comm hook (ddp.py)
         self.native: list[Any] = []  # model states whose buckets the C++ timer times (commhook.py)

@@ -23,6 +23,7 @@ _PASSES = "_ddpdoctor_passes"  # on the DataLoader: passes begun so far
 _PASS = "_ddpdoctor_pass"  # on the iterator: (pass number, batches given so far)
 DIGESTED = 2  # first batches of each pass digested: enough to tell orders and ranks apart
 SAMPLE = 4096  # elements of each tensor hashed, evenly spaced: microseconds, whatever its size
+VISITS = 512  # objects a digest looks at, nested lists of lists included
 _NEXT = LivePhase.DATA.op
 _SITE = "_ddpdoctor_site"  # on a DistributedSampler: the user's line that created it
 _SET_EPOCH = "_ddpdoctor_set_epoch"  # on it: (set_epoch calls, the last call's line)
@@ -120,23 +121,40 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return __iter__
 
 
-def digest(batch: Any) -> tuple[str | None, int]:
+# Training steps whose forward inputs are counted (``count_inputs``): the first few, then one
+# in every INPUT_EVERY, so that a job that makes its own batches (no DataLoader) still says how
+# much each rank's steps held, at a Python path's cost once in 64 steps.
+INPUT_SAMPLES = 8
+INPUT_EVERY = 64
+
+
+def count_inputs(c: Any, inputs: tuple, kwargs: dict) -> None:
+    """Record the tensor elements a training forward's inputs hold (the DDP forward probe calls
+    this at step ``c.inputs_at``, which the C path reads to come here) and the next step due."""
+    step = c.step
+    c.inputs_at = step + 1 if step + 1 < INPUT_SAMPLES else (step // INPUT_EVERY + 1) * INPUT_EVERY
+    c.meta(schema.INPUTS, {"elements": digest((inputs, kwargs), hashed=False)[1]})
+
+
+def digest(batch: Any, hashed: bool = True) -> tuple[str | None, int]:
     """(a short hash of what a batch holds, its tensors' elements). The hash: each CPU tensor's
     dtype, shape and up to ``SAMPLE`` evenly spaced elements, and plain values (labels, paths);
     two ranks that read the same samples in the same order get the same digest; None when
-    nothing in it can be read without a device sync (tensors already on a GPU). The elements
-    say how much work the batch is (sequence lengths, image sizes that differ by rank)."""
+    nothing in it can be read without a device sync (tensors already on a GPU), or not
+    ``hashed``. The elements say how much work the batch is (sequence lengths, image sizes that
+    differ by rank)."""
     import torch
 
     h = hashlib.blake2b(digest_size=8)
-    seen = [0, 0]  # values hashed, tensor elements
+    seen = [0, 0, 0]  # values hashed, tensor elements, objects visited
 
     def visit(x: Any, depth: int) -> None:
-        if depth > 4 or seen[0] > 32:
+        if depth > 4 or seen[0] > 32 or seen[2] > VISITS:
             return
+        seen[2] += 1
         if isinstance(x, torch.Tensor):
             seen[1] += x.numel()
-            if x.device.type != "cpu" or x.is_sparse:
+            if x.device.type != "cpu" or x.is_sparse or not hashed:
                 return
             flat = x.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous()
@@ -150,7 +168,7 @@ def digest(batch: Any) -> tuple[str | None, int]:
         elif isinstance(x, (list, tuple)):
             for item in x[:64]:
                 visit(item, depth + 1)
-        elif isinstance(x, (str, bytes, int, float, bool)):
+        elif isinstance(x, (str, bytes, int, float, bool)) and hashed:
             h.update(repr(x)[:256].encode())
             seen[0] += 1
 

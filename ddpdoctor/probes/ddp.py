@@ -14,6 +14,7 @@ from ddpdoctor.probes import cuda_timing as _ct
 from ddpdoctor.probes import fingerprint as _fp
 from ddpdoctor.probes.collectives import group_info
 from ddpdoctor.probes.cpuwait import run_queue_us
+from ddpdoctor.probes.data import count_inputs
 from ddpdoctor.probes.ddp_model import STATE, ModelState, state_of
 from ddpdoctor.probes.patching import patch
 from ddpdoctor.trace import schema
@@ -151,6 +152,8 @@ def _wrap_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
                 c.step_model = state
                 if state is not None and not state.timer_registered and not state.untimed:
                     commhook.at_forward(self, state, c)
+                if new_step and c.step >= c.inputs_at:  # a sampled step: what its inputs hold
+                    count_inputs(c, inputs, kwargs)
             if state is not None:  # the model's group: looked up once, its number read now
                 if state.group_named is None:
                     state.group_named = group_info(state.group, c)[:3]

@@ -207,6 +207,7 @@ HEADER = "header"
 BUCKET = "bucket"
 LOADER = "loader"
 BATCHES = "batches"  # digests of a DataLoader pass's first batches: what the rank actually read
+INPUTS = "inputs"  # {elements}: tensor elements a training forward's inputs held, sampled steps
 SET_EPOCH = "set_epoch"  # a DistributedSampler's set_epoch: which sampler, the epoch, the line
 COMM_HOOK = "comm_hook"
 UNUSED = "unused"
@@ -350,7 +351,7 @@ META_KINDS = frozenset(
         CLOCK,
     )
     + (RANK_ERROR, LOAD_STATE, INPLACE, FINGERPRINT, OPT_SETTINGS, RAISED, SYNC_LOG, SIGNATURE, ENTERED)
-    + (SET_EPOCH,)
+    + (SET_EPOCH, INPUTS)
 )
 
 

@@ -2,7 +2,9 @@
 samples are sequences of DELAY rows where the others' are 4 (a sampler that deals the long
 sequences to one rank: more work per step, no sleep).
 
-Usage: straggler.py {none|data|forward|other|longer} DELAY_MS [--steps N] [--slow RANK]
+``--own-batches``: the loop cuts its batches from the rank's shard itself, no DataLoader.
+
+Usage: straggler.py {none|data|forward|other|longer} DELAY_MS [--steps N] [--slow RANK] [--own-batches]
 """
 
 import argparse
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("delay_ms", type=float)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--slow", type=int, default=1)
+    p.add_argument("--own-batches", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     slow = dist.get_rank() == args.slow
@@ -55,6 +58,12 @@ def main() -> None:
     rows = (int(args.delay_ms) if slow else 4) if args.kind == "longer" else 0
     data = Data(batch * args.steps * dist.get_world_size(), delay / batch if args.kind == "data" else 0, rows)
     loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0))
+    if args.own_batches:  # this rank's contiguous shard, batch by batch
+        start = dist.get_rank() * batch * args.steps
+        loader = [
+            (data.x[i : i + batch], data.y[i : i + batch])
+            for i in range(start, start + batch * args.steps, batch)
+        ]
     model = DDP(Net(delay if args.kind == "forward" else 0.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, y in loader:

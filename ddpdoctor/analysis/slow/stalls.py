@@ -8,6 +8,8 @@ now and then rather than on most steps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ddpdoctor.analysis.misuse.usage import training_loaders
@@ -35,20 +37,35 @@ LARGER_FIX = (
 )
 
 
-def larger_batches(run: Run, rank: int) -> dict[str, float] | None:
-    """The rank's batches against the others', in tensor elements, from the first batches of
-    each DataLoader pass (the data probe counts them): when every one of its batches was larger
+# Where a rank's batch sizes were counted: a DataLoader pass's first batches (the data probe),
+# or the inputs of sampled training forwards (the DDP forward probe), which a job that makes
+# its own batches has too.
+COUNTED = {
+    schema.BATCHES: "in the first batches of each pass",
+    schema.INPUTS: "in its forwards' inputs at sampled steps",
+}
+
+
+def larger_batches(run: Run, rank: int) -> dict[str, Any] | None:
+    """The rank's batches against the others', in tensor elements (``COUNTED``: the DataLoader's
+    where it has them, else the forwards' inputs): when every one of its batches was larger
     than every batch of the others, by ``LARGER`` on average. None otherwise or unrecorded."""
-    sizes: dict[int, list[int]] = {}
-    for r, trace in run.ranks.items():
-        sizes[r] = [int(i["elements"]) for _, _, i in trace.meta.get(schema.BATCHES, []) if i.get("elements")]
-    mine, theirs = sizes.pop(rank, []), [n for v in sizes.values() for n in v]
-    if not mine or not theirs or min(mine) <= max(theirs):
-        return None
-    ratio = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs))
-    if ratio < LARGER:
-        return None
-    return {"elements": sum(mine) / len(mine), "others": sum(theirs) / len(theirs), "ratio": round(ratio, 2)}
+    for kind, where in COUNTED.items():
+        sizes: dict[int, list[int]] = {}
+        for r, trace in run.ranks.items():
+            sizes[r] = [int(i["elements"]) for _, _, i in trace.meta.get(kind, []) if i.get("elements")]
+        mine, theirs = sizes.pop(rank, []), [n for v in sizes.values() for n in v]
+        if not mine or not theirs or min(mine) <= max(theirs):
+            continue
+        ratio = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs))
+        if ratio >= LARGER:
+            return {
+                "elements": sum(mine) / len(mine),
+                "others": sum(theirs) / len(theirs),
+                "ratio": round(ratio, 2),
+                "counted": where,
+            }
+    return None
 
 
 def training_span_us(run: Run, steps: np.ndarray) -> float:

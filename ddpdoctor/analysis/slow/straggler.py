@@ -251,7 +251,7 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 details["batch_elements"] = bigger
                 larger = (
                     f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
-                    f"elements vs {bigger['others']:,.0f} on the others, in the first batches of each pass)"
+                    f"elements vs {bigger['others']:,.0f} on the others, {bigger['counted']})"
                 )
             found = straggler_line(run, rank)
             if found is not None:
