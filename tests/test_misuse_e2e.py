@@ -258,6 +258,10 @@ def test_a_straggler_whose_loop_makes_its_own_larger_batches_is_told_so_too(tmp_
     assert (sizes["elements"], sizes["others"]) == (8 * 1024 * 64, 8 * 4 * 64)  # the forward's input
     assert "in its forwards' inputs at sampled steps" in f["summary"]
     assert f["fix"].startswith("Its batches hold more")
+    text = (JOBS / "straggler.py").read_text().splitlines()
+    cut = next(i for i, t in enumerate(text, 1) if "loader = [" in t)  # from `start`, the rank's
+    assert f["details"]["place"] == f"straggler.py:{cut}"  # where the loop's batches are cut by rank
+    assert f"Each rank's share is cut at straggler.py:{cut}." in f["fix"]
 
 
 @pytest.mark.parametrize("job", ["healthy", "counted_train", "straggler_none"])

@@ -940,6 +940,35 @@ def test_the_trail_of_uneven_data_reaches_the_line_that_split_it_by_rank(tmp_pat
     assert "kws.py:8 (`shard = shard_manifest(manifest, rank, world)`) made, and" in whole, whole
 
 
+SORTED = """\
+def main(rank, world, sessions, model):
+    sessions = sorted(sessions, key=len)
+    per_rank = len(sessions) // world
+    mine = sessions[rank * per_rank : (rank + 1) * per_rank]
+    buckets = make_buckets(len(mine))
+    for b in buckets:
+        padded, lengths = collate(mine, b)
+        out = model(padded, lengths)
+    for x in loader:
+        model(x)
+"""
+
+
+def test_a_forwards_inputs_are_followed_back_to_the_line_that_cut_them_by_rank(tmp_path: Path) -> None:
+    """Held-out set 25's clickstream straggler: sessions sorted by length, then each rank a
+    contiguous slice. From the forward's line through `padded` and `mine` to the slice that
+    reads the rank (not through the loop over bucket indices, which does not); a forward whose
+    inputs no line of its function cuts by rank (a DistributedSampler's loader) names none."""
+    from ddpdoctor.analysis.failed.made import rank_split_feeding
+
+    path = str(tmp_path / "clicks.py")
+    Path(path).write_text(SORTED)
+    said = rank_split_feeding(path, 8)
+    assert said == "clicks.py:4 (`mine = sessions[rank * per_rank:(rank + 1) * per_rank]`)", said
+    assert rank_split_feeding(path, 10) == ""
+    assert rank_split_feeding(str(tmp_path / "gone.py"), 8) == ""
+
+
 COUNTS = """\
 import torch
 

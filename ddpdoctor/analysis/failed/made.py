@@ -1,8 +1,9 @@
 """Where what the ranks disagree on was made, read from the user's script: the tensor of a
 collective the ranks call from one line with different sizes (the size was set where it got its
 value, not at the call: a batch's padded width, a count of the rank's own items), and the data of
-a loop one rank ran out of before the others (its shard was built that way). Parsed, never run;
-"" where the source cannot say (no file, an expression made in the call, a name never assigned)."""
+a loop one rank ran out of before the others (its shard was built that way), and the inputs of
+a forward that are larger on one rank. Parsed, never run; "" where the source cannot say (no
+file, an expression made in the call, a name never assigned)."""
 
 from __future__ import annotations
 
@@ -137,6 +138,51 @@ def loop_data(stack: list[Frame]) -> str:
             f"{file}:{n.lineno} (`{statement(n)}`)" for n in inner[1]
         )
     return said
+
+
+def rank_split_feeding(path: str, line: int) -> str:
+    """Where each rank's own part of what the statement at ``path:line`` reads was cut: its
+    names followed back through the assignments of its function (and the loop headers that set
+    them), a few steps, to the first line that reads the rank. "train.py:104 (`my_sessions =
+    sessions[rank * n:(rank + 1) * n]`)" for a forward whose inputs are larger on one rank;
+    "" where no such line is in reach (a DistributedSampler reads the rank in torch)."""
+    chain = holding(path, line)
+    stmts = [n for n in chain if isinstance(n, ast.stmt)]
+    scope = scope_of(path, chain)
+    if not stmts or scope is None:
+        return ""
+    ranks = _rank_names(scope)
+    loops = [n for n in chain if isinstance(n, (ast.For, ast.AsyncFor))]
+    queue, seen = [(name, line) for name in _passed(stmts[-1])], set()
+    while queue and len(seen) < _MAX_STEPS * 2:
+        name, before = queue.pop(0)
+        node = set_at(scope, ast.Name(id=name, ctx=ast.Load()), before)
+        if node is None:  # a loop's target: what the loop iterates
+            held = [lp for lp in reversed(loops) if name in names(lp.target) and lp.lineno <= before]
+            node = held[0] if held else None
+            value = getattr(node, "iter", None)
+        else:
+            value = getattr(node, "value", None)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if value is not None and _reads_rank(value, ranks):
+            return f"{os.path.basename(path)}:{node.lineno} (`{statement(node)}`)"
+        queue += [(n, node.lineno) for n in _passed(value)]
+    return ""
+
+
+def _passed(node: ast.AST | None) -> list[str]:
+    """``_read`` without what is called: the data a line hands on, not the model or the
+    function it calls (`model(x)` reads `x`; `model` was made by other lines)."""
+    callees = set()
+    for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)) if node is not None else ():
+        root = call.func
+        while isinstance(root, ast.Attribute):  # `nn.functional.cross_entropy`: nn
+            root = root.value
+        if isinstance(root, ast.Name):
+            callees.add(root.id)
+    return [n for n in _read(node) if n not in callees]
 
 
 def _split_by_rank(scope: ast.AST, via: ast.stmt, trail: list[ast.stmt]) -> list[ast.stmt]:

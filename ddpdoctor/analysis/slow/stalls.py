@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpdoctor.analysis.failed.made import rank_split_feeding
 from ddpdoctor.analysis.misuse.usage import training_loaders
 from ddpdoctor.analysis.slow.phases import training_forwards
 from ddpdoctor.trace import schema
@@ -66,6 +67,22 @@ def larger_batches(run: Run, rank: int) -> dict[str, Any] | None:
                 "counted": where,
             }
     return None
+
+
+def inputs_cut_at(run: Run, rank: int) -> str:
+    """Where the rank's forward inputs were cut by rank (``made.rank_split_feeding``), from the
+    line that called most of its training forwards; "" where the source does not say."""
+    trace = run.ranks.get(rank)
+    fwd = training_forwards(trace) if trace is not None else None
+    ids = fwd.ints(3, default=-1) if fwd is not None and len(fwd) else np.zeros(0, np.int64)
+    ids = ids[ids >= 0]
+    if trace is None or not len(ids):
+        return ""
+    site = int(np.bincount(ids).argmax())
+    info = next((i for _, _, i in trace.meta.get(schema.SITE, []) if i.get("id") == site), None)
+    if info is None or not isinstance(info.get("line"), int):
+        return ""
+    return rank_split_feeding(str(info.get("file")), info["line"])
 
 
 def training_span_us(run: Run, steps: np.ndarray) -> float:

@@ -19,6 +19,7 @@ from ddpdoctor.analysis.slow.stalls import (
     LARGER_FIX,
     OTHER_LOADER_FIX,
     costliest,
+    inputs_cut_at,
     larger_batches,
     other_loader,
     training_span_us,
@@ -246,13 +247,17 @@ def stragglers(run: Run) -> Iterable[Finding]:
             fix = _CPU_FIX if starved else OTHER_LOADER_FIX if reading else _FIX[phase]
             details["lost_s"] = round(lost_s, 3)
             bigger = larger_batches(run, rank) if phase in ("forward", "backward") and not starved else None
-            larger = ""
+            larger, cut = "", ""
             if bigger is not None:
                 details["batch_elements"] = bigger
                 larger = (
                     f"; its batches are {bigger['ratio']:.1f}x larger ({bigger['elements']:,.0f} tensor "
                     f"elements vs {bigger['others']:,.0f} on the others, {bigger['counted']})"
                 )
+                cut = inputs_cut_at(run, rank)
+                if cut:
+                    details["place"] = cut.split(" ")[0]
+                    larger += f", its inputs cut by rank at {cut}"
             found = straggler_line(run, rank)
             if found is not None:
                 details["where"] = found
@@ -265,7 +270,9 @@ def stragglers(run: Run) -> Iterable[Finding]:
                 f"steps, {excess_ms:.1f} ms late (of a {step_ms:.1f} ms step{starving}), mostly in "
                 f"{went}{larger}{line_text(found) if found else ''}; the "
                 f"job would run {speedup:.2f}x faster if it kept up{_small(lost_s)}",
-                fix=LARGER_FIX + fix if larger else fix,
+                fix=LARGER_FIX + (f"Each rank's share is cut at {cut.split(' ')[0]}. " if cut else "") + fix
+                if larger
+                else fix,
                 details=details,
             )
         elif n_late >= 2:
