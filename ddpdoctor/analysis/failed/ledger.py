@@ -46,6 +46,13 @@ def sites_of(trace: RankTrace) -> dict[int, str]:
     }
 
 
+def recorded_files(run: Run) -> list[str]:
+    """The user's files the ranks recorded lines in (call sites), where they are on disk: the
+    scripts a finding may read for the line that did what the trace shows."""
+    files = {str(i.get("file")) for t in run.ranks.values() for _, _, i in t.meta.get(schema.SITE, [])}
+    return sorted(f for f in files if os.path.isfile(f))
+
+
 def _in_flight(run: Run, rank: int, ledger: Ledger) -> tuple[Point | None, str]:
     """The sync point a rank was inside when the last hang was recorded, and its stack's place.
     None inside a DDP pass whose stack shows the user's own code running there (a hook, an

@@ -16,7 +16,6 @@ statistics with ``broadcast_buffers=False`` differ by design (a note).
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -36,8 +35,13 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     when_checked,
     written_in_place,
 )
-from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at, wrapped_file
-from ddpdoctor.analysis.misuse.wrote import written_later, wrote_after_wrapping
+from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at
+from ddpdoctor.analysis.misuse.wrote import (
+    in_forward,
+    in_script_after,
+    in_script_after_wrapping,
+    in_script_later,
+)
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
 
@@ -232,9 +236,14 @@ def _weights(
         owners = sorted({f"{n} ({edited[n]})" if edited[n] else n for n in (d.name for d in found)})
         why = "the forward changes them in place, each rank by its own batch (the model's first "
         why += f"forward moved the version counter of {', '.join(owners)})"
+        if (wrote := in_forward(run, {d.name: edited[d.name] for d in found})) is not None:
+            place, said = wrote
+            why += f"; the script does it at {said}"
+            fix = f"Start at {said}. " + fix
     elif not opt_odd and not skipped and (setting := settings.first_difference(run, head.first[0])):
         cause, fix, why = "optimizer_settings_differ", settings.FIX, setting.text()
         place = setting.place
+        fix = f"Start at {place}. {fix}" if setting.written else fix
         odd = odd_ranks([ranks for _, ranks in setting.by_value], set())
     elif (grads := grads_written(series, found)) is not None:
         odd, key = sorted(grads[0]), grads[1]
@@ -255,7 +264,7 @@ def _weights(
             why += (
                 f" (rank(s) {rank_list(odd)}: the version counters moved beyond the optimizer step, {moves})"
             )
-        if (wrote := _wrote(run, model, [d.name for d in found])) is not None:
+        if (wrote := in_script_after_wrapping(run, model, [d.name for d in found])) is not None:
             place, text = wrote
             why += f"; the script writes them after wrapping: {text}"
     elif opt_odd:
@@ -287,9 +296,13 @@ def _weights(
                 f"way {counters}: writes each rank decided alone (a reset, a re-draw or a rollback "
                 "decided on its own data)"
             )
-        if (later := _written_later(run, model)) is not None:
+        if (later := in_script_later(run, model)) is not None:
             place, lines = later
             why += f"; the script writes them under a condition at {lines}"
+            fix = f"Start at {lines}. " + fix
+        elif (later := in_script_after(run, model, [d.name for d in found])) is not None:
+            place, lines = later
+            why += f"; the script writes them at {lines}"
             fix = f"Start at {lines}. " + fix
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT
@@ -345,37 +358,6 @@ def _weights(
             "ranks_by_value": head.groups,
         },
     )
-
-
-def _written_later(run: Run, model: int) -> tuple[str, str] | None:
-    """(file:line, "f:L (`code`, under `if ...:`, writing at f:L), ...") of the statements after the model's
-    wrapping that write its weights under a condition (``wrote.written_later``), at most three."""
-    owner, models = builder(run), ddp_models(run)
-    where = wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
-    found = written_later(*where)[:_SHOWN] if where is not None else []
-    if not found or where is None:
-        return None
-    name = os.path.basename(where[0])
-    said = [
-        f"{name}:{w.line} (`{w.code}`{f', under `{w.under[1]}`' if w.under else ''}"
-        f"{f', writing at {name}:{w.write[0]}' if w.write else ''})"
-        for w in found
-    ]
-    return f"{name}:{found[0].line}", ", ".join(said)
-
-
-_SHOWN = 3
-
-
-def _wrote(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
-    """(file:line, what it is) of the one statement after the model's wrapping, in the script,
-    that writes ``names`` (``wrote.py``)."""
-    owner, models = builder(run), ddp_models(run)
-    where = wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
-    found = wrote_after_wrapping(*where, names) if where is not None else None
-    if found is None or where is None:
-        return None
-    return f"{os.path.basename(where[0])}:{found.line}", found.text(*where)
 
 
 def _unreduced(run: Run, step: int) -> bool:

@@ -8,11 +8,14 @@ this as the cause of weights that differ when it came first."""
 
 from __future__ import annotations
 
+import ast
 import bisect
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from ddpdoctor.analysis.failed.ledger import sites_of
+from ddpdoctor.analysis.failed.ledger import recorded_files, sites_of
+from ddpdoctor.analysis.failed.source import called, holding, parsed, scope_of, statement
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -39,14 +42,17 @@ class SettingDiffers:
     step: int
     equal_step: int | None  # the last check before where every rank's settings were equal
     by_value: list[tuple[Any, list[int]]]  # (value, ranks), most ranks first
-    place: str  # file:line of the scheduler step that changed it on some rank, or ""
+    place: str  # file:line of the scheduler step that changed it on some rank, or of ``written``
+    written: str = ""  # no scheduler step did: the script's lines that set it, or ""
 
     def text(self) -> str:
         values = ", ".join(f"{v!r} on rank(s) {rank_list(r)}" for v, r in self.by_value)
         equal = f"; the same on every rank at step {self.equal_step}" if self.equal_step is not None else ""
         what = WORDS.get(self.name, self.name) + (f" of param group {self.group}" if self.group else "")
         where = (
-            f", changed by the scheduler step at {self.place}"
+            f" (no scheduler step on record changed it: {self.written})"
+            if self.written
+            else f", changed by the scheduler step at {self.place}"
             if self.place
             else " (no scheduler step on record changed it: set when the optimizer was built, or "
             "written into its param_groups)"
@@ -89,7 +95,11 @@ def first_difference(run: Run, up_to: int) -> SettingDiffers | None:
             if found is not None:
                 group, name, by_value = found
                 label = types[key] + (f" (optimizer #{key})" if len(types) > 1 else "")
-                return SettingDiffers(label, group, name, step, equal, by_value, _place(run, key, step))
+                place = _place(run, key, step)
+                found = SettingDiffers(label, group, name, step, equal, by_value, place)
+                if not place:
+                    found.place, found.written = set_in_script(run, types[key], name, equal is None)
+                return found
         equal = step
     return None
 
@@ -153,3 +163,83 @@ def _differs(now: dict[int, list]) -> tuple[int, str, list[tuple[Any, list[int]]
             if len(by) > 1:
                 return g, name, sorted(by.values(), key=lambda vr: (-len(vr[1]), vr[1]))
     return None
+
+
+def set_in_script(run: Run, optimizer: str, name: str, from_start: bool) -> tuple[str, str]:
+    """(file:line, what they are) of the lines of the user's scripts that set optimizer setting
+    ``name`` where no scheduler step did: the writes into a param group (`group["lr"] = lr` in a
+    loop over ``param_groups``, `opt.param_groups[0]["lr"] *= 0.5`), or, where the ranks
+    differed from the first check on (``from_start``) and no such write is there, the keyword
+    that gave it to the ``optimizer``'s constructor (`SGD(..., weight_decay=wd / n)`) and what
+    changed its value under an ``if`` on the rank. Read from the files the ranks' recorded lines
+    are in; ("", "") where none says, or more than ``_SHOWN`` lines do."""
+    writes: list[tuple[str, int, str]] = []
+    given: list[tuple[str, int, str]] = []
+    for path in recorded_files(run):
+        tree = parsed(path)
+        if tree is None:
+            continue
+        groups = {  # names that hold a param group: `for g in opt.param_groups:`
+            t.id
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.For, ast.comprehension)) and "param_groups" in ast.unparse(n.iter)
+            for t in ast.walk(n.target)
+            if isinstance(t, ast.Name)
+        }
+        for n in ast.walk(tree):
+            for t in _targets(n):
+                key = getattr(t, "slice", None)
+                if not (isinstance(t, ast.Subscript) and isinstance(key, ast.Constant) and key.value == name):
+                    continue
+                held = isinstance(t.value, ast.Name) and t.value.id in groups
+                if held or "param_groups" in ast.unparse(t.value):
+                    writes.append((path, n.lineno, statement(n)))
+            if isinstance(n, ast.Call) and called(n) == optimizer:
+                for k in (k for k in n.keywords if k.arg == name):
+                    given.append((path, k.value.lineno, f"{name}={ast.unparse(k.value)}"))
+                    given += _set_by_rank(path, k.value)
+    found, how = (
+        (given, f"given to {optimizer}() at") if from_start and not writes else (writes, "written at")
+    )
+    if not found or len(found) > _SHOWN:
+        return "", ""
+    lines = ", ".join(f"{os.path.basename(p)}:{line} (`{code}`)" for p, line, code in found)
+    first = found[-1] if "under `if" in found[-1][2] else found[0]  # the rank's own decision first
+    return f"{os.path.basename(first[0])}:{first[1]}", f"{how} {lines}"
+
+
+_SHOWN = 3
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+
+
+def _set_by_rank(path: str, value: ast.AST) -> list[tuple[str, int, str]]:
+    """The first statement above ``value`` in its function that changes a name it reads under an
+    ``if`` on the rank (`if rank == 0: cfg.update(sweep.suggest())` for `lr=cfg["lr"]`): where
+    one rank's setting was decided apart from the others'."""
+    scope = scope_of(path, holding(path, value.lineno))
+    read = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    for node in ast.walk(scope) if scope is not None else ():
+        if not isinstance(node, ast.If) or node.lineno >= value.lineno or not _on_rank(node.test):
+            continue
+        for stmt in (s for s in ast.walk(node) if isinstance(s, (ast.Assign, ast.AugAssign, ast.Expr))):
+            changed = {r.id for t in _targets(stmt) for r in ast.walk(t) if isinstance(r, ast.Name)}
+            call = stmt.value if isinstance(stmt, ast.Expr) else None
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):  # `cfg.update(...)`
+                changed |= {n.id for n in [call.func.value] if isinstance(n, ast.Name)}
+            if changed & read:
+                return [(path, stmt.lineno, f"{statement(stmt)}`, under `if {ast.unparse(node.test)}:")]
+    return []
+
+
+def _on_rank(test: ast.AST) -> bool:
+    """A condition on the rank: it reads a name with "rank" in it, or calls ``get_rank()``."""
+    return any(
+        (isinstance(n, ast.Name) and "rank" in n.id.lower())
+        or (isinstance(n, ast.Call) and called(n) == "get_rank")
+        for n in ast.walk(test)
+    )

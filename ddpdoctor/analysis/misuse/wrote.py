@@ -16,7 +16,10 @@ import ast
 import os
 from dataclasses import dataclass
 
+from ddpdoctor.analysis.failed.ledger import recorded_files
 from ddpdoctor.analysis.failed.source import called, holding, parsed, scope_of, statement
+from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_file
+from ddpdoctor.trace.reader import Run
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -131,6 +134,38 @@ def written_later(path: str, wrapped: int) -> list[Wrote]:
 
 
 _COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, *_DEFS, ast.ClassDef)
+
+
+def written_after(path: str, wrapped: int, params: list[str]) -> list[Wrote]:
+    """The statements after ``wrapped`` in its function, in its loops or between them, with a
+    condition or without, that write ``params`` (dotted names as the model names them):
+    directly, or through the one same-file function or method of that name they call
+    (`model.module.start_finetune()`, whose `self.head.reset_parameters()` writes them). Where
+    every rank wrote them, each its own way (its own random draw), no ``if`` tells that write
+    from the others."""
+    tree = parsed(path) if os.path.isfile(path) else None
+    scope = scope_of(path, holding(path, wrapped))
+    owners = {_owner(p) for p in params} - {""}
+    if tree is None or scope is None or not owners:
+        return []
+    defs: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, _DEFS):
+            defs.setdefault(n.name, []).append(n)
+    found: list[Wrote] = []
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.stmt) or node.lineno <= wrapped or isinstance(node, _COMPOUND):
+            continue
+        if _writes(node, owners):
+            found.append(Wrote(node.lineno, statement(node), None, None))
+            continue
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
+            callee = defs.get(called(call), [])
+            inner = _write_in(callee[0], owners) if len(callee) == 1 else None
+            if inner is not None:
+                found.append(Wrote(node.lineno, statement(node), None, (inner.lineno, statement(inner))))
+                break
+    return sorted(found, key=lambda w: w.line)
 
 
 def _in_place(function: ast.AST) -> tuple[ast.stmt, bool] | None:
@@ -253,3 +288,96 @@ def _mentions(node: ast.AST, owners: set[str]) -> bool:
     """The expression reaches one of ``owners`` (a whole model: any expression)."""
     names = _names(node)
     return any(o == "" or o in names for o in owners)
+
+
+def written_in_forward(paths: list[str], owner: str, param: str) -> list[tuple[str, int, str]]:
+    """(path, line, code) of where the forward of module class ``owner`` ("PrototypeHead", or
+    "Embedding(max_norm=1.0)" for torch's own) writes parameter ``param`` in place: the
+    statements of that class's ``forward`` in ``paths`` that write ``self.<name>`` (an in-place
+    method, a ``.data`` assignment, an indexed assignment `self.prototypes[i] = ...`); for a
+    class of torch's, the calls that build it with the option named (`nn.Embedding(n, d,
+    max_norm=1.0)`), since its forward is not the user's to change."""
+    name = param.rsplit(".", 1)[-1]
+    cls, _, option = owner.partition("(")
+    option = option.split("=")[0]
+    found = []
+    for path in paths:
+        tree = parsed(path)
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                forward = [f for f in node.body if isinstance(f, _DEFS) and f.name == "forward"]
+                for stmt in (s for f in forward for s in ast.walk(f) if isinstance(s, ast.stmt)):
+                    indexed = any(
+                        isinstance(t, ast.Subscript) and _mentions(t.value, {name}) for t in _targets(stmt)
+                    )
+                    if not isinstance(stmt, _COMPOUND) and (indexed or _writes(stmt, {name})):
+                        found.append((path, stmt.lineno, statement(stmt)))
+            elif option and isinstance(node, ast.Call) and called(node) == cls:
+                found += [(path, node.lineno, ast.unparse(node)) for k in node.keywords if k.arg == option]
+    return found
+
+
+def in_forward(run: Run, owners: dict[str, str]) -> tuple[str, str] | None:
+    """(file:line, "f:L (`code`), ...") of where the user's files write these parameters in a
+    forward (``written_in_forward``; name -> the class holding it), at most ``_SHOWN``."""
+    files = recorded_files(run)
+    found = sorted({w for name, owner in owners.items() for w in written_in_forward(files, owner, name)})
+    if not found or len(found) > _SHOWN:
+        return None
+    said = ", ".join(f"{os.path.basename(p)}:{n} (`{code}`)" for p, n, code in found)
+    return f"{os.path.basename(found[0][0])}:{found[0][1]}", said
+
+
+def _targets(stmt: ast.AST) -> list[ast.AST]:
+    if isinstance(stmt, ast.Assign):
+        return stmt.targets
+    return [stmt.target] if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) else []
+
+
+# The same, for a run: in the file where its lowest building rank wrapped DDP model ``model``.
+
+
+def in_script_after_wrapping(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
+    """(file:line, what it is) of the one statement after the model's wrapping, before its
+    loops, that writes ``names`` (``wrote_after_wrapping``), or None."""
+    where = _wrapped(run, model)
+    found = wrote_after_wrapping(*where, names) if where is not None else None
+    if found is None or where is None:
+        return None
+    return f"{os.path.basename(where[0])}:{found.line}", found.text(*where)
+
+
+def in_script_later(run: Run, model: int) -> tuple[str, str] | None:
+    """(file:line, "f:L (`code`, under `if ...:`, writing at f:L), ...") of the statements in the
+    loops after the model's wrapping that write its weights under a condition
+    (``written_later``), the first ``_SHOWN``, or None."""
+    where = _wrapped(run, model)
+    return _said(where, written_later(*where)[:_SHOWN]) if where is not None else None
+
+
+def in_script_after(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
+    """The same for the statements after the wrapping that write ``names`` with a condition or
+    without (``written_after``); None where there are more than ``_SHOWN``."""
+    where = _wrapped(run, model)
+    found = written_after(*where, names) if where is not None else []
+    return _said(where, found) if where is not None and len(found) <= _SHOWN else None
+
+
+_SHOWN = 3
+
+
+def _wrapped(run: Run, model: int) -> tuple[str, int] | None:
+    owner, models = builder(run), ddp_models(run)
+    return wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
+
+
+def _said(where: tuple[str, int], found: list[Wrote]) -> tuple[str, str] | None:
+    if not found:
+        return None
+    name = os.path.basename(where[0])
+    said = [
+        f"{name}:{w.line} (`{w.code}`{f', under `{w.under[1]}`' if w.under else ''}"
+        f"{f', writing at {name}:{w.write[0]}' if w.write else ''})"
+        for w in found
+    ]
+    return f"{name}:{found[0].line}", ", ".join(said)
