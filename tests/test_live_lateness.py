@@ -84,3 +84,22 @@ def test_two_ranks_need_the_chance_test_in_top_too() -> None:
     table = live_lateness(statuses_of(run))
     assert table is not None and table.per_rank()[1]["latest_share"] >= 0.8
     assert verdicts(run) == (set(), set())
+
+
+def test_a_rank_the_others_waited_for_is_worth_sampling_before_the_rule_calls_it() -> None:
+    """The profile starts on the rank the others waited for a fifth of the recent steps' time:
+    a beat of its own work every 4th step (no persistent straggler), or a straggler only six
+    steps old; not in a healthy job, nor for a few ms now and then."""
+    beat = live_lateness(
+        statuses_of(simulate_run(world=2, steps=24, slow=Slowdown(0, "other", 140.0, set(range(3, 24, 4)))))
+    )
+    assert beat is not None and beat.stragglers() == []
+    assert beat.waited_for() is not None and beat.waited_for()["ranks"] == [0]
+    young = live_lateness(statuses_of(simulate_run(world=4, steps=7, slow=Slowdown(2, "forward", 20.0))))
+    assert young is not None and young.waited_for()["ranks"] == [2]
+    for run in (
+        simulate_run(world=4, steps=30),
+        simulate_run(world=2, steps=30, slow=Slowdown(1, "other", 3.0)),
+    ):
+        table = live_lateness(statuses_of(run))
+        assert table is not None and table.waited_for() is None

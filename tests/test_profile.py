@@ -155,3 +155,25 @@ def test_a_py_spy_that_cannot_attach_leaves_its_error_and_no_line(tmp_path: Path
     run = Run([tmp_path], [], {})
     run.profiles = [out]
     assert straggler_line(run, 1) is None
+
+
+def test_rank_only_work_every_n_steps_is_placed_at_the_loop_line_its_samples_hang_off() -> None:
+    """A rank the others waited for every 9th step was sampled while they waited: the periodic
+    finding names the training loop's line the work hangs off (its outermost sampled frame), and
+    where its time goes."""
+    from ddpdoctor.analysis import diagnose
+    from ddpdoctor.trace.simulate import Slowdown, simulate_run
+
+    run = simulate_run(world=2, steps=40, slow=Slowdown(1, "backward", 40.0, {6, 15, 24, 33}))
+    chain = [["validate", "/home/u/train.py", 90], ["main", "/home/u/train.py", 140]]
+    run.profiles = [
+        {"straggler": 1, "peer": 0, "seconds": 5.0,
+         "ranks": {"1": {"samples": 500, "lines": [["Net.forward", "/home/u/train.py", 23, 300, chain]]},
+                   "0": {"samples": 500, "lines": [["main", "/home/u/train.py", 120, 450, []]]}}}
+    ]  # fmt: skip
+    (f,) = [f for f in diagnose(run).findings if f.kind == "periodic_rank_work"]
+    assert f.details["place"] == "train.py:140" and "(at main() train.py:140)" in f.summary, f.summary
+    assert f.fix.startswith("Start at main() train.py:140: its time goes to Net.forward() train.py:23.")
+    run.profiles = []
+    (f,) = [f for f in diagnose(run).findings if f.kind == "periodic_rank_work"]
+    assert f.details["place"] is None and "(logging, metrics" in f.summary

@@ -22,6 +22,10 @@ from ddpdoctor.analysis.slow.synctable import MIN_STEPS, lateness_from_waits
 from ddpdoctor.probes.status import RankStatus
 
 MAX_SPAN = 10_000  # steps between the ranks' oldest and newest published step: a corrupt status
+# A rank the others waited for this share of the recent steps' time is worth sampling at once
+# (supervisor/profile.py), before the straggler rule has the steps to call it one, or when its
+# lateness comes in beats (rank-only work every N steps), which that rule leaves to the trace.
+WAITED_SHARE = 0.2
 
 
 @dataclass
@@ -58,6 +62,20 @@ class LiveLateness:
             )
             out.append({"kind": "straggler", "ranks": [rank], "text": text})
         return out
+
+    def waited_for(self) -> dict[str, Any] | None:
+        """The rank the others waited for the longest over the recent steps, where that wait is
+        at least ``WAITED_SHARE`` of their time; None otherwise. A reason to sample it, not a
+        finding: the trace analysis judges what the samples show."""
+        if len(self.steps) < MIN_STEPS or not self.step_us:
+            return None
+        share = self.lateness.sum(axis=1) / (len(self.steps) * self.step_us)
+        row = int(share.argmax())
+        if share[row] < WAITED_SHARE:
+            return None
+        rank, n = self.ranks[row], len(self.steps)
+        text = f"the other ranks waited for rank {rank} {share[row]:.0%} of the last {n} steps' time"
+        return {"kind": "waited_for", "ranks": [rank], "text": text}
 
 
 def live_lateness(statuses: Mapping[int, RankStatus]) -> LiveLateness | None:

@@ -2,7 +2,9 @@
 
 A straggler finding names the late rank and the phase that makes it late; the line is in
 neither the trace nor the status. While the job runs, the live lateness (live/lateness.py, the
-analysis's own straggler rule) names a persistent straggler; once per run the watcher then
+analysis's own straggler rule) names a persistent straggler, or the rank the others waited for
+a fifth of the recent steps' time (a straggler too young for the rule, a rank's beat of its own
+work every N steps); once per run the watcher then
 records that rank and the most punctual other rank of this node side by side with ``py-spy
 record --nonblocking --idle`` for ``PROFILE_S`` at ``RATE_HZ``: never pausing them, and
 keeping idle samples, since a rank's sleep or wait is where its time goes too. Each sample is
@@ -108,7 +110,7 @@ class StragglerProfile:
         table = live_lateness(live)
         if table is None:
             return
-        found = table.stragglers()
+        found = table.stragglers() or [w for w in [table.waited_for()] if w is not None]
         if not found:
             return
         rank = int(found[0]["ranks"][0])

@@ -27,6 +27,7 @@ from ddpdoctor.analysis.slow.phases import (
 from ddpdoctor.analysis.slow.stalls import OTHER_LOADER_FIX, loader_text, other_loader
 from ddpdoctor.analysis.slow.straggler import LATE_FLOOR_US
 from ddpdoctor.analysis.slow.synctable import lateness_from_waits
+from ddpdoctor.analysis.slow.where import line_text, straggler_line
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
 
@@ -209,6 +210,11 @@ def periodic_work(run: Run) -> Iterable[Finding]:
         what = "(logging, metrics, checkpoints, evaluation?)"
         if reading:
             what = f"reading {loader_text(reading)}"
+        sampled = straggler_line(run, rank)  # sampled while the others waited for it
+        # The work hangs off a line of the training loop: the outermost user frame sampled.
+        began = (sampled.get("callers") or [sampled["where"]])[-1] if sampled else ""
+        if sampled is not None:
+            what = f"(at {began})"
         yield Finding(
             "periodic_rank_work",
             "warning" if share >= COST_WARNING and each_ms >= MIN_EACH_MS else "info",
@@ -217,10 +223,13 @@ def periodic_work(run: Run) -> Iterable[Finding]:
             f"points {what}{_waiting(waited_ms)} while the other ranks wait for it at the next "
             "sync point: "
             f"{100 * share:.0f} % of the training time; the job would be {speedup:.2f}x faster "
-            "without it",
-            fix=OTHER_LOADER_FIX if reading else FIX,
+            f"without it{line_text(sampled) if sampled else ''}",
+            fix=(f"Start at {began}: its time goes to {sampled['where']}. " if sampled else "")
+            + (OTHER_LOADER_FIX if reading else FIX),
             details={
                 "loader": reading,
+                "where": sampled,
+                "place": began.rpartition(" ")[2] or None,
                 "root_rank": rank,
                 "period_steps": k,
                 "ms_each": round(each_ms, 3),
