@@ -358,6 +358,20 @@ def test_the_overhead_benchmark_says_unresolved_when_its_trials_spread_past_the_
     assert ratio_interval([1.0], [1.0]) is None and verdict(None, 1.03) is None
 
 
+def test_the_overhead_benchmarks_per_event_figures_time_the_paths_they_name() -> None:
+    """``overhead.py``'s in-process figures stop where a model meant for the C probe took the
+    Python path (as its forward_us check did once every sampled step took it, by design): a
+    short run of them goes through every check. What they measure is left to the benchmark."""
+    import math
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from overhead import per_event_cost_us
+
+    figures = per_event_cost_us(n=500, pairs=5)
+    for key in ("per_event_us", "per_event_cpu_us", "probe_us", "forward_us", "forward_eval_us", "bucket_us"):
+        assert math.isfinite(figures[key]), (key, figures)
+
+
 def test_the_overhead_benchmark_accounts_a_step_by_its_events_and_its_writer_thread() -> None:
     """Where the A/B cannot resolve a 64 ms step, the benchmark adds up its parts: 5 events at
     2 µs and a writer thread at 0.3 % of a core cost a 64 ms step 0.0156 % plus 0.3 %."""
