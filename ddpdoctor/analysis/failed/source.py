@@ -93,6 +93,13 @@ def names(node: ast.AST | None, read_only: bool = False) -> set[str]:
     }
 
 
+def assigned_targets(stmt: ast.AST) -> list[ast.AST]:
+    """The targets a plain assignment statement (``=``, ``+=``, annotated) writes; none for others."""
+    if isinstance(stmt, ast.Assign):
+        return stmt.targets
+    return [stmt.target] if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) else []
+
+
 def assigned_names(stmt: ast.AST) -> set[str]:
     """The names a plain assignment statement (``=``, ``+=``, annotated) sets; none for others."""
     if isinstance(stmt, ast.Assign):

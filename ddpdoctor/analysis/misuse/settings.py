@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.failed.ledger import recorded_files, sites_of
-from ddpdoctor.analysis.failed.source import called, holding, parsed, scope_of, statement
+from ddpdoctor.analysis.failed.source import assigned_targets, called, holding, parsed, scope_of, statement
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -187,7 +187,7 @@ def set_in_script(run: Run, optimizer: str, name: str, from_start: bool) -> tupl
             if isinstance(t, ast.Name)
         }
         for n in ast.walk(tree):
-            for t in _targets(n):
+            for t in assigned_targets(n):
                 key = getattr(t, "slice", None)
                 if not (isinstance(t, ast.Subscript) and isinstance(key, ast.Constant) and key.value == name):
                     continue
@@ -211,12 +211,6 @@ def set_in_script(run: Run, optimizer: str, name: str, from_start: bool) -> tupl
 _SHOWN = 3
 
 
-def _targets(node: ast.AST) -> list[ast.AST]:
-    if isinstance(node, ast.Assign):
-        return node.targets
-    return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-
-
 def _set_by_rank(path: str, value: ast.AST) -> list[tuple[str, int, str]]:
     """The first statement above ``value`` in its function that changes a name it reads under an
     ``if`` on the rank (`if rank == 0: cfg.update(sweep.suggest())` for `lr=cfg["lr"]`): where
@@ -227,7 +221,7 @@ def _set_by_rank(path: str, value: ast.AST) -> list[tuple[str, int, str]]:
         if not isinstance(node, ast.If) or node.lineno >= value.lineno or not _on_rank(node.test):
             continue
         for stmt in (s for s in ast.walk(node) if isinstance(s, (ast.Assign, ast.AugAssign, ast.Expr))):
-            changed = {r.id for t in _targets(stmt) for r in ast.walk(t) if isinstance(r, ast.Name)}
+            changed = {r.id for t in assigned_targets(stmt) for r in ast.walk(t) if isinstance(r, ast.Name)}
             call = stmt.value if isinstance(stmt, ast.Expr) else None
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):  # `cfg.update(...)`
                 changed |= {n.id for n in [call.func.value] if isinstance(n, ast.Name)}

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from ddpdoctor.analysis.failed.ledger import recorded_files
-from ddpdoctor.analysis.failed.source import called, holding, parsed, scope_of, statement
+from ddpdoctor.analysis.failed.source import assigned_targets, called, holding, parsed, scope_of, statement
 from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_file
 from ddpdoctor.trace.reader import Run
 
@@ -99,14 +99,9 @@ def written_later(path: str, wrapped: int) -> list[Wrote]:
         t for n in ast.walk(scope) if isinstance(n, ast.Assign) and _names(n.value) & model
         for target in n.targets for t in _names(target)
     }  # fmt: skip
-    defs: dict[str, list[ast.AST]] = {}
-    for n in ast.walk(tree):
-        if isinstance(n, _DEFS):
-            defs.setdefault(n.name, []).append(n)
+    defs = _defs(tree)
     found: list[Wrote] = []
-    for node in ast.walk(scope):
-        if not isinstance(node, ast.stmt) or node.lineno <= wrapped or isinstance(node, _COMPOUND):
-            continue
+    for node in _simple_after(scope, wrapped):
         chain = holding(path, node.lineno)
         chain = chain[chain.index(scope) + 1 :] if scope in chain else chain
         if not any(isinstance(n, _LOOPS) for n in chain):
@@ -148,14 +143,9 @@ def written_after(path: str, wrapped: int, params: list[str]) -> list[Wrote]:
     owners = {_owner(p) for p in params} - {""}
     if tree is None or scope is None or not owners:
         return []
-    defs: dict[str, list[ast.AST]] = {}
-    for n in ast.walk(tree):
-        if isinstance(n, _DEFS):
-            defs.setdefault(n.name, []).append(n)
+    defs = _defs(tree)
     found: list[Wrote] = []
-    for node in ast.walk(scope):
-        if not isinstance(node, ast.stmt) or node.lineno <= wrapped or isinstance(node, _COMPOUND):
-            continue
+    for node in _simple_after(scope, wrapped):
         if _writes(node, owners):
             found.append(Wrote(node.lineno, statement(node), None, None))
             continue
@@ -166,6 +156,24 @@ def written_after(path: str, wrapped: int, params: list[str]) -> list[Wrote]:
                 found.append(Wrote(node.lineno, statement(node), None, (inner.lineno, statement(inner))))
                 break
     return sorted(found, key=lambda w: w.line)
+
+
+def _defs(tree: ast.AST) -> dict[str, list[ast.AST]]:
+    """The file's functions and methods by name (a name defined twice: both)."""
+    defs: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, _DEFS):
+            defs.setdefault(n.name, []).append(n)
+    return defs
+
+
+def _simple_after(scope: ast.AST, line: int) -> list[ast.stmt]:
+    """The statements of ``scope`` after ``line`` that hold no block, nested ones included."""
+    return [
+        n
+        for n in ast.walk(scope)
+        if isinstance(n, ast.stmt) and n.lineno > line and not isinstance(n, _COMPOUND)
+    ]
 
 
 def _in_place(function: ast.AST) -> tuple[ast.stmt, bool] | None:
@@ -308,7 +316,8 @@ def written_in_forward(paths: list[str], owner: str, param: str) -> list[tuple[s
                 forward = [f for f in node.body if isinstance(f, _DEFS) and f.name == "forward"]
                 for stmt in (s for f in forward for s in ast.walk(f) if isinstance(s, ast.stmt)):
                     indexed = any(
-                        isinstance(t, ast.Subscript) and _mentions(t.value, {name}) for t in _targets(stmt)
+                        isinstance(t, ast.Subscript) and _mentions(t.value, {name})
+                        for t in assigned_targets(stmt)
                     )
                     if not isinstance(stmt, _COMPOUND) and (indexed or _writes(stmt, {name})):
                         found.append((path, stmt.lineno, statement(stmt)))
@@ -326,12 +335,6 @@ def in_forward(run: Run, owners: dict[str, str]) -> tuple[str, str] | None:
         return None
     said = ", ".join(f"{os.path.basename(p)}:{n} (`{code}`)" for p, n, code in found)
     return f"{os.path.basename(found[0][0])}:{found[0][1]}", said
-
-
-def _targets(stmt: ast.AST) -> list[ast.AST]:
-    if isinstance(stmt, ast.Assign):
-        return stmt.targets
-    return [stmt.target] if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) else []
 
 
 # The same, for a run: in the file where its lowest building rank wrapped DDP model ``model``.
