@@ -832,6 +832,40 @@ def test_writes_every_rank_makes_its_own_way_and_writes_in_a_forward_are_placed(
     ]
 
 
+POLICY = """\
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def normalise_by_steps(params, n):
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(n)
+
+
+def main(net, batches):
+    model = DDP(net)
+    for x in batches:
+        loss = model(x).sum()
+        loss.backward()
+        normalise_by_steps(model.parameters(), len(x))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        x.requires_grad_(False)
+"""
+
+
+def test_gradients_a_script_writes_after_the_wrapping_are_placed(tmp_path: Path) -> None:
+    """Held-out set 29: every rank divides its gradients by its own count after backward (DDP's
+    all-reduce has averaged them by then), and clips them: the call into the helper's div_, and
+    the clip. A flag set in place is no write."""
+    from ddpdoctor.analysis.misuse.wrote import grads_written_after
+
+    path = str(tmp_path / "policy.py")
+    Path(path).write_text(POLICY)
+    found = grads_written_after(path, 12)
+    assert [(w.line, w.write) for w in found] == [(16, (8, "p.grad.div_(n)")), (17, None)]
+
+
 WRITTEN_LATER = """\
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -32,14 +32,17 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     grads_written,
     odd_ranks,
     sized,
+    stepped_apart,
     when_checked,
     written_in_place,
 )
 from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at
 from ddpdoctor.analysis.misuse.wrote import (
     in_forward,
+    in_place_anywhere,
     in_script_after,
     in_script_after_wrapping,
+    in_script_grads,
     in_script_later,
 )
 from ddpdoctor.trace import schema
@@ -86,6 +89,17 @@ _FIX_GRADS = (
     "wants their norm (for logging), read it without writing them: torch.nn.utils.get_total_norm("
     "[p.grad for p in model.parameters() if p.grad is not None]), not clip_grad_norm_."
 )
+_FIX_WRITE = (
+    "make that change before wrapping the model in DistributedDataParallel (its constructor "
+    "broadcasts rank 0's weights to every rank), or the same on every rank (one seed for an "
+    "initialisation), or broadcast the weights after it: for t in "
+    "model.module.state_dict().values(): dist.broadcast(t, src=0)."
+)
+_FIX_STEPPED = (
+    "Give every rank the same step: scale, clip or mask the gradients with values every rank "
+    "shares (a count all_reduce'd first, or the loss scaled before backward), never a number of "
+    "the rank's own after DDP's all-reduce; keep optimizer state the same on every rank."
+)
 _FIX_FORWARD = (
     "Keep the forward from changing the weights in place: each rank changes them by its own "
     "batch. Make the change after optimizer.step(), the same on every rank and to the whole "
@@ -124,7 +138,10 @@ def replicas_differ(run: Run) -> Iterable[Finding]:
         buffers = [d for d in found if d.buffer]
         if buffers and not info.get("options", {}).get("broadcast_buffers", True):
             owner = builder(run)  # the rank ``models`` came from
-            yield buffers_differ(series, buffers, label, info, wrapped_at(owner, info) if owner else "")
+            written = in_place_anywhere(run, [d.name for d in buffers])
+            yield buffers_differ(
+                series, buffers, label, info, wrapped_at(owner, info) if owner else "", written
+            )
     if not seen and (behind := stepped.behind_finding(run)) is not None:
         yield behind
 
@@ -211,6 +228,7 @@ def _weights(
     all_ranks = sorted(r for g in head.groups for r in g)
     opt_odd = set(opt_loads) and set(opt_loads) != set(all_ranks)
     place, setting = "", None
+    apart = stepped_apart(series, found)  # the counters say no rank wrote them beyond its steps
     skipped = stepped.skipped_steps(run, head.last_equal[0] if head.last_equal else -1, head.first[0])
     if loaders and set(loaders) != set(all_ranks):
         rank = min(loaders)
@@ -253,7 +271,7 @@ def _weights(
         why += f"({when_checked(key)}, the version counters of the gradients of {sized(wrote, {}, 3)} "
         why += "had moved further there than on the other ranks, where the reduced gradients are written "
         why += "alike): a clip, a scale or a mask there alone, so those ranks stepped with other gradients"
-    elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0:
+    elif head.last_equal is not None and head.last_equal[2] == "init" and head.first[0] <= 0 and not apart:
         cause, fix = "changed_after_wrapping", _FIX_LOAD
         why = "they were equal after DDP's constructor broadcast and changed before the first optimizer "
         why += "step ended: weights loaded or changed on some rank after wrapping"
@@ -267,9 +285,12 @@ def _weights(
         if (wrote := in_script_after_wrapping(run, model, [d.name for d in found])) is not None:
             place, text = wrote
             why += f"; the script writes them after wrapping: {text}"
+            fix = f"Start at {place}: " + _FIX_WRITE
     elif opt_odd:
         cause, fix = "optimizer_state_differs", _FIX_OPTIMIZER
-        why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not"
+        odd, place = sorted(opt_loads), opt_loads[min(opt_loads)][0][2]
+        why = f"rank(s) {rank_list(opt_loads)} loaded optimizer state the others did not "
+        why += f"(load_state_dict at {place})"
     elif skipped:
         cause, fix, why = "optimizer_steps_skipped", stepped.FIX, stepped.why(skipped)
         odd = odd_ranks(head.groups, set(skipped))
@@ -303,6 +324,16 @@ def _weights(
         elif (later := in_script_after(run, model, [d.name for d in found])) is not None:
             place, lines = later
             why += f"; the script writes them at {lines}"
+            fix = f"Start at {lines}. " + fix
+    elif apart:
+        cause, fix = "stepped_apart", _FIX_STEPPED
+        why = "no rank wrote them beyond its optimizer steps (their version counters), so the steps "
+        why += "themselves parted them: the ranks stepped with other gradients (scaled, clipped or "
+        why += "divided by a number of the rank's own after backward, once DDP's all-reduce had "
+        why += "averaged them) or other optimizer state"
+        if (wrote := in_script_grads(run, model)) is not None:
+            place, lines = wrote
+            why += f"; the script writes gradients after the wrapping at {lines}"
             fix = f"Start at {lines}. " + fix
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT

@@ -186,6 +186,20 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
     first interval between checks where every rank moved it alike (before the difference, else
     after it). (each such rank's moves beyond that, the parameters written); None where the
     counters were not recorded, the rate cannot be learnt, or no rank wrote more."""
+    found_ = _beyond(series, found)
+    return found_ if found_ is not None and found_[0] else None
+
+
+def stepped_apart(series: Series, found: list[Divergence]) -> bool:
+    """The counters say no rank wrote the first differing parameters beyond its optimizer steps
+    (recorded, the rate learnt, nothing more): the steps themselves parted them, with other
+    gradients or other settings on some rank, not a load or a write of the weights."""
+    found_ = _beyond(series, found)
+    return found_ is not None and not found_[0]
+
+
+def _beyond(series: Series, found: list[Divergence]) -> tuple[dict[int, int], int] | None:
+    """``written_in_place``'s moves, ({}, 0) where no rank moved more; None where unknown."""
     head = min(found, key=lambda d: d.first)
     if head.last_equal is None:
         return None
@@ -194,10 +208,11 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
     if head.last_equal not in keys or head.first not in keys:
         return None
     excess: dict[int, int] = defaultdict(int)
-    written = 0
+    written = judged = 0
     for d in found:
         if d.buffer or d.first != head.first or d.last_equal != head.last_equal:
             continue
+        judged += 1
         moved = {r: _moved(series, r, d.name, head.last_equal, head.first) for r in ranks}
         rate = _rate(series, ranks, d.name, [k for k in keys if k <= head.last_equal])
         if rate is None:  # no interval before it (changed right after wrapping): one after it
@@ -210,7 +225,7 @@ def written_in_place(series: Series, found: list[Divergence]) -> tuple[dict[int,
             if n > 0:
                 excess[r] += n
         written += any(n > 0 for n in beyond.values())
-    return (dict(excess), written) if excess else None
+    return (dict(excess), written) if judged else None
 
 
 def grads_written(series: Series, found: list[Divergence]) -> tuple[dict[int, list[str]], Key] | None:

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpdoctor.analysis.failed.ledger import recorded_files, sites_of
-from ddpdoctor.analysis.failed.source import assigned_targets, called, holding, parsed, scope_of, statement
+from ddpdoctor.analysis.failed.source import (
+    assigned_targets,
+    called,
+    fed_by,
+    holding,
+    parsed,
+    scope_of,
+    statement,
+)
 from ddpdoctor.analysis.findings import rank_list
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import RankTrace, Run
@@ -193,7 +201,7 @@ def set_in_script(run: Run, optimizer: str, name: str, from_start: bool) -> tupl
                     continue
                 held = isinstance(t.value, ast.Name) and t.value.id in groups
                 if held or "param_groups" in ast.unparse(t.value):
-                    writes.append((path, n.lineno, statement(n)))
+                    writes.append((path, n.lineno, statement(n) + _fed(path, n)))
             if isinstance(n, ast.Call) and called(n) == optimizer:
                 for k in (k for k in n.keywords if k.arg == name):
                     given.append((path, k.value.lineno, f"{name}={ast.unparse(k.value)}"))
@@ -209,6 +217,17 @@ def set_in_script(run: Run, optimizer: str, name: str, from_start: bool) -> tupl
 
 
 _SHOWN = 3
+
+
+def _fed(path: str, write: ast.AST) -> str:
+    """What closes a written line's code and names the line that worked its value out, where the
+    value is a name its function assigned above it (one level): "`, from f:L `lr = base * n / ref",
+    for the caller's closing backtick."""
+    if not isinstance(getattr(write, "value", None), ast.Name):
+        return ""
+    scope = scope_of(path, holding(path, write.lineno))
+    made = fed_by(scope, write) if scope is not None else []
+    return "".join(f"`, from {os.path.basename(path)}:{m.lineno} `{statement(m)}" for m in made[-1:])
 
 
 def _set_by_rank(path: str, value: ast.AST) -> list[tuple[str, int, str]]:

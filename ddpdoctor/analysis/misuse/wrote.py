@@ -69,7 +69,7 @@ def wrote_after_wrapping(path: str, wrapped: int, params: list[str]) -> Wrote | 
             calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
             for name in (c.func.id for c in calls if isinstance(c.func, ast.Name)):
                 callee = functions.get(name)
-                inner = _write_in(callee, owners) if callee is not None else None
+                inner = _write_in(callee, owners, _leaves(params)) if callee is not None else None
                 if inner is not None:
                     found.append(Wrote(node.lineno, statement(node), under, (inner.lineno, statement(inner))))
                     break
@@ -151,11 +151,58 @@ def written_after(path: str, wrapped: int, params: list[str]) -> list[Wrote]:
             continue
         for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
             callee = defs.get(called(call), [])
-            inner = _write_in(callee[0], owners) if len(callee) == 1 else None
+            inner = _write_in(callee[0], owners, _leaves(params)) if len(callee) == 1 else None
             if inner is not None:
                 found.append(Wrote(node.lineno, statement(node), None, (inner.lineno, statement(inner))))
                 break
     return sorted(found, key=lambda w: w.line)
+
+
+def grads_written_after(path: str, wrapped: int) -> list[Wrote]:
+    """The statements after ``wrapped`` in its function that write gradients, directly or
+    through the one same-file function of that name they call: an in-place method on a
+    ``.grad`` (`p.grad.div_(n)`), an assignment to one, or torch's clipping (``clip_grad_norm_``,
+    ``clip_grad_value_``). After DDP's all-reduce every rank holds the same averaged gradient;
+    a factor of the rank's own applied there parts the replicas at the next step."""
+    tree = parsed(path) if os.path.isfile(path) else None
+    scope = scope_of(path, holding(path, wrapped))
+    if tree is None or scope is None:
+        return []
+    defs = _defs(tree)
+    found: list[Wrote] = []
+    for node in _simple_after(scope, wrapped):
+        if _writes_grads(node):
+            found.append(Wrote(node.lineno, statement(node), None, None))
+            continue
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
+            callee = defs.get(called(call), [])
+            inner = (
+                [s for s in ast.walk(callee[0]) if isinstance(s, ast.stmt) and _writes_grads(s)]
+                if len(callee) == 1
+                else []
+            )
+            if len(inner) == 1:
+                found.append(
+                    Wrote(node.lineno, statement(node), None, (inner[0].lineno, statement(inner[0])))
+                )
+                break
+    return sorted(found, key=lambda w: w.line)
+
+
+_CLIPS = {"clip_grad_norm_", "clip_grad_value_"}
+
+
+def _writes_grads(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, _COMPOUND):
+        return False
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call) and called(node) in _CLIPS:
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            if method.endswith("_") and not method.startswith("_") and "grad" in _names(node.func.value):
+                return method not in _FLAGS and method != "requires_grad_"
+    return any("grad" in _names(t) and not isinstance(t, ast.Name) for t in assigned_targets(stmt))
 
 
 def _defs(tree: ast.AST) -> dict[str, list[ast.AST]]:
@@ -246,10 +293,14 @@ def _statements(node: ast.stmt, under: Under) -> list[tuple[ast.stmt, Under]]:
     return [(node, under)]
 
 
-def _write_in(function: ast.AST, owners: set[str]) -> ast.stmt | None:
-    """The one statement of ``function`` that writes a parameter of ``owners``."""
+def _write_in(function: ast.AST, owners: set[str], leaves: set[str] | None = None) -> ast.stmt | None:
+    """The one statement of ``function`` that writes a parameter of ``owners``; of several, the
+    one that names the parameter itself (``leaves``: "weight" of "head.weight"), where one does
+    (`xavier_uniform_(head.weight)`, not `head.bias.copy_(...)` beside it)."""
     hits = [s for s in ast.walk(function) if isinstance(s, ast.stmt) and _writes(s, owners)]
     hits = [s for s in hits if not any(s is not h and _holds(s, h) for h in hits)]
+    if len(hits) > 1 and leaves:
+        hits = [s for s in hits if _names(s) & leaves]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -277,7 +328,14 @@ def _writes(stmt: ast.stmt, owners: set[str]) -> bool:
             for t in node.targets:
                 if isinstance(t, ast.Attribute) and t.attr == "data" and _mentions(t.value, owners):
                     return True
+                # rows written by index (`self.ent.weight[idx] = ...`): a module named, not any tensor
+                if isinstance(t, ast.Subscript) and "" not in owners and _mentions(t.value, owners):
+                    return True
     return False
+
+
+def _leaves(params: list[str]) -> set[str]:
+    return {p.rsplit(".", 1)[-1] for p in params}
 
 
 def _owner(param: str) -> str:
@@ -324,6 +382,23 @@ def written_in_forward(paths: list[str], owner: str, param: str) -> list[tuple[s
             elif option and isinstance(node, ast.Call) and called(node) == cls:
                 found += [(path, node.lineno, ast.unparse(node)) for k in node.keywords if k.arg == option]
     return found
+
+
+def in_place_anywhere(run: Run, names: list[str]) -> tuple[str, str] | None:
+    """(file:line, "f:L (`code`), ...") of the statements in the user's files that write these
+    tensors in place (by their last names: `self.moments.lerp_(batch, m)` for "norm.moments"),
+    in any function: a buffer a module updates itself; at most ``_SHOWN``, or None."""
+    leaves = _leaves(names)
+    found = []
+    for path in recorded_files(run):
+        tree = parsed(path)
+        for stmt in ast.walk(tree) if tree is not None else ():
+            if isinstance(stmt, ast.stmt) and not isinstance(stmt, _COMPOUND) and _writes(stmt, leaves):
+                found.append((path, stmt.lineno, statement(stmt)))
+    if not found or len(found) > _SHOWN:
+        return None
+    said = ", ".join(f"{os.path.basename(p)}:{n} (`{code}`)" for p, n, code in found)
+    return f"{os.path.basename(found[0][0])}:{found[0][1]}", said
 
 
 def in_forward(run: Run, owners: dict[str, str]) -> tuple[str, str] | None:
@@ -384,3 +459,11 @@ def _said(where: tuple[str, int], found: list[Wrote]) -> tuple[str, str] | None:
         for w in found
     ]
     return f"{name}:{found[0].line}", ", ".join(said)
+
+
+def in_script_grads(run: Run, model: int) -> tuple[str, str] | None:
+    """(file:line, "f:L (`code`, writing at f:L), ...") of the statements after the model's
+    wrapping that write gradients (``grads_written_after``), at most ``_SHOWN``, or None."""
+    where = _wrapped(run, model)
+    found = grads_written_after(*where) if where is not None else []
+    return _said(where, found) if where is not None and len(found) <= _SHOWN else None
