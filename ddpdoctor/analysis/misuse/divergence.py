@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from ddpdoctor.analysis.failed.ledger import sites_of
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse import settings, stepped
 from ddpdoctor.analysis.misuse.buffers import buffers_differ
@@ -37,41 +36,18 @@ from ddpdoctor.analysis.misuse.fingerprints import (
     written_in_place,
 )
 from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_at
-from ddpdoctor.analysis.misuse.wrote import (
+from ddpdoctor.analysis.misuse.places import (
+    changed_in_forward,
     in_forward,
     in_place_anywhere,
     in_script_after,
     in_script_after_wrapping,
     in_script_grads,
     in_script_later,
+    loads_of,
 )
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
-
-
-def _loads(run: Run, model: int, target: str) -> dict[int, list[tuple[int, int, str]]]:
-    """rank -> [(ts, step, file:line)] of load_state_dict calls on ``model`` (or an optimizer)."""
-    out: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
-    for rank, trace in run.ranks.items():
-        sites = sites_of(trace)
-        for ts, step, info in trace.meta.get(schema.LOAD_STATE, []):
-            if info.get("target") != target or (target == "model" and info.get("model") != model):
-                continue
-            out[rank].append((ts, step, sites.get(info.get("site", -1), "")))
-    return out
-
-
-def _changed_in_forward(run: Run, model: int) -> dict[str, str]:
-    """name -> the module holding it, for the parameters a first forward of ``model`` changed
-    in place on some rank (``probes/ddp_model.py``)."""
-    out: dict[str, str] = {}
-    for trace in run.ranks.values():
-        for _, _, info in trace.meta.get(schema.INPLACE, []):
-            if info.get("model") == model:
-                owners = info.get("modules") or {}
-                out.update({n: str(owners.get(n, "")) for n in info.get("params", [])})
-    return out
-
 
 _FIX_LOAD = (
     "Load the checkpoint before wrapping the model in DistributedDataParallel (its constructor "
@@ -218,8 +194,8 @@ def _weights(
     found.sort(key=lambda d: d.first)
     head = found[0]
     at_init = head.first[2] == "init"
-    loads = _loads(run, model, "model")
-    opt_loads = _loads(run, model, "optimizer")
+    loads = loads_of(run, model, "model")
+    opt_loads = loads_of(run, model, "optimizer")
     lo = -1 if head.last_equal is None else _ts_bound(series, head.last_equal)
     hi = _ts_bound(series, head.first, upper=True)
     loaders = {r: [e for e in events if lo <= e[0] <= hi] for r, events in loads.items()}
@@ -248,7 +224,7 @@ def _weights(
         odd = odd_ranks(head.groups, set(unsynced))
         place, decided = stepped.decided_at(run, unsynced)
         why += decided
-    elif (edited := _changed_in_forward(run, model)) and all(d.name in edited for d in found):
+    elif (edited := changed_in_forward(run, model)) and all(d.name in edited for d in found):
         cause = "changed_in_forward"
         fix = _FIX_FORWARD + (_FIX_MAX_NORM if any("max_norm" in edited[d.name] for d in found) else "")
         owners = sorted({f"{n} ({edited[n]})" if edited[n] else n for n in (d.name for d in found)})

@@ -16,10 +16,7 @@ import ast
 import os
 from dataclasses import dataclass
 
-from ddpdoctor.analysis.failed.ledger import recorded_files
 from ddpdoctor.analysis.failed.source import assigned_targets, called, holding, parsed, scope_of, statement
-from ddpdoctor.analysis.misuse.models import builder, ddp_models, wrapped_file
-from ddpdoctor.trace.reader import Run
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -200,8 +197,9 @@ def _writes_grads(stmt: ast.stmt) -> bool:
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             method = node.func.attr
-            if method.endswith("_") and not method.startswith("_") and "grad" in _names(node.func.value):
-                return method not in _FLAGS and method != "requires_grad_"
+            in_place = method.endswith("_") and not method.startswith("_") and method not in _FLAGS
+            if in_place and "grad" in _names(node.func.value):
+                return True
     return any("grad" in _names(t) and not isinstance(t, ast.Name) for t in assigned_targets(stmt))
 
 
@@ -384,86 +382,15 @@ def written_in_forward(paths: list[str], owner: str, param: str) -> list[tuple[s
     return found
 
 
-def in_place_anywhere(run: Run, names: list[str]) -> tuple[str, str] | None:
-    """(file:line, "f:L (`code`), ...") of the statements in the user's files that write these
-    tensors in place (by their last names: `self.moments.lerp_(batch, m)` for "norm.moments"),
-    in any function: a buffer a module updates itself; at most ``_SHOWN``, or None."""
+def written_anywhere(paths: list[str], names: list[str]) -> list[tuple[str, int, str]]:
+    """(path, line, code) of the statements in ``paths``, in any function, that write these
+    tensors in place by their last names (`self.moments.lerp_(batch, m)` for "norm.moments"):
+    a buffer a module updates itself."""
     leaves = _leaves(names)
     found = []
-    for path in recorded_files(run):
+    for path in paths:
         tree = parsed(path)
         for stmt in ast.walk(tree) if tree is not None else ():
             if isinstance(stmt, ast.stmt) and not isinstance(stmt, _COMPOUND) and _writes(stmt, leaves):
                 found.append((path, stmt.lineno, statement(stmt)))
-    if not found or len(found) > _SHOWN:
-        return None
-    said = ", ".join(f"{os.path.basename(p)}:{n} (`{code}`)" for p, n, code in found)
-    return f"{os.path.basename(found[0][0])}:{found[0][1]}", said
-
-
-def in_forward(run: Run, owners: dict[str, str]) -> tuple[str, str] | None:
-    """(file:line, "f:L (`code`), ...") of where the user's files write these parameters in a
-    forward (``written_in_forward``; name -> the class holding it), at most ``_SHOWN``."""
-    files = recorded_files(run)
-    found = sorted({w for name, owner in owners.items() for w in written_in_forward(files, owner, name)})
-    if not found or len(found) > _SHOWN:
-        return None
-    said = ", ".join(f"{os.path.basename(p)}:{n} (`{code}`)" for p, n, code in found)
-    return f"{os.path.basename(found[0][0])}:{found[0][1]}", said
-
-
-# The same, for a run: in the file where its lowest building rank wrapped DDP model ``model``.
-
-
-def in_script_after_wrapping(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
-    """(file:line, what it is) of the one statement after the model's wrapping, before its
-    loops, that writes ``names`` (``wrote_after_wrapping``), or None."""
-    where = _wrapped(run, model)
-    found = wrote_after_wrapping(*where, names) if where is not None else None
-    if found is None or where is None:
-        return None
-    return f"{os.path.basename(where[0])}:{found.line}", found.text(*where)
-
-
-def in_script_later(run: Run, model: int) -> tuple[str, str] | None:
-    """(file:line, "f:L (`code`, under `if ...:`, writing at f:L), ...") of the statements in the
-    loops after the model's wrapping that write its weights under a condition
-    (``written_later``), the first ``_SHOWN``, or None."""
-    where = _wrapped(run, model)
-    return _said(where, written_later(*where)[:_SHOWN]) if where is not None else None
-
-
-def in_script_after(run: Run, model: int, names: list[str]) -> tuple[str, str] | None:
-    """The same for the statements after the wrapping that write ``names`` with a condition or
-    without (``written_after``); None where there are more than ``_SHOWN``."""
-    where = _wrapped(run, model)
-    found = written_after(*where, names) if where is not None else []
-    return _said(where, found) if where is not None and len(found) <= _SHOWN else None
-
-
-_SHOWN = 3
-
-
-def _wrapped(run: Run, model: int) -> tuple[str, int] | None:
-    owner, models = builder(run), ddp_models(run)
-    return wrapped_file(owner, models[model]) if owner is not None and 0 <= model < len(models) else None
-
-
-def _said(where: tuple[str, int], found: list[Wrote]) -> tuple[str, str] | None:
-    if not found:
-        return None
-    name = os.path.basename(where[0])
-    said = [
-        f"{name}:{w.line} (`{w.code}`{f', under `{w.under[1]}`' if w.under else ''}"
-        f"{f', writing at {name}:{w.write[0]}' if w.write else ''})"
-        for w in found
-    ]
-    return f"{name}:{found[0].line}", ", ".join(said)
-
-
-def in_script_grads(run: Run, model: int) -> tuple[str, str] | None:
-    """(file:line, "f:L (`code`, writing at f:L), ...") of the statements after the model's
-    wrapping that write gradients (``grads_written_after``), at most ``_SHOWN``, or None."""
-    where = _wrapped(run, model)
-    found = grads_written_after(*where) if where is not None else []
-    return _said(where, found) if where is not None and len(found) <= _SHOWN else None
+    return found
