@@ -849,7 +849,8 @@ def main(net, batches):
         loss = model(x).sum()
         loss.backward()
         normalise_by_steps(model.parameters(), len(x))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if rank == 0 and step % 10 == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         x.requires_grad_(False)
 """
 
@@ -863,7 +864,26 @@ def test_gradients_a_script_writes_after_the_wrapping_are_placed(tmp_path: Path)
     path = str(tmp_path / "policy.py")
     Path(path).write_text(POLICY)
     found = grads_written_after(path, 12)
-    assert [(w.line, w.write) for w in found] == [(16, (8, "p.grad.div_(n)")), (17, None)]
+    assert [(w.line, w.write, w.rank) for w in found] == [(16, (8, "p.grad.div_(n)"), None), (18, None, 0)]
+    assert found[1].under == (17, "if rank == 0 and step % 10 == 0:")
+
+
+def test_the_one_rank_an_if_holds_for() -> None:
+    """Set 23's chess job clips its gradients under `if rank == 0 and step % 10 == 0:`: rank 0,
+    the root. A test that any rank may pass names none."""
+    import ast
+
+    from ddpdoctor.analysis.failed.source import rank_of
+
+    def of(test: str) -> int | None:
+        return rank_of(ast.parse(test, mode="eval").body)
+
+    assert [of("rank == 0 and step % 10 == 0"), of("dist.get_rank() == 1"), of("0 == global_rank")] == [
+        0,
+        1,
+        0,
+    ]
+    assert [of("rank == 0 or step == 3"), of("not rank == 0"), of("is_main"), of("rank < 1")] == [None] * 4
 
 
 WRITTEN_LATER = """\

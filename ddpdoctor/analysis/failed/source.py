@@ -93,6 +93,27 @@ def names(node: ast.AST | None, read_only: bool = False) -> set[str]:
     }
 
 
+def rank_of(test: ast.AST) -> int | None:
+    """The one rank an ``if`` test holds for: `rank == 0`, `dist.get_rank() == 1`, or such a
+    comparison among the terms of an ``and`` (`rank == 0 and step % 10 == 0`); None otherwise
+    (an ``or``, a ``not``, a name that may hold anything)."""
+    terms = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    for t in terms:
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)):
+            continue
+        sides = [t.left, t.comparators[0]]
+        ranks = [
+            s
+            for s in sides
+            if (isinstance(s, ast.Name) and s.id in ("rank", "global_rank"))
+            or (isinstance(s, ast.Call) and called(s) == "get_rank")
+        ]
+        values = [s.value for s in sides if isinstance(s, ast.Constant) and type(s.value) is int]
+        if ranks and values:
+            return values[0]
+    return None
+
+
 def assigned_targets(stmt: ast.AST) -> list[ast.AST]:
     """The targets a plain assignment statement (``=``, ``+=``, annotated) writes; none for others."""
     if isinstance(stmt, ast.Assign):

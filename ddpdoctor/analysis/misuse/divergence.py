@@ -308,9 +308,10 @@ def _weights(
         why += "divided by a number of the rank's own after backward, once DDP's all-reduce had "
         why += "averaged them) or other optimizer state"
         if (wrote := in_script_grads(run, model)) is not None:
-            place, lines = wrote
+            place, lines, only = wrote
             why += f"; the script writes gradients after the wrapping at {lines}"
             fix = f"Start at {lines}. " + fix
+            odd = [only] if only is not None and only in all_ranks else odd
     else:
         cause, fix = "diverged_during_training", _FIX_DRIFT
         why = "a rank-dependent update changed them during training (every gradient was all-reduced)"

@@ -75,11 +75,17 @@ def in_script_after(run: Run, model: int, names: list[str]) -> tuple[str, str] |
     return _said(where, found) if where is not None and len(found) <= _SHOWN else None
 
 
-def in_script_grads(run: Run, model: int) -> tuple[str, str] | None:
-    """The statements after the wrapping that write gradients (``grads_written_after``)."""
+def in_script_grads(run: Run, model: int) -> tuple[str, str, int | None] | None:
+    """The statements after the wrapping that write gradients (``grads_written_after``), and the
+    one rank they are written on where each sits under an ``if`` that holds only for that rank
+    (`if rank == 0 and step % 10 == 0:`), else None."""
     where = _wrapped(run, model)
     found = grads_written_after(*where) if where is not None else []
-    return _said(where, found) if where is not None and len(found) <= _SHOWN else None
+    said = _said(where, found) if where is not None and len(found) <= _SHOWN else None
+    if said is None:
+        return None
+    pinned = {w.rank for w in found}
+    return said[0], said[1], pinned.pop() if len(pinned) == 1 else None
 
 
 def in_forward(run: Run, owners: dict[str, str]) -> tuple[str, str] | None:

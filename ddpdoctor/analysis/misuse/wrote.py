@@ -16,7 +16,15 @@ import ast
 import os
 from dataclasses import dataclass
 
-from ddpdoctor.analysis.failed.source import assigned_targets, called, holding, parsed, scope_of, statement
+from ddpdoctor.analysis.failed.source import (
+    assigned_targets,
+    called,
+    holding,
+    parsed,
+    rank_of,
+    scope_of,
+    statement,
+)
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -31,6 +39,7 @@ class Wrote:
     code: str
     under: tuple[int, str] | None  # the innermost ``if`` holding it there: (line, "if <test>:")
     write: tuple[int, str] | None  # the write itself, where it is in a function the line calls
+    rank: int | None = None  # the one rank ``under`` holds for (`if rank == 0 and ...:`), if any
 
     def text(self, path: str, wrapped: int) -> str:
         name = os.path.basename(path)
@@ -168,8 +177,12 @@ def grads_written_after(path: str, wrapped: int) -> list[Wrote]:
     defs = _defs(tree)
     found: list[Wrote] = []
     for node in _simple_after(scope, wrapped):
+        chain = holding(path, node.lineno)
+        ifs = [n for n in chain[chain.index(scope) + 1 :] if isinstance(n, ast.If)] if scope in chain else []
+        under = (ifs[-1].lineno, f"if {ast.unparse(ifs[-1].test)}:") if ifs else None
+        rank = rank_of(ifs[-1].test) if ifs else None
         if _writes_grads(node):
-            found.append(Wrote(node.lineno, statement(node), None, None))
+            found.append(Wrote(node.lineno, statement(node), under, None, rank))
             continue
         for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
             callee = defs.get(called(call), [])
@@ -179,9 +192,8 @@ def grads_written_after(path: str, wrapped: int) -> list[Wrote]:
                 else []
             )
             if len(inner) == 1:
-                found.append(
-                    Wrote(node.lineno, statement(node), None, (inner[0].lineno, statement(inner[0])))
-                )
+                write = (inner[0].lineno, statement(inner[0]))
+                found.append(Wrote(node.lineno, statement(node), under, write, rank))
                 break
     return sorted(found, key=lambda w: w.line)
 
