@@ -123,7 +123,8 @@ def test_user_frames_skip_libraries_and_ddpdoctor() -> None:
     import ddpdoctor.probes.ddp as probe
 
     assert not is_user_frame(TORCH) and not is_user_frame(probe.__file__) and not is_user_frame("<frozen x>")
-    assert is_user_frame("/home/u/train.py")
+    assert is_user_frame("/home/u/train.py") and is_user_frame("train.py")
+    assert not is_user_frame("numpy/random/_bounded_integers.pyx")  # a compiled extension's
     assert user_frame(main_thread(EVAL_STACK["threads"]))["function"] == "evaluate"
     # A run recorded by another checkout of ddpdoctor (a cluster's, read on a laptop)
     assert not is_user_frame("/opt/src/ddpdoctor/ddpdoctor/probes/ddp.py")

@@ -55,7 +55,11 @@ def test_a_helpers_line_comes_with_where_it_was_called_from_most() -> None:
         80,
         [["Tiles.__getitem__", "/home/u/train.py", 63], ["main", "/home/u/train.py", 84]],
     ]
-    assert lines[1][4] == [["b", "/home/u/train.py", 6], ["a", "/home/u/train.py", 5]], "two callers at most"
+    assert lines[1][4] == [  # three callers at most
+        ["b", "/home/u/train.py", 6],
+        ["a", "/home/u/train.py", 5],
+        ["main", "/home/u/train.py", 99],
+    ]
     run = _run((500, [[*lines[0][:3], 450, lines[0][4]]]), (500, [["main", "/home/u/train.py", 55, 480, []]]))
     found = straggler_line(run, 1)
     assert found is not None and found["callers"] == ["Tiles.__getitem__() train.py:63", "main() train.py:84"]
@@ -63,6 +67,17 @@ def test_a_helpers_line_comes_with_where_it_was_called_from_most() -> None:
         "at despeckle() train.py:43 (rank 0: 0 %), called from Tiles.__getitem__() train.py:63, "
         "from main() train.py:84"
     )
+
+
+def test_a_comprehension_is_not_a_caller_of_its_own() -> None:
+    """Held-out set 30: rank 0's evaluation runs the model in a list comprehension; the callers
+    kept are the evaluation and the training loop's line that calls it, not the comprehension."""
+    raw = (
+        f"{MAIN};main (/home/u/train.py:136);portfolio_eval (/home/u/train.py:99);"
+        "<listcomp> (/home/u/train.py:99);PDModel.forward (/home/u/train.py:81) 60"
+    )
+    _, lines = collapsed_lines(raw)
+    assert lines[0][4] == [["portfolio_eval", "/home/u/train.py", 99], ["main", "/home/u/train.py", 136]]
 
 
 def _run(straggler: tuple[int, list], peer: tuple[int, list]) -> Run:

@@ -74,7 +74,9 @@ class LiveLateness:
         if share[row] < WAITED_SHARE:
             return None
         rank, n = self.ranks[row], len(self.steps)
-        text = f"the other ranks waited for rank {rank} {share[row]:.0%} of the last {n} steps' time"
+        text = (
+            f"the other ranks waited for rank {rank} {min(1.0, share[row]):.0%} of the last {n} steps' time"
+        )
         return {"kind": "waited_for", "ranks": [rank], "text": text}
 
 

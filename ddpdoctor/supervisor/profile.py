@@ -38,7 +38,8 @@ CHECK_S = 1.0  # how often the live lateness is asked (12-26 ms of CPU at 1,024 
 PROFILE_S = 5.0
 RATE_HZ = 100
 TOP_LINES = 40  # lines kept per rank, the most sampled first
-CALLERS = 2  # user frames kept above a line: enough to tell a helper's caller
+CALLERS = 3  # user frames kept above a line: a helper's caller, and the loop line above it
+_INLINE = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")  # the line of the frame above
 
 
 def collapsed_lines(text: str) -> tuple[int, list[list[Any]]]:
@@ -63,7 +64,8 @@ def collapsed_lines(text: str) -> tuple[int, list[list[Any]]]:
         for frame in reversed(frames):
             function, _, where = frame.rpartition(" (")
             file, _, line = where.rstrip(")").rpartition(":")
-            if line.isdigit() and is_user_frame(file) and (not user or function != "<module>"):
+            inner = not user or (function != "<module>" and not function.endswith(_INLINE))
+            if line.isdigit() and is_user_frame(file) and inner:
                 user.append((function, file, int(line)))
                 if len(user) > CALLERS:
                     break

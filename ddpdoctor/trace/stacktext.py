@@ -34,7 +34,12 @@ def is_user_frame(filename: str) -> bool:
     rule for "the user's frame" everywhere a stack is read."""
     if not filename or filename.startswith("<") or is_doctor_frame(filename):
         return False
+    if filename.endswith(_COMPILED):  # a compiled extension's source, named relative to its package
+        return False
     return not any(marker in filename for marker in _LIBRARY_MARKERS)
+
+
+_COMPILED = (".pyx", ".pxd", ".pxi")  # Cython: numpy.random's `_bounded_integers.pyx`, not the script
 
 
 # Calls that may wait for peers when a rank's own code makes them: a collective (its probe or

@@ -72,9 +72,10 @@ _FIX_WRITE = (
     "model.module.state_dict().values(): dist.broadcast(t, src=0)."
 )
 _FIX_STEPPED = (
-    "Give every rank the same step: scale, clip or mask the gradients with values every rank "
-    "shares (a count all_reduce'd first, or the loss scaled before backward), never a number of "
-    "the rank's own after DDP's all-reduce; keep optimizer state the same on every rank."
+    "Give every rank the same step: scale, clip, mask or add noise to the gradients with values "
+    "every rank shares (a count all_reduce'd first, the loss scaled before backward, noise from a "
+    "generator seeded alike on every rank), never a number or a random draw of the rank's own "
+    "after DDP's all-reduce; keep optimizer state the same on every rank."
 )
 _FIX_FORWARD = (
     "Keep the forward from changing the weights in place: each rank changes them by its own "
