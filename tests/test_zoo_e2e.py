@@ -72,6 +72,9 @@ CI_SUBSET = (
     "healthy_join_traffic_heldout25",  # Join's shadowed steps are not steps: no periodic rank work
     "periodic_keyword_heldout28",  # profiled while the others waited: the loop line of its work
     "divergence_reachpolicy_heldout29",  # gradients divided by a rank's own count: not a load, the division
+    "divergence_char_lm_token_warmup_heldout15",  # lr written into param_groups from local counts: that write
+    "divergence_intrusion_heldout29",  # a module's own buffer update, unsynced: the lerp_ that writes it
+    "crash_birdsong_heldout30",  # raised in numpy's Cython: the user's line that called it
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)
