@@ -48,6 +48,12 @@ def main() -> int | None:
     ap.add_argument("--model", choices=("tiny", "big"), default="tiny", help="overhead_job.py's models")
     ap.add_argument("--json", action="store_true", help="print only the one-line JSON result")
     ap.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="2: a real 2-rank job (see above)")
+    ap.add_argument(
+        "--arms",
+        default="all",
+        help="comma-separated arms to alternate with the plain one (default: all); fewer arms put "
+        "each block nearer its plain neighbour and leave time for more rounds",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a rank of --ranks 2
     args = ap.parse_args()
     if args.ranks == 2 and not args.child:
@@ -111,6 +117,7 @@ def main() -> int | None:
 
     def block(ddp: Any, opt: Any, probes_on: bool, n: int) -> float:
         collector.ACTIVE = c if probes_on else None
+        head = c.writer.ring.seqs.head if c.writer.ring is not None else 0
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -119,14 +126,33 @@ def main() -> int | None:
             nn.functional.cross_entropy(ddp(xs), ys).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
+        if not probes_on and c.writer.ring is not None and c.writer.ring.seqs.head != head:
+            raise SystemExit("step_cost: a block meant to record nothing recorded events")
         return statistics.median(times) * 1e6
 
-    models = {"plain": build(False, False), "default": build(True, True, timing="auto")}
-    if native.module() is not None:  # where the C++ timer is built
-        models["cpp_timer"] = build(True, True)
-    models["python_timer"] = build(True, False)
-    models["untimed"] = build(True, False, timing="off")
-    models["builtin_hook"] = build(False, False, builtin=True)
+    arms: dict[str, Any] = {
+        "default": lambda: build(True, True, timing="auto"),
+        "cpp_timer": lambda: build(True, True),
+        "python_timer": lambda: build(True, False),
+        "untimed": lambda: build(True, False, timing="off"),
+        "builtin_hook": lambda: build(False, False, builtin=True),
+        # a second plain copy (A/A): what the method shows where nothing differs, its bias
+        "plain_twin": lambda: build(False, False),
+    }
+    if native.module() is None:  # where the C++ timer is not built
+        del arms["cpp_timer"]
+    # checks of the method, asked for by name: plain_twin, and default_off, the default arm's
+    # own model in blocks that record nothing (one copy on both sides: what differs between
+    # copies, where their memory lies, drops out)
+    known = [*arms, "default_off"]
+    wanted = [a for a in arms if a != "plain_twin"] if args.arms == "all" else args.arms.split(",")
+    if unknown := [a for a in wanted if a not in known]:
+        raise SystemExit(f"step_cost: no arm {', '.join(unknown)}; the arms are {', '.join(known)}")
+    if "default_off" in wanted and "default" not in wanted:
+        raise SystemExit("step_cost: the arm default_off needs the arm default")
+    models = {"plain": build(False, False), **{a: arms[a]() for a in wanted if a in arms}}
+    if "default_off" in wanted:
+        models["default_off"] = (*models["default"][:2], False)
     diffs: dict[str, list[float]] = {k: [] for k in models if k != "plain"}
     plains: list[float] = []
     for r in range(args.rounds):
@@ -138,6 +164,8 @@ def main() -> int | None:
     collector.ACTIVE = c
     plain = statistics.median(plains)
     result: dict[str, Any] = {"model": args.model, "plain_step_us": round(plain, 1), **chose}
+    if "default_off" in diffs:  # recorded against unrecorded on the one copy
+        diffs["default_same"] = [a - b for a, b in zip(diffs["default"], diffs["default_off"], strict=True)]
     for k, d in diffs.items():
         q = statistics.quantiles(d, n=4)
         result[f"{k}_us"] = round(statistics.median(d), 1)
