@@ -4,11 +4,12 @@ old files read, unknown keys kept, the derived values defined once."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from ddpdoctor.probes.status import STATUS_SCHEMA, RankStatus
+from ddpdoctor.probes.status import STATUS_SCHEMA, RankStatus, StatusFile
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.supervisor.statuses import read_statuses, snapshot
 
@@ -19,11 +20,28 @@ def test_a_status_round_trips_through_its_file_and_keeps_what_it_does_not_know(t
     status = RankStatus(3, world_size=4, pid=77, heartbeat_wall=100.0, step=9, phase=BARRIER)
     status.extra["from_a_newer_version"] = [1, 2]
     path = RunDir(tmp_path).status(3)
-    status.write(path, tmp_path / ".tmp")
-    assert json.loads(path.read_text())["schema"] == STATUS_SCHEMA
+    file = StatusFile(path)
+    file.write(status.replace(error={"type": "E", "message": "a long message " * 20, "wall_ns": 1}))
+    file.write(status)  # shorter: rewritten in place, padded
+    assert json.loads(path.read_text())["schema"] == STATUS_SCHEMA, "plain JSON to anyone who reads it"
+    assert os.listdir(tmp_path) == [path.name], "no temporary file left"
     back = read_statuses(tmp_path)[3]
     assert back == status and back.to_json() == status.to_json()
     assert back.extra == {"from_a_newer_version": [1, 2]} and "lost" not in back.to_json()
+
+
+def test_a_status_caught_half_rewritten_is_read_next_time(tmp_path: Path) -> None:
+    path = RunDir(tmp_path).status(0)
+    file = StatusFile(path)
+    file.write(RankStatus(0, step=100, events=123456, heartbeat_wall=1.0))
+    old = path.read_bytes()
+    file.write(RankStatus(0, step=101, events=123999, heartbeat_wall=2.0))
+    new = path.read_bytes()
+    assert RankStatus.read(path).step == 101
+    torn = [new[:cut] + old[cut:] for cut in range(1, len(old)) if new[:cut] + old[cut:] not in (old, new)]
+    assert torn and all(RankStatus.read_bytes(t) is None for t in torn)
+    path.write_text('{"rank": 0, "step": 7}')  # a status with no check (a test, an older version)
+    assert RankStatus.read(path).step == 7
 
 
 def test_an_older_or_partial_status_reads_with_its_defaults(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.probes import flight_recorder, guard
 from ddpdoctor.probes.recent import RecentFingerprints, RecentSteps
-from ddpdoctor.probes.status import RankStatus
+from ddpdoctor.probes.status import RankStatus, StatusFile
 from ddpdoctor.rundir import RunDir
 from ddpdoctor.trace import schema
 
@@ -45,7 +45,7 @@ class _Liveness:
     def __init__(self, collector: Collector) -> None:
         self.c = collector
         path = RunDir(collector.run_dir).status(collector.rank)
-        self.path, self.tmp = str(path), str(path.with_name(f".{path.name}.tmp"))
+        self.file = StatusFile(path)
         self.pid = os.getpid()
         try:
             self.world_size: int | None = int(collector.default_pg.size())
@@ -142,7 +142,7 @@ class _Liveness:
             return
         try:
             with self._lock:
-                self.status().write(self.path, self.tmp)
+                self.file.write(self.status())
         except Exception as exc:
             self.broken = True
             self.c.fail("status", exc)
