@@ -29,7 +29,7 @@ if sys.argv[4] == "refused":  # the C wrapper cannot be made: the Python one, ca
 probes.install()
 claims = [0]  # slots of the C module's ring claimed by Python code (RingSeqs.next)
 def count_claims(frame, event, arg):
-    if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ == "RingSeqs":
+    if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ == "RingSeqs" and arg.__name__ == "next":
         claims[0] += 1
 sys.setprofile(count_claims)
 import torch, torch.distributed as dist

@@ -534,3 +534,71 @@ def test_the_ring_names_the_collective_entered_last_and_old_rings_name_none(tmp_
     ring.mm.flush()
     assert read_ring(path)[0]["entered"] is None
     ring.close(unlink=True)
+
+
+def test_the_c_take_groups_the_ring_as_numpy_does(tmp_path: Path) -> None:
+    """The writer thread takes and groups the ring's slots in one C call (``RingSeqs.take``)
+    where the module is built, with numpy elsewhere: both must give the same parts, range and
+    losses, through a wrap past the ring's end, a slot claimed and not yet written, a void slot,
+    a lapped ring and the final take."""
+    from ddpdoctor.probes import fastpath
+    from ddpdoctor.trace.ring import HEADER_BYTES, SLOT, VOID, VOID_SLOT, Ring, sizes_of, slot_struct
+
+    assert fastpath.module() is not None, "the probes' C module is not built"
+    ring = Ring(None, 0, 8, fastpath.seqs)
+    layout = binfmt.layout()
+    sizes = sizes_of(layout)
+    kinds = {name: (i + 1, slot_struct(spec), len(spec)) for i, (name, spec, _) in enumerate(layout)}
+
+    class NoC:  # the same seqs, without the C take: the numpy path
+        def __init__(self, seqs: object) -> None:
+            self.seqs = seqs
+
+        @property
+        def head(self) -> int:
+            return self.seqs.head
+
+    def put(name: str, step: int, claim_only: bool = False) -> None:
+        kid, st, n = kinds[name]
+        seq = ring.seqs.next()
+        off = HEADER_BYTES + (seq & ring.mask) * SLOT
+        if not claim_only:
+            if name == "void":
+                VOID_SLOT.pack_into(ring.mm, off, VOID, seq)
+            else:
+                st.pack_into(ring.mm, off, kid, step, 10 * step, 10 * step + 5, *([1] * n), seq)
+        ring.seqs.head = seq
+
+    def both(final: bool = False) -> tuple:
+        saved = (ring.taken, ring._stale, ring._mark)
+        c_seqs = ring.seqs
+        ring.seqs = NoC(c_seqs)
+        try:
+            by_numpy = ring.take(sizes, final)
+        finally:
+            ring.seqs = c_seqs
+        ring.taken, ring._stale, ring._mark = saved
+        by_c = ring.take(sizes, final)
+        assert by_c == by_numpy
+        return by_c
+
+    kinds["void"] = (VOID, None, 0)
+    for step, name in enumerate([schema.FORWARD, schema.DATA_WAIT, schema.FORWARD, "void", schema.DATA_WAIT]):
+        put(name, step)
+    parts, lo, hi, lost = both()
+    assert (lo, hi, lost) == (1, 6, 0) and [(kid, n) for kid, _, n in parts] == sorted(
+        [(kinds[schema.FORWARD][0], 2), (kinds[schema.DATA_WAIT][0], 2)]
+    )
+    for step in range(5):  # seqs 6..10: slots 6, 7, 0, 1, 2 (past the ring's end)
+        put(schema.FORWARD, step)
+    put(schema.DATA_WAIT, 9, claim_only=True)  # seq 11: claimed, not yet written
+    put(schema.FORWARD, 10)  # seq 12, written
+    parts, lo, hi, lost = both()
+    assert (lo, hi, lost) == (6, 11, 0) and [n for _, _, n in parts] == [5], "waits at the unwritten slot"
+    assert both() == ([], 11, 11, 0)
+    parts, lo, hi, lost = both(final=True)
+    assert (lo, hi, lost) == (11, 13, 1) and [n for _, _, n in parts] == [1], "the last take does not wait"
+    for step in range(12):  # 12 events into 8 slots before a take: 4 overwritten
+        put(schema.DATA_WAIT, step)
+    parts, lo, hi, lost = both()
+    assert (lo, hi, lost) == (13, 25, 4) and [n for _, _, n in parts] == [8]

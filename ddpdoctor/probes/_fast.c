@@ -231,7 +231,9 @@ PyMODINIT_FUNC PyInit__fast(void) {
         PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0 ||
         PyModule_AddIntConstant(m, "RING_VOID", RING_VOID) < 0 ||
-        PyModule_AddIntConstant(m, "RING_CALL_AT", RING_CALL_AT) < 0) {
+        PyModule_AddIntConstant(m, "RING_CALL_AT", RING_CALL_AT) < 0 ||
+        PyModule_AddIntConstant(m, "RING_BODY_AT", RING_BODY_AT) < 0 ||
+        PyModule_AddIntConstant(m, "RING_SEQ_AT", RING_SEQ_AT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

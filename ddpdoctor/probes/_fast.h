@@ -31,6 +31,8 @@
 #define RING_SLOT 128
 #define RING_VOID 0xFFFF /* the kind id of a slot that holds no event */
 #define RING_CALL_AT 32  /* the collective entered last: i64 seq, i32 signature id, i32 site id */
+#define RING_BODY_AT 4   /* where a slot's record begins, after its u16 kind id */
+#define RING_SEQ_AT 120  /* where a slot's u64 seq is, stored last */
 
 /* A record's layout: one struct code and offset per value (kind id, step, t0, t1, fields...,
  * seq last). */

@@ -215,6 +215,88 @@ static PyObject *RingSeqs_release(RingSeqs *self, PyObject *unused) {
 
 static PyObject *RingSeqs_next(RingSeqs *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(++self->n); }
 
+/* take(lo, hi, stale, final, sizes) -> (parts, kept, void): trace/ring.py's Ring.take and
+ * group in one call, for the writer thread. The slots numbered lo..hi (fewer than a ring) are
+ * copied, then read in seq order; a slot not yet written stops the take there (unless claimed
+ * by ``stale`` or before, or the take is ``final``). Of the ``kept`` slots, those that hold
+ * their seq go to ``parts``, [(kind id, records' bytes, count)] by kind id ascending, a record
+ * of ``sizes[kind id]`` bytes (0: none, left out); ``void``: the rest, overwritten. Numpy does
+ * the same in ~15 calls that cost the writer 200-400 µs each flush after its sleep. */
+static PyObject *RingSeqs_take(RingSeqs *self, PyObject *args) {
+    unsigned long long lo, hi, stale;
+    int final;
+    PyObject *sizes;
+    if (!PyArg_ParseTuple(args, "KKKpO!", &lo, &hi, &stale, &final, &PyTuple_Type, &sizes)) return NULL;
+    uint64_t slots = (uint64_t)self->mask + 1;
+    if (!self->held || self->view.len < RING_HEADER + (Py_ssize_t)(slots * RING_SLOT) || hi < lo ||
+        hi + 1 - lo > slots) {
+        PyErr_SetString(PyExc_ValueError, "RingSeqs.take: no mapping, or not a range of its slots");
+        return NULL;
+    }
+    Py_ssize_t n = (Py_ssize_t)(hi + 1 - lo), nk = PyTuple_GET_SIZE(sizes), kept = n, mine = 0;
+    char *rows = PyMem_Malloc((size_t)n * RING_SLOT);
+    Py_ssize_t *size = PyMem_Calloc((size_t)nk + 1, sizeof(Py_ssize_t)), *count = PyMem_Calloc((size_t)nk + 1, sizeof(Py_ssize_t));
+    PyObject *parts = PyList_New(0);
+    if (rows == NULL || size == NULL || count == NULL || parts == NULL) goto fail;
+    const char *ring = (const char *)self->view.buf + RING_HEADER;
+    uint64_t first = lo & (uint64_t)self->mask, head = slots - first < (uint64_t)n ? slots - first : (uint64_t)n;
+    memcpy(rows, ring + first * RING_SLOT, head * RING_SLOT);
+    memcpy(rows + head * RING_SLOT, ring, ((uint64_t)n - head) * RING_SLOT); /* wrapped round */
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        size[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, k));
+        if (size[k] < 0 || size[k] > RING_SEQ_AT - RING_BODY_AT) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "RingSeqs.take: a record size out of a slot");
+            goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t seq, want = lo + (uint64_t)i;
+        memcpy(&seq, rows + i * RING_SLOT + RING_SEQ_AT, 8);
+        if (seq < want && want > stale && !final) {
+            kept = i;
+            break;
+        }
+        if (seq != want) continue;
+        uint16_t kid;
+        memcpy(&kid, rows + i * RING_SLOT, 2);
+        mine++;
+        if (kid < nk && size[kid]) count[kid]++;
+    }
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        if (!count[k]) continue;
+        PyObject *data = PyBytes_FromStringAndSize(NULL, count[k] * size[k]);
+        if (data == NULL) goto fail;
+        char *out = PyBytes_AS_STRING(data);
+        for (Py_ssize_t i = 0; i < kept; i++) {
+            uint64_t seq;
+            uint16_t kid;
+            memcpy(&seq, rows + i * RING_SLOT + RING_SEQ_AT, 8);
+            memcpy(&kid, rows + i * RING_SLOT, 2);
+            if (seq == lo + (uint64_t)i && kid == k) {
+                memcpy(out, rows + i * RING_SLOT + RING_BODY_AT, (size_t)size[k]);
+                out += size[k];
+            }
+        }
+        PyObject *part = Py_BuildValue("(nNn)", k, data, count[k]);
+        if (part == NULL || PyList_Append(parts, part) < 0) {
+            Py_XDECREF(part);
+            goto fail;
+        }
+        Py_DECREF(part);
+    }
+    PyMem_Free(rows);
+    PyMem_Free(size);
+    PyMem_Free(count);
+    return Py_BuildValue("(Nnn)", parts, kept, kept - mine);
+fail:
+    PyMem_Free(rows);
+    PyMem_Free(size);
+    PyMem_Free(count);
+    Py_XDECREF(parts);
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    return NULL;
+}
+
 static void RingSeqs_dealloc(RingSeqs *self) {
     if (self->held) PyBuffer_Release(&self->view);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -223,6 +305,7 @@ static void RingSeqs_dealloc(RingSeqs *self) {
 static PyMethodDef RingSeqs_methods[] = {
     {"next", (PyCFunction)RingSeqs_next, METH_NOARGS, "Claim the next seq (from 1)."},
     {"release", (PyCFunction)RingSeqs_release, METH_NOARGS, "Let go of the mapping, before it is closed."},
+    {"take", (PyCFunction)RingSeqs_take, METH_VARARGS, "The slots written since the last take, grouped by kind."},
     {NULL, NULL, 0, NULL},
 };
 

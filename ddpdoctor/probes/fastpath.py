@@ -39,9 +39,9 @@ def _load() -> Any:
         built = (
             _fast.RING_HEADER,
             _fast.RING_SLOT,
-            *(getattr(_fast, k, None) for k in ("RING_VOID", "RING_CALL_AT")),
+            *(getattr(_fast, k, None) for k in ("RING_VOID", "RING_CALL_AT", "RING_BODY_AT", "RING_SEQ_AT")),
         )
-        if built != (ring.HEADER_BYTES, ring.SLOT, ring.VOID, ring.CALL_AT):
+        if built != (ring.HEADER_BYTES, ring.SLOT, ring.VOID, ring.CALL_AT, ring.BODY_AT, ring.SEQ_AT):
             return None  # built from another version of the ring's layout
         return _fast
     except Exception as exc:

@@ -63,6 +63,8 @@ CALL_TAG = b"CALL"  # at byte 28: the field is there
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 # A slot claimed this long ago and still unwritten is abandoned: a write takes microseconds
 ABANDONED_NS = 1_000_000_000
+Sizes = tuple[int, ...]  # a kind id's record bytes at its index (``sizes_of``)
+Part = tuple[int, bytes, int]  # one kind's events in a block: (kind id, records' bytes, count)
 
 
 def ring_path(trace_path: str | os.PathLike[str]) -> str:
@@ -133,19 +135,33 @@ class Ring:
         self._mark = (time.monotonic_ns(), 0)  # a take's time and head, rolled ABANDONED_NS on
         self._stale = 0  # a head from ABANDONED_NS ago or more: slots up to it were claimed then
 
-    def take(self, final: bool = False) -> tuple[np.ndarray, int, int, int]:
-        """(slots, seq_lo, seq_hi, lost): a copy of the slots written since the last take, in
-        seq order, numbered ``[seq_lo, seq_hi)``; a slot still being written by another thread
-        waits for the next take, unless it was claimed ``ABANDONED_NS`` ago or the take is the
-        ``final`` one; ``lost``: events overwritten before they were taken, or abandoned."""
+    def take(self, sizes: Sizes, final: bool = False) -> tuple[list[Part], int, int, int]:
+        """(parts, seq_lo, seq_hi, lost): the slots written since the last take, in seq order,
+        numbered ``[seq_lo, seq_hi)`` and grouped by kind (``group``); a slot still being
+        written by another thread waits for the next take, unless it was claimed
+        ``ABANDONED_NS`` ago or the take is the ``final`` one; ``lost``: events overwritten
+        before they were taken, or abandoned. In one C call where the C module holds the seqs
+        (``_fast.RingSeqs.take``), else with numpy."""
         lo, hi = self.taken + 1, self.seqs.head
         now = time.monotonic_ns()
         if now - self._mark[0] >= ABANDONED_NS:
             self._stale, self._mark = self._mark[1], (now, hi)
         if hi < lo:
-            return np.zeros((0, SLOT), np.uint8), lo, lo, 0
+            return [], lo, lo, 0
         lapped = max(0, hi - lo + 1 - self.slots)  # overwritten before this take
         lo += lapped
+        in_c = getattr(self.seqs, "take", None)
+        if in_c is not None:
+            parts, kept, void = in_c(lo, hi, self._stale, final, sizes)
+        else:
+            rows, kept, void = self._rows(lo, hi, final)
+            parts = group(rows, sizes)
+        self.taken = lo + kept - 1
+        return parts, lo - lapped, self.taken + 1, lapped + void
+
+    def _rows(self, lo: int, hi: int, final: bool) -> tuple[np.ndarray, int, int]:
+        """(the written slots of ``lo..hi`` up to the first still being written, how many slots
+        that take in, how many of those were overwritten): ``take`` with numpy."""
         seqs_want = np.arange(lo, hi + 1, dtype=np.uint64)
         buf = np.frombuffer(self.mm, np.uint8, self.slots * SLOT, HEADER_BYTES).reshape(self.slots, SLOT)
         first, count = lo & self.mask, hi + 1 - lo
@@ -161,8 +177,7 @@ class Ring:
             cut = int(pending[0])
             rows, seqs, seqs_want = rows[:cut], seqs[:cut], seqs_want[:cut]
         mine = seqs == seqs_want
-        self.taken = lo + len(rows) - 1
-        return rows[mine], lo - lapped, self.taken + 1, lapped + int((~mine).sum())
+        return rows[mine], len(rows), int((~mine).sum())
 
     def close(self, unlink: bool) -> None:
         """Unmap; remove the file, and the C++ timer's notes beside it, when the trace was
@@ -176,24 +191,24 @@ class Ring:
                     os.unlink(path)
 
 
-def group(rows: np.ndarray, sizes: dict[int, int]) -> list[tuple[int, bytes, int]]:
+def group(rows: np.ndarray, sizes: Sizes) -> list[Part]:
     """Slots (in seq order) as (kind id, records' bytes, count) parts, one per kind present."""
     if not len(rows):
         return []
     kinds = rows[:, :2].copy().view("<u2")[:, 0]
     parts = []
     for kid in np.unique(kinds).tolist():
-        size = sizes.get(kid)
-        if size is None:
+        size = sizes[kid] if kid < len(sizes) else 0
+        if not size:
             continue
         sel = rows[kinds == kid, BODY_AT : BODY_AT + size]
         parts.append((kid, sel.tobytes(), len(sel)))
     return parts
 
 
-def sizes_of(layout: list[list[Any]]) -> dict[int, int]:
-    """Kind id -> record bytes, from a header's layout."""
-    return {i + 1: schema.record_dtype(spec).itemsize for i, (_, spec, _) in enumerate(layout)}
+def sizes_of(layout: list[list[Any]]) -> Sizes:
+    """Each kind id's record bytes, from a header's layout (0 at 0: no kind has that id)."""
+    return (0, *(schema.record_dtype(spec).itemsize for _, spec, _ in layout))
 
 
 def _populate(mm: mmap.mmap) -> None:

@@ -29,9 +29,9 @@ from ddpdoctor.trace.ring import (
     SLOT,
     VOID,
     VOID_SLOT,
+    Part,
     Ring,
     Seqs,
-    group,
     ring_path,
     sizes_of,
     slot_struct,
@@ -252,10 +252,9 @@ class TraceWriter:
         ring = self.ring
         if self._failed or self._closed or ring is None:
             return
-        rows, lo, hi, lost = ring.take(final)
+        parts, lo, hi, lost = ring.take(self._sizes, final)
         self.dropped += lost
         if hi > lo:
-            parts = group(rows, self._sizes)
             self._write(binfmt.events_block(parts, lo, hi))
             if self.taps:
                 self._tap(parts)
@@ -271,7 +270,7 @@ class TraceWriter:
             dropped = [schema.DROPPED, time.monotonic_ns(), 0, -1, {"count": count}]
             self._write(binfmt.json_block(binfmt.META, dropped))
 
-    def _tap(self, parts: list[tuple[int, bytes, int]]) -> None:
+    def _tap(self, parts: list[Part]) -> None:
         """Hand each tap the newest events of its kind, as tuples (bounded per flush)."""
         for kid, data, count in parts:
             name = self._names.get(kid)
