@@ -29,8 +29,8 @@ if sys.argv[4] == "refused":  # the C wrapper cannot be made: the Python one, ca
 probes.install()
 claims = [0]  # slots of the C module's ring claimed by Python code (RingSeqs.next)
 def count_claims(frame, event, arg):
-    if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ == "RingSeqs" and arg.__name__ == "next":
-        claims[0] += 1
+    if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ == "RingSeqs":
+        claims[0] += arg.__name__ == "next"  # the writer's take is no claim
 sys.setprofile(count_claims)
 import torch, torch.distributed as dist
 from ddpdoctor.probes import callsite
@@ -429,6 +429,31 @@ def test_the_step_benchmark_alternates_its_arms_in_one_two_rank_run_under_the_do
     assert result["default_timer"] == ("cpp" if built else "none")  # a 1 ms step can't carry Python's
     low, high = result["default_ratio_ci90"]
     assert result["plain_step_us"] > 0 and low <= result["default_ratio"] <= high
+
+
+def test_the_step_benchmark_measures_the_recorded_copy_against_itself_unrecorded() -> None:
+    """``--arms default,default_off,plain_twin`` on the big model, whose buckets the defaults
+    leave untimed: the default arm's own copy in blocks that record nothing (the run exits if
+    such a block records), compared round by round as ``default_same``; and a second plain copy
+    (A/A). An arm it does not have is refused before any job starts."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost.py"
+    cmd = [sys.executable, str(script), "--ranks", "2", "--model", "big", "--rounds", "2", "--steps", "1"]
+    cmd.append("--json")
+    proc = subprocess.run(
+        [*cmd, "--arms", "default,default_off,plain_twin"],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    arms = {k[: -len("_ratio")] for k in result if k.endswith("_ratio")}
+    assert arms == {"default", "default_off", "plain_twin", "default_same"}
+    low, high = result["default_same_ratio_ci90"]
+    assert low <= result["default_same_ratio"] <= high
+    refused = subprocess.run([*cmd, "--arms", "default,warp"], env=job_env(), capture_output=True, text=True)
+    assert refused.returncode == 2 and "no arm warp" in refused.stderr
 
 
 COUNTED_CHILD = """
