@@ -19,26 +19,24 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
     submodule whose parameters got no gradient on some steps was skipped by such a branch.
     {"how": "return" or "guard", "line", "code", "test", "use", "forward", "params"} (the
     forward's parameters): None without the class, a use, or one such branch. "never" where
-    ``__init__`` makes it and no other method reads it ("use": the line that made it)."""
-    tree = parsed(path) if os.path.isfile(path) else None
-    klass = (
-        next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
-        if tree
-        else None
-    )
-    forward = next(
-        (n for n in getattr(klass, "body", []) if isinstance(n, ast.FunctionDef) and n.name == "forward"),
-        None,
-    )
+    ``__init__`` makes it and no other method reads it ("use": the line that made it);
+    "elsewhere" where only methods the forward does not call read it ("use": the first such
+    read, "method": its method)."""
+    klass, forward = class_of(path, cls)
     if forward is None:
         return None
-    used = _uses(forward, attr)
+    used = self_uses(forward, attr)
     params = [a.arg for a in (*forward.args.posonlyargs, *forward.args.args)]
     if not used:  # read by no method but the one that makes it: the forward leaves it out always
         methods = [n for n in getattr(klass, "body", []) if isinstance(n, ast.FunctionDef)]
-        made = [u for m in methods if m.name == "__init__" for u in _uses(m, attr, ast.Store)]
-        if not made or any(_uses(m, attr) for m in methods if m.name != "__init__"):
-            return None
+        made = [u for m in methods if m.name == "__init__" for u in self_uses(m, attr, ast.Store)]
+        readers = [m for m in methods if m.name != "__init__" and self_uses(m, attr)]
+        if not made or any(self_uses(forward, m.name) for m in readers):
+            return None  # none made here, or read by a method the forward calls
+        if readers:
+            use = min(u.lineno for u in self_uses(readers[0], attr))
+            return {"how": "elsewhere", "line": use, "code": "", "test": "", "use": use,
+                    "method": readers[0].name, "forward": forward.lineno, "params": params}  # fmt: skip
         return {"how": "never", "line": forward.lineno, "code": "", "test": "", "use": made[0].lineno,
                 "forward": forward.lineno, "params": params}  # fmt: skip
     first = min(n.lineno for n in used)
@@ -70,7 +68,20 @@ def skips_module(path: str, cls: str, attr: str) -> dict[str, Any] | None:
     return None
 
 
-def _uses(function: ast.AST, attr: str, ctx: type = ast.Load) -> list[ast.Attribute]:
+def class_of(path: str, cls: str) -> tuple[ast.ClassDef | None, ast.FunctionDef | None]:
+    """The class ``cls`` in ``path`` and its ``forward`` (None for what is not there)."""
+    tree = parsed(path) if os.path.isfile(path) else None
+    klass = (
+        next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        if tree
+        else None
+    )
+    body = klass.body if klass is not None else []
+    forward = next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    return klass, forward
+
+
+def self_uses(function: ast.AST, attr: str, ctx: type = ast.Load) -> list[ast.Attribute]:
     """``self.<attr>`` in ``function``, read (or, ``ctx=ast.Store``, assigned)."""
     return [
         n

@@ -16,6 +16,7 @@ from ddpdoctor.analysis.failed.ledger import build
 from ddpdoctor.analysis.findings import Finding, detector, rank_list
 from ddpdoctor.analysis.misuse.leftout import passed_to_module, skips_module
 from ddpdoctor.analysis.misuse.models import ddp_models, label, model_of, wrapped_at
+from ddpdoctor.analysis.misuse.unread import dropped_at, key_read, output_of
 from ddpdoctor.analysis.slow.phases import step_times
 from ddpdoctor.trace import schema
 from ddpdoctor.trace.reader import Run
@@ -89,10 +90,8 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
         if branch is not None:
             found.summary += branch["text"]
             found.details.setdefault("place", branch["place"])
-            if branch.get("never"):
-                found.fix = (
-                    f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + found.fix
-                )
+            if not branch.get("some_steps"):  # a branch that skips it is what the flag is for
+                found.fix = branch["fix"] + found.fix
         yield found
         return
     where = f"at step(s) {_steps_text(steps)}" if steps else "before the crash"
@@ -105,16 +104,15 @@ def unused_parameters(run: Run) -> Iterable[Finding]:
     if branch is not None:
         summary += branch["text"]
         details["place"] = branch["place"]
-        if branch.get("never"):
-            fix = f"Use {branch['attr']} in the forward ({branch['place']}) or remove it. " + fix
-        else:
-            fix = f"Start at {branch['place']}, which leaves {branch['attr']} out on some steps. " + fix
+        fix = branch["fix"] + fix
     yield Finding("unused_parameters", "error", ranks, summary, fix=fix, details=details)
 
 
 def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
-    """The branch of the model's forward that leaves the unused parameters' submodule out
-    (``leftout.skips_module``), in the user's files the run's records name."""
+    """Where the user's files (those the run's records name) leave the unused parameters'
+    submodule out: a branch of the model's forward (``leftout.skips_module``), or its output
+    left out of the loss (``unread``). {"text" for the summary, "place", "fix" (its first
+    sentence), "some_steps" where a branch skips it on some steps}."""
     attrs = {n.split(".", 1)[0] for n in params if "." in n}
     owners = [m for m in ddp_models(run) if set(params) <= set(m.get("param_names") or [])]
     if len(attrs) != 1 or not owners:
@@ -125,6 +123,9 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
     for path in paths:
         found = skips_module(path, cls, attr)
         if found is None:
+            left = _left_out(run, paths, path, cls, attr)
+            if left is not None:
+                return left
             continue
         name = os.path.basename(path)
         place = f"{name}:{found['line']}"
@@ -132,7 +133,19 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
         if found["how"] == "never":
             made = f"{name}:{found['use']}"
             text = f"; {cls}.forward ({place}) never uses self.{attr}, which __init__ makes at {made}"
-            return {"text": text, "place": place, "attr": f"self.{attr}", "never": "yes"}
+            return {
+                "text": text,
+                "place": place,
+                "fix": f"Use self.{attr} in the forward ({place}) or remove it. ",
+            }
+        if found["how"] == "elsewhere":
+            method = f"{cls}.{found['method']}"
+            text = f"; {cls}.forward never uses self.{attr}; only {method} does ({place})"
+            fix = (
+                f"Keep self.{attr} out of the module DDP wraps (only {method}() uses it, {place}), "
+                "or freeze it with requires_grad_(False) before wrapping. "
+            )
+            return {"text": text, "place": place, "fix": fix}
         if found["how"] == "guard":
             how = f"every use of {use} is under `{found['code']}` ({place})"
         else:
@@ -145,8 +158,48 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
                 text += f", and `{found['test']}` is `{passed}` where the model is called ({site})"
                 place = site
                 break
-        return {"text": text, "place": place, "attr": f"self.{attr}"}
+        fix = f"Start at {place}, which leaves self.{attr} out on some steps. "
+        return {"text": text, "place": place, "fix": fix, "some_steps": "yes"}
     return None
+
+
+def _left_out(run: Run, paths: list[str], path: str, cls: str, attr: str) -> dict[str, str] | None:
+    """``cls.forward`` in ``path`` runs ``self.<attr>`` and hands its output back, and the script
+    leaves that output out of the loss: the dict key read only under an ``if`` or never, the
+    tuple element dropped where the model is called (``unread``)."""
+    out = output_of(path, cls, attr)
+    if out is None:
+        return None
+    key, returned = out
+    given = f"{cls}.forward returns self.{attr}'s output"
+    at = f"{os.path.basename(path)}:{returned}"
+    if isinstance(key, int):
+        for site in _forward_sites(run):
+            spath, line = next((w for lg in build(run).values() if (w := lg.path_of(site))[0]), ("", 0))
+            code = dropped_at(spath, line, key) if spath else None
+            if code is not None:
+                text = f"; {given} as element {key} of a tuple ({at}), which `{code}` drops ({site})"
+                fix = f"Start at {site}, which drops self.{attr}'s output: add it to the loss, or stop "
+                return {
+                    "text": text,
+                    "place": site,
+                    "fix": fix + f"computing it (remove self.{attr}, or freeze it). ",
+                }
+        return None
+    read = key_read(paths, key, cls)
+    if read is None:
+        return None
+    if read["how"] == "never":
+        text = f'; {given} as ["{key}"] ({at}), which the script never reads'
+        fix = f'Add ["{key}"] to the loss, or stop computing it (remove self.{attr}, or freeze it). '
+        return {"text": text, "place": at, "fix": fix}
+    place = f"{os.path.basename(read['path'])}:{read['line']}"
+    text = f'; {given} as ["{key}"] ({at}), which the script reads only under `{read["code"]}` ({place})'
+    fix = (
+        f'Start at {place}: while its test is false, ["{key}"] does not reach the loss and self.{attr} '
+        "gets no gradient; build it only when the term is on, or freeze it with requires_grad_(False). "
+    )
+    return {"text": text, "place": place, "fix": fix}
 
 
 def _unused_found(
