@@ -144,12 +144,13 @@ def accounted_ratio(events_per_step: float, per_event_cpu_us: float, duty: float
     return 1.0 + (events_per_step * per_event_cpu_us + duty * step_us) / step_us
 
 
-# The big step's 60 ms varies by ±7 % step to step here: 1,500 one-step rounds pin its median
-# to about ±0.6 %. Its blocks alternate the default arm's own copy recorded and unrecorded
-# (``default_off``): two copies of it differed by 1 % in one run of three (docs/overhead.md).
+# The big step's 60 ms varies by ±7 % from step to step here: 3,000 one-step rounds pin its
+# median to about ±0.4 % (ten minutes). Its blocks alternate the default arm's own copy recorded
+# and unrecorded (``default_off``): two plain copies of the model differed by up to 2 % within
+# one run (docs/overhead.md, twenty-ninth round).
 IN_RUN = {
     "tiny": ["--rounds", "300", "--steps", "40"],
-    "big": ["--arms", "default,default_off", "--rounds", "1500", "--steps", "1"],
+    "big": ["--arms", "default,default_off", "--rounds", "3000", "--steps", "1"],
 }
 
 

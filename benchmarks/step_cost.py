@@ -166,6 +166,7 @@ def main() -> int | None:
                 " unrecorded would still time them, so default_off is for a model the defaults leave untimed"
             )
         models["default_off"] = (*models["default"][:2], False)
+    paced = pace_fingerprints(block(*models["plain"], 5) * 1e3)
     diffs: dict[str, list[float]] = {k: [] for k in models if k != "plain"}
     plains: list[float] = []
     for r in range(args.rounds):
@@ -176,7 +177,7 @@ def main() -> int | None:
             diffs[k].append(medians[k] - medians["plain"])
     collector.ACTIVE = c
     plain = statistics.median(plains)
-    result: dict[str, Any] = {"model": args.model, "plain_step_us": round(plain, 1), **chose}
+    result: dict[str, Any] = {"model": args.model, "plain_step_us": round(plain, 1), **chose, **paced}
     if "default_off" in diffs:  # recorded against unrecorded on the one copy
         diffs["default_same"] = [a - b for a, b in zip(diffs["default"], diffs["default_off"], strict=True)]
     for k, d in diffs.items():
@@ -193,6 +194,22 @@ def main() -> int | None:
         return None
     show_result(result, args.json or args.child)  # a rank's result goes to the launcher whole
     return None
+
+
+def pace_fingerprints(step_ns: float) -> dict[str, Any]:
+    """Check the weights as often as the doctor would in a job of ``step_ns`` steps, and say how
+    often and at what cost a check (``fingerprint_*``). The doctor's rule divides the time
+    between two checks by the recorded steps between them; here the unrecorded blocks between
+    recorded ones would count, and the checks (a pass over the weights) would come two or three
+    times as often as in the job (docs/overhead.md, twenty-ninth round)."""
+    from ddpdoctor.probes import fingerprint
+
+    fp = fingerprint.ACTIVE
+    if fp is None or fp.fixed is not None or not fp.costs:
+        return {}
+    fp.fixed = fp.interval = fingerprint.interval_for(fp.cost(), step_ns)
+    fp.next_due = ((fp.c.step + 1) // fp.interval + 1) * fp.interval - 1
+    return {"fingerprint_interval": fp.interval, "fingerprint_check_us": round(fp.cost() / 1e3, 1)}
 
 
 def show_result(result: dict[str, Any], as_json: bool) -> None:

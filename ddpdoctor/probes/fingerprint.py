@@ -140,6 +140,16 @@ class _Model:
         self.exited = False  # its final state is checked (once: at exit, or as its wrapper went)
 
 
+def interval_for(cost_ns: float, step_ns: float) -> int:
+    """Steps between checks: the smallest power of two, ``MIN_INTERVAL`` at least, at which a
+    check of ``cost_ns`` costs at most ``BUDGET`` of steps of ``step_ns``."""
+    need = cost_ns / (BUDGET * max(step_ns, 1.0))
+    interval = MIN_INTERVAL
+    while interval < need and interval < MAX_INTERVAL:
+        interval *= 2
+    return interval
+
+
 class Fingerprints:
     """One rank's fingerprinting: the schedule, the models, the device reads in flight."""
 
@@ -208,12 +218,7 @@ class Fingerprints:
         last_step, last_ns = self.last
         self.last = (step, _now())
         if self.fixed is None and step > last_step and last_ns:
-            step_ns = (self.last[1] - last_ns) / (step - last_step)
-            need = self.cost() / (BUDGET * max(step_ns, 1.0))
-            interval = MIN_INTERVAL
-            while interval < need and interval < MAX_INTERVAL:
-                interval *= 2
-            self.interval = interval
+            self.interval = interval_for(self.cost(), (self.last[1] - last_ns) / (step - last_step))
         self.next_due = ((step + 1) // self.interval + 1) * self.interval - 1
 
     def cost(self) -> int:
