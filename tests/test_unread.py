@@ -45,9 +45,10 @@ class Scored(nn.Module):
 
 def loss_of(out, y, cfg):
     loss = (out["main"] - y).pow(2).mean()
+    parts = {}
     if cfg.side_weight > 0:
-        loss = loss + cfg.side_weight * out["side"].mean()
-    return loss
+        parts["side"] = cfg.side_weight * out["side"].mean()
+    return loss + sum(parts.values())
 
 
 def train(model, x, y, cfg):
@@ -68,17 +69,17 @@ def test_an_output_read_only_under_an_if_or_dropped_where_the_model_is_called(tm
     assert output_of(p, "Pair", "box") == (1, 18) and output_of(p, "Pair", "cls") == (0, 18)
     assert output_of(p, "Net", "trunk") is None, "it feeds both keys: which one, unsaid"
     assert output_of(p, "Missing", "x") is None and output_of(str(tmp_path / "gone.py"), "Net", "x") is None
-    assert key_read([p], "side", "Net") == {
-        "how": "if", "path": p, "line": 37, "code": "if cfg.side_weight > 0:"
+    assert key_read([p], "side", "Net") == {  # the store into parts["side"] is no read
+        "how": "if", "path": p, "line": 38, "code": "if cfg.side_weight > 0:"
     }  # fmt: skip
     assert key_read([p], "main", "Net") is None, "read outside any if"
     assert key_read([p], "aux", "Net") == {"how": "never"}
     (tmp_path / "other.py").write_text('names = ["side"]\n')
     assert key_read([p, str(tmp_path / "other.py")], "side", "Net") is None, "used some other way"
-    assert dropped_at(p, 44, 1) == "logits, _ = model(x)"
-    assert dropped_at(p, 44, 0) is None and dropped_at(p, 45, 1) is None, "read later"
-    assert dropped_at(p, 46, 1) == "kept, dropped = model(x)", "bound to a name its function never reads"
-    assert dropped_at(p, 43, 0) is None, "not unpacked"
+    assert dropped_at(p, 45, 1) == "logits, _ = model(x)"
+    assert dropped_at(p, 45, 0) is None and dropped_at(p, 46, 1) is None, "read later"
+    assert dropped_at(p, 47, 1) == "kept, dropped = model(x)", "bound to a name its function never reads"
+    assert dropped_at(p, 44, 0) is None, "not unpacked"
 
 
 def test_a_submodule_only_a_method_ddp_never_runs_uses(tmp_path: Path) -> None:

@@ -75,6 +75,8 @@ CI_SUBSET = (
     "divergence_char_lm_token_warmup_heldout15",  # lr written into param_groups from local counts: that write
     "divergence_intrusion_heldout29",  # a module's own buffer update, unsynced: the lerp_ that writes it
     "crash_birdsong_heldout30",  # raised in numpy's Cython: the user's line that called it
+    "unused_steering_heldout30",  # a head whose output the loss reads only under an if: that if
+    "unused_shipping_eta_heldout31",  # a head only predict_interval() uses: that method's line
 )
 CASES = {c.name: c for c in zoo.load_cases()}
 SELECTED = sorted(CASES) if os.environ.get("ZOO_ALL") == "1" else list(CI_SUBSET)

@@ -51,8 +51,8 @@ def output_of(path: str, cls: str, attr: str) -> tuple[str | int, int] | None:
 def key_read(paths: list[str], key: str, cls: str) -> dict[str, Any] | None:
     """How the user's files read ``[key]`` outside ``cls``: {"how": "never"} where the key
     appears nowhere else, {"how": "if", "path", "line", "code"} where every read (a subscript
-    by that string) is under one ``if`` (the innermost), else None (the key also used some
-    other way, ``.get``, a loop over the items: the source does not say)."""
+    by that string, loaded) is under one ``if`` (the innermost), else None (the key also used
+    some other way, ``.get``, a list of names: the source does not say)."""
     reads: list[tuple[str, ast.AST]] = []
     for path in paths:
         tree = parsed(path) if os.path.isfile(path) else None
@@ -70,9 +70,10 @@ def key_read(paths: list[str], key: str, cls: str) -> dict[str, Any] | None:
             if isinstance(n, ast.Subscript) and _is_key(n.slice, key) and id(n) not in inside
         ]
         keys = [n for n in ast.walk(tree) if _is_key(n, key) and id(n) not in inside]
-        if len(keys) != len(subs) or any(not isinstance(s.ctx, ast.Load) for s in subs):
+        if len(keys) != len(subs):
             return None
-        reads += [(path, s) for s in subs]
+        # a store under the same key is another dict's (``losses["aux"] = ...``), not a read
+        reads += [(path, s) for s in subs if isinstance(s.ctx, ast.Load)]
     if not reads:
         return {"how": "never"}
     if len({path for path, _ in reads}) != 1:
