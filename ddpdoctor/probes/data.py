@@ -123,9 +123,11 @@ def _wrap_iter(iter_: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 # Training steps whose forward inputs are counted (``count_inputs``): the first few, then one
 # in every INPUT_EVERY, so that a job that makes its own batches (no DataLoader) still says how
-# much each rank's steps held, at a Python path's cost once in 64 steps.
+# much each rank's steps held. A counted forward takes the Python path and writes a record at
+# once: about 75 µs with cold caches, which once in 64 steps added 1.2 µs to every forward
+# (docs/overhead.md, twenty-ninth round); once in 1,024, 0.07 µs.
 INPUT_SAMPLES = 8
-INPUT_EVERY = 64
+INPUT_EVERY = 1024
 
 
 def count_inputs(c: Any, inputs: tuple, kwargs: dict) -> None:
