@@ -210,8 +210,7 @@ def pace_fingerprints(step_ns: float) -> dict[str, Any]:
     fp = fingerprint.ACTIVE
     if fp is None or fp.fixed is not None or not fp.costs:
         return {}
-    fp.fixed = fp.interval = fingerprint.interval_for(fp.cost(), step_ns)
-    fp.next_due = ((fp.c.step + 1) // fp.interval + 1) * fp.interval - 1
+    fp.fix(fingerprint.interval_for(fp.cost(), step_ns))
     return {"fingerprint_interval": fp.interval, "fingerprint_check_us": round(fp.cost() / 1e3, 1)}
 
 

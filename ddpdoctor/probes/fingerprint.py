@@ -219,7 +219,16 @@ class Fingerprints:
         self.last = (step, _now())
         if self.fixed is None and step > last_step and last_ns:
             self.interval = interval_for(self.cost(), (self.last[1] - last_ns) / (step - last_step))
-        self.next_due = ((step + 1) // self.interval + 1) * self.interval - 1
+        self.next_due = self.due_after(step)
+
+    def fix(self, interval: int) -> None:
+        """Check every ``interval`` steps from now on (as ``DDPDOCTOR_FINGERPRINT`` would)."""
+        self.fixed = self.interval = interval
+        self.next_due = self.due_after(self.c.step)
+
+    def due_after(self, step: int) -> int:
+        """The next step after ``step`` that the interval makes a check."""
+        return ((step + 1) // self.interval + 1) * self.interval - 1
 
     def cost(self) -> int:
         """A check's cost (ns): the median of the last three, so neither one preempted check nor

@@ -152,7 +152,7 @@ def _skipping_branch(run: Run, params: list[str]) -> dict[str, str] | None:
             how = f"`{found['code']}` under `if {found['test']}:` ({place}) returns before {use}"
         text = f"; in {cls}.forward ({name}:{found['forward']}), {how}"
         for site in _forward_sites(run):  # the test is a parameter: what the model's call passed
-            spath, line = next((w for lg in build(run).values() if (w := lg.path_of(site))[0]), ("", 0))
+            spath, line = _site_path(run, site)
             passed = passed_to_module(spath, line, found["params"], found["test"]) if spath else None
             if passed is not None:
                 text += f", and `{found['test']}` is `{passed}` where the model is called ({site})"
@@ -175,7 +175,7 @@ def _left_out(run: Run, paths: list[str], path: str, cls: str, attr: str) -> dic
     at = f"{os.path.basename(path)}:{returned}"
     if isinstance(key, int):
         for site in _forward_sites(run):
-            spath, line = next((w for lg in build(run).values() if (w := lg.path_of(site))[0]), ("", 0))
+            spath, line = _site_path(run, site)
             code = dropped_at(spath, line, key) if spath else None
             if code is not None:
                 text = f"; {given} as element {key} of a tuple ({at}), which `{code}` drops ({site})"
@@ -280,6 +280,11 @@ def find_unused_parameters_unneeded(run: Run) -> Iterable[Finding]:
             "models": [m.get("index", 0) for m in searching],
         },
     )
+
+
+def _site_path(run: Run, site: str) -> tuple[str, int]:
+    """The file and line a ``file.py:LINE`` site names, as the ranks' ledgers know it."""
+    return next((w for lg in build(run).values() if (w := lg.path_of(site))[0]), ("", 0))
 
 
 def _forward_sites(run: Run) -> list[str]:
