@@ -144,13 +144,14 @@ def accounted_ratio(events_per_step: float, per_event_cpu_us: float, duty: float
     return 1.0 + (events_per_step * per_event_cpu_us + duty * step_us) / step_us
 
 
-# The big step's 60 ms varies by ±7 % from step to step here: 3,000 one-step rounds pin its
-# median to about ±0.4 % (ten minutes). Its blocks alternate the default arm's own copy recorded
-# and unrecorded (``default_off``): two plain copies of the model differed by up to 2 % within
-# one run (docs/overhead.md, twenty-ninth round).
+# The big step's 60-90 ms varies by ±7 % from step to step here: 6,000 one-step rounds pin its
+# median to about ±0.3 % (half an hour; 3,000 pinned ±0.4 %, wide enough to straddle 1.005).
+# Its blocks alternate the default arm's own copy recorded and unrecorded (``default_off``):
+# two plain copies of the model differed by up to 2 % within one run (docs/overhead.md,
+# twenty-ninth round).
 IN_RUN = {
     "tiny": ["--rounds", "300", "--steps", "40"],
-    "big": ["--arms", "default,default_off", "--rounds", "3000", "--steps", "1"],
+    "big": ["--arms", "default,default_off", "--rounds", "6000", "--steps", "1"],
 }
 
 
@@ -160,7 +161,7 @@ def in_run(kind: str) -> dict[str, Any]:
     unrecorded, so the host's drift falls on both arms (``IN_RUN``: its rounds and steps)."""
     cmd = [sys.executable, str(HERE / "step_cost.py"), "--ranks", "2", "--json", "--model", kind]
     cmd += IN_RUN[kind]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"step_cost.py --ranks 2 --model {kind} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

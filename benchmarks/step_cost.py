@@ -19,8 +19,8 @@ alike. ``*_ratio_ci90`` is that median's 90 % bootstrap interval, as a ratio.
 
 ``--model big`` measures overhead_job.py's 10M-parameter MLP (ten 4 MB buckets) the same way.
 Its 60 ms steps vary by ±7 % from step to step, and two plain copies of it can differ by 2 %:
-``--arms default,default_off --rounds 3000 --steps 1`` compares its own copy recorded and
-unrecorded, one step per block, to about ±0.4 % (``ARMS``, ``CHECKS``). The weight checks are
+``--arms default,default_off --rounds 6000 --steps 1`` compares its own copy recorded and
+unrecorded, one step per block, to about ±0.3 % (``ARMS``, ``CHECKS``). The weight checks are
 paced as in a job of the plain step's length (``pace_fingerprints``).
 
 ``--ranks 2`` runs the same alternation as a real job: two ranks under ``ddpdoctor run --
