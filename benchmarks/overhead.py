@@ -144,7 +144,7 @@ def accounted_ratio(events_per_step: float, per_event_cpu_us: float, duty: float
     return 1.0 + (events_per_step * per_event_cpu_us + duty * step_us) / step_us
 
 
-# The big step's 60-90 ms varies by ±7 % from step to step here: 6,000 one-step rounds pin its
+# The big step's 60-95 ms varies by ±7 % from step to step here: 6,000 one-step rounds pin its
 # median to about ±0.3 % (half an hour; 3,000 pinned ±0.4 %, wide enough to straddle 1.005).
 # Its blocks alternate the default arm's own copy recorded and unrecorded (``default_off``):
 # two plain copies of the model differed by up to 2 % within one run (docs/overhead.md,

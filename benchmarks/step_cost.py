@@ -18,7 +18,7 @@ alike. ``*_ratio_ci90`` is that median's 90 % bootstrap interval, as a ratio.
     python benchmarks/step_cost.py [--rounds 30] [--steps 200] [--model tiny|big] [--json]
 
 ``--model big`` measures overhead_job.py's 10M-parameter MLP (ten 4 MB buckets) the same way.
-Its 60 ms steps vary by ±7 % from step to step, and two plain copies of it can differ by 2 %:
+Its 60-95 ms steps vary by ±7 % from step to step, and two plain copies of it can differ by 2 %:
 ``--arms default,default_off --rounds 6000 --steps 1`` compares its own copy recorded and
 unrecorded, one step per block, to about ±0.3 % (``ARMS``, ``CHECKS``). The weight checks are
 paced as in a job of the plain step's length (``pace_fingerprints``).
